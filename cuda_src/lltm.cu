@@ -1,0 +1,183 @@
+// Fused element-wise kernels of the LLTM cell.
+//
+// Compiled at run time by cupy.RawModule (NVRTC) for the GPU, and, in the test suite, as plain
+// host C++ with tests/host_shim/shim.h so that the same arithmetic runs on the CPU.
+// The file includes no header, so NVRTC needs no CUDA toolkit include path.
+//
+// Layout (all arrays C-contiguous, row-major):
+//   gates     (B, 3S)  on entry to the forward: X @ W.T (no bias); on exit: + bias, i.e. the gate
+//                      pre-activations [z_input | z_output | z_candidate]. Saved for backward.
+//   bias      (3S,)
+//   old_cell, new_cell, new_h, grad_h, grad_cell, d_old_cell   (B, S)
+//   d_gates   (B, 3S)
+//
+// Backward recomputes every activation from the saved pre-activations and new_cell, so the
+// forward saves only 4*B*S values besides X.
+//
+// Numerics (alpha = 1 in the ELU):
+//   e = exp(-|z|)  ->  sigmoid(z) = (z >= 0 ? 1 : e) / (1 + e),  sigmoid'(z) = e / (1 + e)^2
+//   elu(z) = z > 0 ? z : expm1(z),                             elu'(z) = z > 0 ? 1 : exp(z)
+//   e2 = exp(-2|c|) ->  tanh'(c) = 1 - tanh(c)^2 = 4 e2 / (1 + e2)^2
+// None of these overflows for any finite input, and none loses relative accuracy by cancellation
+// (s * (1 - s) and 1 - tanh^2 do, once the activation saturates).
+// elu'(0) = 1, as PyTorch's autograd gives (the tutorial's d_elu gives 0 there).
+
+// ---------------------------------------------------------------------------------------------
+// Scalar types. `acc` is the type the arithmetic runs in; float16 is stored as raw bits and
+// converted with PTX instructions, so no cuda_fp16.h is needed.
+struct lltm_half {
+  unsigned short bits;
+};
+
+#ifdef LLTM_HOST_SHIM
+// Host build of the tests: the shim converts the bits in C++.
+__device__ __forceinline__ float lltm_half_to_float(lltm_half h) {
+  return lltm_host_half_bits_to_float(h.bits);
+}
+__device__ __forceinline__ lltm_half lltm_float_to_half(float f) {
+  lltm_half h;
+  h.bits = lltm_host_float_to_half_bits(f);
+  return h;
+}
+#else
+__device__ __forceinline__ float lltm_half_to_float(lltm_half h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));
+  return f;
+}
+__device__ __forceinline__ lltm_half lltm_float_to_half(float f) {
+  lltm_half h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+  return h;
+}
+#endif
+
+template <typename T>
+struct lltm_traits;
+
+template <>
+struct lltm_traits<double> {
+  typedef double acc;
+  static __device__ __forceinline__ double load(double x) { return x; }
+  static __device__ __forceinline__ double store(double x) { return x; }
+};
+
+template <>
+struct lltm_traits<float> {
+  typedef float acc;
+  static __device__ __forceinline__ float load(float x) { return x; }
+  static __device__ __forceinline__ float store(float x) { return x; }
+};
+
+template <>
+struct lltm_traits<lltm_half> {
+  typedef float acc;
+  static __device__ __forceinline__ float load(lltm_half x) { return lltm_half_to_float(x); }
+  static __device__ __forceinline__ lltm_half store(float x) { return lltm_float_to_half(x); }
+};
+
+// Math overloads, spelled out per type so that no float-only function reaches a double.
+__device__ __forceinline__ float lltm_exp(float x) { return expf(x); }
+__device__ __forceinline__ double lltm_exp(double x) { return exp(x); }
+__device__ __forceinline__ float lltm_expm1(float x) { return expm1f(x); }
+__device__ __forceinline__ double lltm_expm1(double x) { return expm1(x); }
+__device__ __forceinline__ float lltm_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double lltm_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float lltm_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double lltm_abs(double x) { return fabs(x); }
+
+// sigmoid(z) and sigmoid'(z) from one exponential.
+template <typename A>
+__device__ __forceinline__ void lltm_sigmoid(A z, A* s, A* ds) {
+  const A e = lltm_exp(-lltm_abs(z));
+  const A r = A(1) / (A(1) + e);
+  *s = z >= A(0) ? r : e * r;
+  *ds = e * r * r;
+}
+
+template <typename A>
+__device__ __forceinline__ A lltm_elu(A z) {
+  return z > A(0) ? z : lltm_expm1(z);
+}
+
+template <typename A>
+__device__ __forceinline__ A lltm_d_elu(A z) {
+  return z > A(0) ? A(1) : lltm_exp(z);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward: one thread per (b, s), grid-stride over n = B * S.
+template <typename T>
+__global__ void lltm_fwd_kernel(T* __restrict__ gates, const T* __restrict__ bias,
+                                const T* __restrict__ old_cell, T* __restrict__ new_h,
+                                T* __restrict__ new_cell, long long n, int state_size) {
+  typedef lltm_traits<T> tr;
+  typedef typename tr::acc A;
+  const long long S = state_size;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (long long)blockDim.x * gridDim.x) {
+    const long long b = i / S;
+    const long long s = i - b * S;
+    T* g = gates + b * 3 * S + s;
+    // Round the pre-activations to the storage type before using them, so that the backward,
+    // which recomputes the activations from the stored values, sees exactly what the forward saw.
+    const T zi_t = tr::store(tr::load(g[0]) + tr::load(bias[s]));
+    const T zo_t = tr::store(tr::load(g[S]) + tr::load(bias[S + s]));
+    const T zc_t = tr::store(tr::load(g[2 * S]) + tr::load(bias[2 * S + s]));
+    g[0] = zi_t;
+    g[S] = zo_t;
+    g[2 * S] = zc_t;
+
+    A input_gate, output_gate, unused;
+    lltm_sigmoid(tr::load(zi_t), &input_gate, &unused);
+    lltm_sigmoid(tr::load(zo_t), &output_gate, &unused);
+    const A candidate_cell = lltm_elu(tr::load(zc_t));
+
+    const A c = tr::load(old_cell[i]) + candidate_cell * input_gate;
+    const T c_t = tr::store(c);
+    new_cell[i] = c_t;
+    new_h[i] = tr::store(lltm_tanh(tr::load(c_t)) * output_gate);
+  }
+}
+
+// Backward: d_gates (B, 3S) and d_old_cell (B, S) from the incoming gradients and the saved
+// pre-activations and new_cell. has_grad_h / has_grad_cell = 0 means that gradient is zero
+// (the pointer is then not read).
+template <typename T>
+__global__ void lltm_bwd_kernel(const T* __restrict__ grad_h, const T* __restrict__ grad_cell,
+                                const T* __restrict__ gates, const T* __restrict__ new_cell,
+                                T* __restrict__ d_gates, T* __restrict__ d_old_cell,
+                                int has_grad_h, int has_grad_cell, long long n, int state_size) {
+  typedef lltm_traits<T> tr;
+  typedef typename tr::acc A;
+  const long long S = state_size;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (long long)blockDim.x * gridDim.x) {
+    const long long b = i / S;
+    const long long s = i - b * S;
+    const long long row = b * 3 * S + s;
+    const A zi = tr::load(gates[row]);
+    const A zo = tr::load(gates[row + S]);
+    const A zc = tr::load(gates[row + 2 * S]);
+    const A c = tr::load(new_cell[i]);
+    const A gh = has_grad_h ? tr::load(grad_h[i]) : A(0);
+    const A gc = has_grad_cell ? tr::load(grad_cell[i]) : A(0);
+
+    A input_gate, d_sig_i, output_gate, d_sig_o;
+    lltm_sigmoid(zi, &input_gate, &d_sig_i);
+    lltm_sigmoid(zo, &output_gate, &d_sig_o);
+    const A candidate_cell = lltm_elu(zc);
+
+    const A e2 = lltm_exp(A(-2) * lltm_abs(c));
+    const A one_e2 = A(1) + e2;
+    const A d_tanh = A(4) * e2 / (one_e2 * one_e2);
+
+    const A d_output_gate = lltm_tanh(c) * gh;
+    const A d_new_cell = d_tanh * (output_gate * gh) + gc;
+
+    d_old_cell[i] = tr::store(d_new_cell);
+    d_gates[row] = tr::store(candidate_cell * d_new_cell * d_sig_i);
+    d_gates[row + S] = tr::store(d_output_gate * d_sig_o);
+    d_gates[row + 2 * S] = tr::store(input_gate * d_new_cell * lltm_d_elu(zc));
+  }
+}

@@ -1,0 +1,56 @@
+"""lltm_cupy: the LLTM cell of the PyTorch C++/CUDA extension tutorial, on NumPy and CuPy arrays.
+
+    new_h, new_cell, saved = lltm_cupy.forward(input, weights, bias, old_h, old_cell)
+    grads = lltm_cupy.backward(grad_h, grad_cell, saved)
+
+NumPy arrays run on the CPU backend, CuPy arrays on the GPU backend (fused CUDA kernels compiled
+at run time, cuBLAS GEMMs). ``lltm_cupy.torch`` wraps both for PyTorch. Importing this package
+imports neither CuPy nor torch and compiles nothing.
+"""
+from __future__ import annotations
+
+from ._checks import check_backward, check_forward
+from ._types import LLTMGrads, LLTMSaved
+
+__all__ = ["forward", "backward", "LLTMGrads", "LLTMSaved", "__version__"]
+__version__ = "0.1.0"
+
+
+def _backend(name: str):
+    if name == "numpy":
+        from . import _numpy as backend
+    else:
+        from . import _cupy as backend
+    return backend
+
+
+def forward(input, weights, bias, old_h, old_cell):
+    """One LLTM step. Returns ``(new_h, new_cell, saved)``.
+
+    input: (batch, features)
+    weights: (3 * state, state + features); the first ``state`` columns act on old_h
+    bias: (3 * state,) or (1, 3 * state)
+    old_h: (batch, state)
+    old_cell: (batch, state)
+
+    All NumPy (float32, float64) or all CuPy on one GPU (float16, float32, float64), one dtype.
+    ``new_h`` and ``new_cell`` are (batch, state) in the input dtype; ``saved`` is an
+    :class:`LLTMSaved` to pass to :func:`backward`. No argument is modified.
+    """
+    backend, _ = check_forward(input, weights, bias, old_h, old_cell)
+    return _backend(backend).forward(input, weights, bias, old_h, old_cell)
+
+
+def backward(grad_h, grad_cell, saved):
+    """Gradients of one LLTM step. Returns :class:`LLTMGrads`.
+
+    grad_h: (batch, state) gradient of the loss w.r.t. new_h, or None for zero
+    grad_cell: (batch, state) gradient w.r.t. new_cell, or None for zero
+    saved: what :func:`forward` returned, untouched (it may be used more than once)
+
+    Fields, each shaped like its forward argument: ``d_old_h (batch, state)``,
+    ``d_input (batch, features)``, ``d_weights (3 * state, state + features)``,
+    ``d_bias`` (like the bias given), ``d_old_cell (batch, state)``.
+    """
+    backend = check_backward(grad_h, grad_cell, saved)
+    return _backend(backend).backward(grad_h, grad_cell, saved)

@@ -1,0 +1,118 @@
+"""Every argument check of the public API, in one place, with messages that say what to fix.
+
+Checks run once, at the public boundary; the backends and kernel launchers trust their input.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from ._types import LLTMSaved
+
+__all__ = ["array_backend", "check_forward", "check_backward"]
+
+_FORWARD_NAMES = ("input", "weights", "bias", "old_h", "old_cell")
+_FLOATS = {
+    "numpy": (np.dtype(np.float32), np.dtype(np.float64)),
+    "cupy": (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)),
+}
+
+
+def _kind(x) -> str | None:
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    # A CuPy array can only exist if cupy was imported: never import it here.
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return "cupy"
+    return None
+
+
+def array_backend(named: dict) -> str:
+    """Return "numpy" or "cupy" for a dict {name: array}; TypeError for anything else or a mix."""
+    kinds = {}
+    for name, x in named.items():
+        k = _kind(x)
+        if k is None:
+            raise TypeError(
+                f"lltm_cupy: {name} must be a numpy.ndarray or a cupy.ndarray, "
+                f"got {type(x).__module__}.{type(x).__qualname__}"
+                + (" (for torch tensors use lltm_cupy.torch)" if type(x).__module__.startswith("torch")
+                   else ""))
+        kinds.setdefault(k, []).append(name)
+    if len(kinds) > 1:
+        parts = "; ".join(f"{k}: {', '.join(v)}" for k, v in kinds.items())
+        raise TypeError(f"lltm_cupy: all arrays must be of one kind (all NumPy or all CuPy), got {parts}")
+    return next(iter(kinds))
+
+
+def _check_dtypes(named: dict, backend: str) -> np.dtype:
+    dtypes = {name: x.dtype for name, x in named.items()}
+    first = next(iter(dtypes.values()))
+    if any(d != first for d in dtypes.values()):
+        listing = ", ".join(f"{n}={d}" for n, d in dtypes.items())
+        raise TypeError(f"lltm_cupy: all arrays must have the same dtype, got {listing}")
+    if first not in _FLOATS[backend]:
+        allowed = ", ".join(str(d) for d in _FLOATS[backend])
+        hint = " (float16 runs on the GPU backend only)" if first == np.float16 else ""
+        raise TypeError(f"lltm_cupy: unsupported dtype {first} for the {backend} backend; "
+                        f"expected one of {allowed}{hint}")
+    return first
+
+
+def _expect_shape(name: str, x, expected: tuple, meaning: str) -> None:
+    if tuple(x.shape) != expected:
+        raise ValueError(f"lltm_cupy: {name} must have shape {expected} {meaning}, got {tuple(x.shape)}")
+
+
+def _check_device(named: dict) -> None:
+    devices = {name: x.device.id for name, x in named.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on GPU {d}" for n, d in devices.items())
+        raise ValueError(f"lltm_cupy: all arrays must be on one GPU, got {listing}")
+
+
+def check_forward(input, weights, bias, old_h, old_cell):
+    """Validate forward arguments; return (backend, dtype)."""
+    named = dict(zip(_FORWARD_NAMES, (input, weights, bias, old_h, old_cell)))
+    backend = array_backend(named)
+    dtype = _check_dtypes(named, backend)
+    if input.ndim != 2:
+        raise ValueError(f"lltm_cupy: input must be 2-D (batch, features), got shape {tuple(input.shape)}")
+    if old_h.ndim != 2:
+        raise ValueError(f"lltm_cupy: old_h must be 2-D (batch, state), got shape {tuple(old_h.shape)}")
+    batch, features = input.shape
+    state = old_h.shape[1]
+    _expect_shape("old_h", old_h, (batch, state), "(batch, state) with batch from input")
+    _expect_shape("old_cell", old_cell, (batch, state), "(batch, state) like old_h")
+    _expect_shape("weights", weights, (3 * state, state + features),
+                  "(3 * state, state + features) with state from old_h and features from input")
+    if tuple(bias.shape) not in ((3 * state,), (1, 3 * state)):
+        raise ValueError(f"lltm_cupy: bias must have shape ({3 * state},) or (1, {3 * state}) "
+                         f"(3 * state), got {tuple(bias.shape)}")
+    if backend == "cupy":
+        _check_device(named)
+    return backend, dtype
+
+
+def check_backward(grad_h, grad_cell, saved):
+    """Validate backward arguments; return the backend name. Either gradient may be None."""
+    if not isinstance(saved, LLTMSaved):
+        raise TypeError(f"lltm_cupy: saved must be the LLTMSaved returned by lltm_cupy.forward, "
+                        f"got {type(saved).__qualname__}")
+    named = {n: g for n, g in (("grad_h", grad_h), ("grad_cell", grad_cell)) if g is not None}
+    if not named:
+        return saved.backend
+    backend = array_backend(named)
+    if backend != saved.backend:
+        raise TypeError(f"lltm_cupy: gradients are {backend} arrays but the forward ran on "
+                        f"{saved.backend} arrays")
+    dtype = saved.new_cell.dtype
+    for name, g in named.items():
+        if g.dtype != dtype:
+            raise TypeError(f"lltm_cupy: {name} must have the forward's dtype {dtype}, got {g.dtype}")
+        _expect_shape(name, g, tuple(saved.new_cell.shape), "(batch, state) like new_cell")
+    if backend == "cupy":
+        _check_device({**named, "saved": saved.new_cell})
+    return backend

@@ -1,0 +1,115 @@
+"""The CUDA sources: where they are, how they are compiled, and the per-(device, dtype) cache.
+
+Nothing happens at import. ``get_kernels`` compiles on first use with ``cupy.RawModule`` (NVRTC)
+and caches the result per (device, dtype); ``compile_offline`` runs NVRTC directly, with no GPU
+or driver, so the test suite can prove the source compiles for every architecture we support.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "CUDA_TYPE", "source_path", "source", "name_expression",
+           "get_kernels", "launch_config", "compile_offline", "ARCHITECTURES"]
+
+SOURCE_NAME = "lltm.cu"
+KERNEL_NAMES = ("lltm_fwd_kernel", "lltm_bwd_kernel")
+#: C++ type of each supported NumPy dtype in cuda_src/lltm.cu.
+CUDA_TYPE = {np.dtype(np.float16): "lltm_half", np.dtype(np.float32): "float",
+             np.dtype(np.float64): "double"}
+#: Extra NVRTC options given to cupy.RawModule (CuPy itself adds -ftz=true and --std=c++17).
+RAWMODULE_OPTIONS: tuple = ()
+#: What CuPy passes to NVRTC besides RAWMODULE_OPTIONS; compile_offline uses the same.
+CUPY_NVRTC_DEFAULTS = ("-ftz=true", "--std=c++17")
+#: Oldest architecture CUDA 13 supports, and the newer ones we check the source against.
+ARCHITECTURES = (75, 80, 90, 100)
+#: Threads per block of the element-wise kernels, and blocks per SM at most in the grid-stride.
+THREADS = 256
+BLOCKS_PER_SM = 8
+
+_HERE = Path(__file__).resolve().parent
+_lock = threading.Lock()
+_cache: dict = {}
+
+
+def source_path() -> Path:
+    """Path of lltm.cu: inside the installed package, or ``cuda_src/`` of a source checkout."""
+    for folder in (_HERE / "cuda_src", _HERE.parent / "cuda_src"):
+        path = folder / SOURCE_NAME
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"lltm_cupy: CUDA source {SOURCE_NAME} not found in "
+                            f"{_HERE / 'cuda_src'} or {_HERE.parent / 'cuda_src'}")
+
+
+@functools.lru_cache(maxsize=None)
+def source() -> str:
+    return source_path().read_text(encoding="utf-8")
+
+
+def name_expression(kernel: str, dtype) -> str:
+    return f"{kernel}<{CUDA_TYPE[np.dtype(dtype)]}>"
+
+
+def get_kernels(dtype):
+    """Return (fwd, bwd) ``cupy.RawKernel`` for ``dtype`` on the current device, compiling once."""
+    import cupy
+
+    dtype = np.dtype(dtype)
+    key = (cupy.cuda.Device().id, dtype.str)
+    kernels = _cache.get(key)
+    if kernels is None:
+        with _lock:
+            kernels = _cache.get(key)
+            if kernels is None:
+                names = [name_expression(k, dtype) for k in KERNEL_NAMES]
+                module = cupy.RawModule(code=source(), options=RAWMODULE_OPTIONS,
+                                        name_expressions=names)
+                kernels = tuple(module.get_function(n) for n in names)
+                _cache[key] = kernels
+    return kernels
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
+def launch_config(n: int) -> tuple:
+    """(grid, block) for a grid-stride loop over n > 0 elements on the current device."""
+    import cupy
+
+    blocks = min(-(-n // THREADS), _sm_count(cupy.cuda.Device().id) * BLOCKS_PER_SM)
+    return (blocks,), (THREADS,)
+
+
+def compile_offline(dtype, arch: int, output: str = "cubin") -> bytes:
+    """Compile the kernels for ``dtype`` with NVRTC for ``sm_<arch>``; needs no GPU or driver.
+
+    ``output`` is "cubin" (machine code, ``--gpu-architecture=sm_XX``) or "ptx"
+    (``compute_XX``). Raises RuntimeError with NVRTC's log when compilation fails.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    kind = {"cubin": "sm", "ptx": "compute"}[output]
+    names = [name_expression(k, dtype) for k in KERNEL_NAMES]
+    prog = nvrtc.createProgram(source(), SOURCE_NAME, [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        options = [f"--gpu-architecture={kind}_{arch}", *CUPY_NVRTC_DEFAULTS, *RAWMODULE_OPTIONS]
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed for {names} on {kind}_{arch}:\n"
+                               f"{nvrtc.getProgramLog(prog)}") from exc
+        for name in names:
+            nvrtc.getLoweredName(prog, name)  # raises if an instantiation is missing
+        return nvrtc.getCUBIN(prog) if output == "cubin" else nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -1,0 +1,117 @@
+"""Shared fixtures: the array module under test, input factories, the tolerance table."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from lltm_cupy import reference
+
+#: Max |actual - reference| / max(1, max |reference|), per dtype of the computation.
+#: float64: a few ulp through GEMMs of <= ~150 terms; float32: the same in single precision;
+#: float16 (GPU only): storage rounding of inputs, gates and outputs (eps = 9.8e-4).
+#: A wrong formula gives errors of order 1e-1 and above.
+TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2}
+
+GRAD_NAMES = ("d_old_h", "d_input", "d_weights", "d_bias", "d_old_cell")
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason() -> str | None:
+    """None when CuPy arrays can run here, else why not (the skip reason of the GPU tests)."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken CUDA install
+        return f"CuPy is not importable ({exc.__class__.__name__}: {exc})"
+    try:
+        if not cupy.cuda.is_available():
+            return "CuPy finds no GPU on this machine"
+    except Exception as exc:
+        return f"CuPy cannot query the GPU ({exc})"
+    return None
+
+
+def _cupy_param():
+    reason = gpu_unavailable_reason()
+    marks = [pytest.mark.gpu] + ([pytest.mark.skip(reason=f"GPU test: {reason}")] if reason else [])
+    return pytest.param("cupy", marks=marks, id="cupy")
+
+
+BACKENDS = [pytest.param("numpy", id="numpy"), _cupy_param()]
+
+
+@pytest.fixture(params=BACKENDS)
+def xp(request):
+    """The array module of the backend under test: numpy, or cupy when a GPU is present."""
+    if request.param == "numpy":
+        return np
+    import cupy
+
+    return cupy
+
+
+def dtypes_for(xp):
+    return (np.float32, np.float64) + ((np.float16,) if xp is not np else ())
+
+
+def to_numpy(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def max_error(actual, expected) -> float:
+    """Normalised max error: max |actual - expected| / max(1, max |expected|)."""
+    actual = to_numpy(actual).astype(np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    if expected.size == 0:
+        return 0.0
+    scale = max(1.0, float(np.max(np.abs(expected))))
+    return float(np.max(np.abs(actual - expected))) / scale
+
+
+def assert_close(actual, expected, dtype, name):
+    expected = np.asarray(expected)
+    assert tuple(actual.shape) == tuple(expected.shape), \
+        f"{name}: shape {tuple(actual.shape)} != reference {tuple(expected.shape)}"
+    assert not np.isnan(to_numpy(actual)).any(), f"{name}: NaN in result"
+    err = max_error(actual, expected)
+    tol = TOLERANCE[np.dtype(dtype)]
+    assert err <= tol, f"{name}: max normalised error {err:.3e} > {tol:.0e} ({np.dtype(dtype)})"
+
+
+def make_case(batch, features, state, dtype, seed=0, bias_2d=False, zeros_at=(), scale=None):
+    """Random NumPy inputs of one LLTM step plus incoming gradients, in ``dtype``.
+
+    zeros_at: state indices whose three gate pre-activations are made exactly 0 (zero weight rows
+    and bias). scale: if given, the bias is +-scale, so pre-activations are of that magnitude.
+    """
+    rng = np.random.default_rng(seed)
+    k = state + features
+    w = rng.uniform(-1, 1, (3 * state, k)) / np.sqrt(k)
+    b = rng.uniform(-1, 1, 3 * state)
+    if scale is not None:
+        b = np.where(rng.random(3 * state) < 0.5, -scale, scale)
+    for s in zeros_at:
+        for g in range(3):
+            w[g * state + s] = 0.0
+            b[g * state + s] = 0.0
+    case = dict(
+        input=rng.standard_normal((batch, features)),
+        weights=w,
+        bias=b.reshape(1, -1) if bias_2d else b,
+        old_h=rng.uniform(-1, 1, (batch, state)),
+        old_cell=rng.standard_normal((batch, state)),
+    )
+    grads = dict(grad_h=rng.standard_normal((batch, state)),
+                 grad_cell=rng.standard_normal((batch, state)))
+    cast = {name: a.astype(dtype) for name, a in {**case, **grads}.items()}
+    return cast
+
+
+def reference_results(case):
+    """Reference forward (new_h, new_cell) and the five gradients, from the case's exact values."""
+    names = ("input", "weights", "bias", "old_h", "old_cell")
+    fwd = reference.lltm_forward(*(case[n] for n in names))
+    grads = reference.lltm_backward(case["grad_h"], case["grad_cell"], *fwd[1:], case["weights"])
+    d_bias = grads[3].reshape(case["bias"].shape)
+    return fwd[0], fwd[1], (grads[0], grads[1], grads[2], d_bias, grads[4])
