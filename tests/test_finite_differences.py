@@ -1,45 +1,37 @@
-"""Float64 central differences of the CPU backend against its own backward, every element."""
+"""Float64 central differences of each backend against its own backward, every element."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-import lltm_cupy
-from conftest import GRAD_NAMES, make_case
-
-NAMES = ("input", "weights", "bias", "old_h", "old_cell")
-# grads field -> forward argument it belongs to
-OF = dict(zip(GRAD_NAMES, ("old_h", "input", "weights", "bias", "old_cell")))
-
-
-def loss(case, grad_h, grad_cell):
-    new_h, new_cell, _ = lltm_cupy.forward(*(case[n] for n in NAMES))
-    return float(np.sum(new_h * grad_h) + np.sum(new_cell * grad_cell))
+from lltm_cupy import verify
+from conftest import make_case
 
 
 @pytest.mark.parametrize("bias_2d", [False, True], ids=["bias_1d", "bias_2d"])
 @pytest.mark.parametrize("zeros", [(), (1,)], ids=["random", "with_zero_preactivations"])
-def test_backward_matches_central_differences(bias_2d, zeros):
+def test_backward_matches_central_differences(xp, bias_2d, zeros):
     case = make_case(3, 4, 5, np.float64, seed=29, bias_2d=bias_2d, zeros_at=zeros)
-    gh, gc = case.pop("grad_h"), case.pop("grad_cell")
-    _, _, saved = lltm_cupy.forward(*(case[n] for n in NAMES))
-    grads = lltm_cupy.backward(gh, gc, saved)
-    eps = 1e-6
+    errors = verify.finite_difference_errors(xp, case, eps=1e-6)
     # At z == 0 the ELU (alpha = 1) has a continuous first derivative (1 from both sides) but a
     # jump in the second, so a central difference there errs by O(eps) = ~1e-6 instead of
     # O(eps^2). The note's d_elu(0) = 0 would be off by ~1e-1 at the same elements.
     tol = 1e-5 if zeros else 1e-7
-    for field in GRAD_NAMES:
-        arg = case[OF[field]]
-        numeric = np.zeros_like(arg)
-        for idx in np.ndindex(arg.shape):
-            orig = arg[idx]
-            arg[idx] = orig + eps
-            up = loss(case, gh, gc)
-            arg[idx] = orig - eps
-            down = loss(case, gh, gc)
-            arg[idx] = orig
-            numeric[idx] = (up - down) / (2 * eps)
-        got = getattr(grads, field)
-        err = np.max(np.abs(got - numeric)) if arg.size else 0.0
-        assert err < tol, f"{field}: max |analytic - numeric| = {err:.2e}"
+    bad = {k: v for k, v in errors.items() if not v < tol}
+    assert not bad, f"finite-difference errors above {tol:.0e}: {bad}"
+    assert set(errors) == set(verify.GRAD_OF)
+
+
+def test_finite_differences_catch_a_wrong_gradient(monkeypatch):
+    """The check itself can fail: a backward with a wrong d_bias is reported."""
+    import lltm_cupy
+
+    real = lltm_cupy.backward
+
+    def wrong(*a):
+        g = real(*a)
+        return g._replace(d_bias=g.d_bias * 1.01)
+
+    monkeypatch.setattr(lltm_cupy, "backward", wrong)
+    errors = verify.finite_difference_errors(np, verify.random_case(seed=1))
+    assert errors["d_bias"] > 1e-4 and errors["d_weights"] < 1e-7
