@@ -41,16 +41,23 @@ def forward(input, weights, bias, old_h, old_cell):
     return _backend(backend).forward(input, weights, bias, old_h, old_cell)
 
 
-def backward(grad_h, grad_cell, saved):
+def backward(grad_h, grad_cell, saved, *, needed=None):
     """Gradients of one LLTM step. Returns :class:`LLTMGrads`.
 
     grad_h: (batch, state) gradient of the loss w.r.t. new_h, or None for zero
     grad_cell: (batch, state) gradient w.r.t. new_cell, or None for zero
     saved: what :func:`forward` returned, untouched (it may be used more than once)
+    needed: optional 5 booleans in the order of the fields below; a False field is returned as
+        None and its GEMM or reduction is skipped (default: all computed)
 
     Fields, each shaped like its forward argument: ``d_old_h (batch, state)``,
     ``d_input (batch, features)``, ``d_weights (3 * state, state + features)``,
     ``d_bias`` (like the bias given), ``d_old_cell (batch, state)``.
     """
     backend = check_backward(grad_h, grad_cell, saved)
-    return _backend(backend).backward(grad_h, grad_cell, saved)
+    if needed is None:
+        needed = (True,) * 5
+    elif len(needed) != 5:
+        raise ValueError(f"lltm_cupy: needed must hold 5 booleans (one per LLTMGrads field), "
+                         f"got {len(needed)}")
+    return _backend(backend).backward(grad_h, grad_cell, saved, tuple(map(bool, needed)))

@@ -51,7 +51,7 @@ def forward(input, weights, bias, old_h, old_cell):
     return new_h, new_cell, LLTMSaved("cupy", X, gates, new_cell, weights, tuple(bias.shape))
 
 
-def backward(grad_h, grad_cell, saved):
+def backward(grad_h, grad_cell, saved, needed=(True,) * 5):
     cupy = _cupy()
     gates, new_cell, X, weights = saved.gates, saved.new_cell, saved.X, saved.weights
     batch, state = new_cell.shape
@@ -69,14 +69,16 @@ def backward(grad_h, grad_cell, saved):
             bwd(grid, block, (gh, gc, gates, new_cell, d_gates, d_old_cell,
                               np.int32(grad_h is not None), np.int32(grad_cell is not None),
                               np.int64(n), np.int32(state)))
-        if batch:
-            d_weights = cupy.matmul(d_gates.T, X)
-        else:
-            d_weights = cupy.zeros(weights.shape, dtype)
-        if dtype == np.float16:
-            d_bias = d_gates.sum(axis=0, dtype=np.float32).astype(dtype)
-        else:
-            d_bias = d_gates.sum(axis=0)
-        d_X = cupy.matmul(d_gates, weights)
-    return LLTMGrads(d_X[:, :state], d_X[:, state:], d_weights,
-                     d_bias.reshape(saved.bias_shape), d_old_cell)
+        need_h, need_x, need_w, need_b, need_c = needed
+        d_old_h = cupy.matmul(d_gates, weights[:, :state]) if need_h else None
+        d_input = cupy.matmul(d_gates, weights[:, state:]) if need_x else None
+        d_weights = d_bias = None
+        if need_w:
+            d_weights = cupy.matmul(d_gates.T, X) if batch else cupy.zeros(weights.shape, dtype)
+        if need_b:
+            if dtype == np.float16:  # accumulate in float32
+                d_bias = d_gates.sum(axis=0, dtype=np.float32).astype(dtype)
+            else:
+                d_bias = d_gates.sum(axis=0)
+            d_bias = d_bias.reshape(saved.bias_shape)
+    return LLTMGrads(d_old_h, d_input, d_weights, d_bias, d_old_cell if need_c else None)

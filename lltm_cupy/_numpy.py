@@ -65,7 +65,7 @@ def forward(input, weights, bias, old_h, old_cell):
     return new_h, new_cell, saved
 
 
-def backward(grad_h, grad_cell, saved):
+def backward(grad_h, grad_cell, saved, needed=(True,) * 5):
     gates, new_cell, X, weights = saved.gates, saved.new_cell, saved.X, saved.weights
     batch, state = new_cell.shape
     dtype = new_cell.dtype
@@ -104,7 +104,11 @@ def backward(grad_h, grad_cell, saved):
     np.multiply(sig[:, :state], d_new_cell, out=d_c)
     d_c *= d_elu
 
-    d_weights = np.matmul(d_gates.T, X)
-    d_bias = d_gates.sum(axis=0).reshape(saved.bias_shape)
-    d_X = np.matmul(d_gates, weights)
-    return LLTMGrads(d_X[:, :state], d_X[:, state:], d_weights, d_bias, d_new_cell)
+    need_h, need_x, need_w, need_b, need_c = needed
+    return LLTMGrads(
+        np.matmul(d_gates, weights[:, :state]) if need_h else None,
+        np.matmul(d_gates, weights[:, state:]) if need_x else None,
+        np.matmul(d_gates.T, X) if need_w else None,
+        d_gates.sum(axis=0).reshape(saved.bias_shape) if need_b else None,
+        d_new_cell if need_c else None,
+    )

@@ -164,3 +164,28 @@ def test_empty_batch(xp):
         assert grads.d_input.shape == (0, 3) and grads.d_old_h.shape == (0, 4)
         assert grads.d_weights.shape == (12, 7) and not to_numpy(grads.d_weights).any()
         assert grads.d_bias.shape == (12,) and not to_numpy(grads.d_bias).any()
+
+
+def test_needed_skips_fields_and_keeps_the_others(xp):
+    case = make_case(4, 3, 5, np.float64, seed=31)
+    _, _, full, saved = run(xp, case)
+    for i in range(5):
+        needed = [True] * 5
+        needed[i] = False
+        got = lltm_cupy.backward(xp.asarray(case["grad_h"]), xp.asarray(case["grad_cell"]), saved,
+                                 needed=needed)
+        for j, (name, a, b) in enumerate(zip(GRAD_NAMES, got, full)):
+            if j == i:
+                assert a is None, name
+            else:
+                np.testing.assert_array_equal(to_numpy(a), to_numpy(b), err_msg=name)
+    with pytest.raises(ValueError, match="needed must hold 5 booleans"):
+        lltm_cupy.backward(None, None, saved, needed=(True,))
+
+
+def test_results_are_contiguous_and_independent(xp):
+    case = make_case(4, 3, 5, np.float32, seed=37)
+    new_h, new_cell, grads, _ = run(xp, case)
+    for name, a in zip(("new_h", "new_cell", *GRAD_NAMES), (new_h, new_cell, *grads)):
+        assert a.flags.c_contiguous, name
+    assert not xp.shares_memory(grads.d_old_h, grads.d_input)
