@@ -10,7 +10,7 @@ import numpy as np
 
 from ._types import LLTMSaved
 
-__all__ = ["array_backend", "check_forward", "check_backward"]
+__all__ = ["array_backend", "check_shapes", "check_forward", "check_backward"]
 
 _FORWARD_NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 _FLOATS = {
@@ -73,11 +73,8 @@ def _check_device(named: dict) -> None:
         raise ValueError(f"lltm_cupy: all arrays must be on one GPU, got {listing}")
 
 
-def check_forward(input, weights, bias, old_h, old_cell):
-    """Validate forward arguments; return (backend, dtype)."""
-    named = dict(zip(_FORWARD_NAMES, (input, weights, bias, old_h, old_cell)))
-    backend = array_backend(named)
-    dtype = _check_dtypes(named, backend)
+def check_shapes(input, weights, bias, old_h, old_cell) -> None:
+    """Shape checks of the forward arguments (anything with .ndim and .shape, torch tensors too)."""
     if input.ndim != 2:
         raise ValueError(f"lltm_cupy: input must be 2-D (batch, features), got shape {tuple(input.shape)}")
     if old_h.ndim != 2:
@@ -91,6 +88,14 @@ def check_forward(input, weights, bias, old_h, old_cell):
     if tuple(bias.shape) not in ((3 * state,), (1, 3 * state)):
         raise ValueError(f"lltm_cupy: bias must have shape ({3 * state},) or (1, {3 * state}) "
                          f"(3 * state), got {tuple(bias.shape)}")
+
+
+def check_forward(input, weights, bias, old_h, old_cell):
+    """Validate forward arguments; return (backend, dtype)."""
+    named = dict(zip(_FORWARD_NAMES, (input, weights, bias, old_h, old_cell)))
+    backend = array_backend(named)
+    dtype = _check_dtypes(named, backend)
+    check_shapes(input, weights, bias, old_h, old_cell)
     if backend == "cupy":
         _check_device(named)
     return backend, dtype

@@ -1,8 +1,11 @@
-"""Gradient verification by finite differences: the library code behind scripts/grad_check.py.
+"""Verification: the library code behind scripts/grad_check.py and scripts/check.py.
 
-Every element of every argument is perturbed in float64 and the central difference of the
-scalar loss ``sum(new_h * grad_h) + sum(new_cell * grad_cell)`` is compared with
-:func:`lltm_cupy.backward`.
+- Finite differences: every element of every argument is perturbed in float64 and the central
+  difference of the scalar loss ``sum(new_h * grad_h) + sum(new_cell * grad_cell)`` is compared
+  with :func:`lltm_cupy.backward` (NumPy and CuPy backends), plus ``torch.autograd.gradcheck`` of
+  :func:`lltm_cupy.torch.lltm` on every available device.
+- Cross-backend comparison: forward and all five gradients of every backend (NumPy, CuPy, torch
+  CPU, torch CUDA) and dtype against the pure-torch reference LLTM in float64.
 """
 from __future__ import annotations
 
@@ -10,12 +13,34 @@ import numpy as np
 
 import lltm_cupy
 
-__all__ = ["FORWARD_NAMES", "GRAD_OF", "random_case", "numeric_gradients", "finite_difference_errors"]
+__all__ = ["FORWARD_NAMES", "GRAD_OF", "TOLERANCE", "normalised_error", "random_case",
+           "numeric_gradients", "finite_difference_errors", "available_backends", "format_table",
+           "torch_gradchecks", "compare_backends"]
 
 FORWARD_NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 #: LLTMGrads field -> the forward argument it is the gradient of.
 GRAD_OF = {"d_old_h": "old_h", "d_input": "input", "d_weights": "weights", "d_bias": "bias",
            "d_old_cell": "old_cell"}
+#: Max normalised error (see :func:`normalised_error`) against a float64 reference, per dtype:
+#: a few ulp through GEMMs of up to a few hundred terms; float16 also rounds inputs, gate
+#: pre-activations and outputs to 11 bits. A wrong formula gives errors of 1e-1 and above.
+TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2}
+
+
+def _numpy(a):
+    if hasattr(a, "detach"):  # torch
+        return a.detach().cpu().double().numpy()
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def normalised_error(actual, expected) -> float:
+    """max |actual - expected| / max(1, max |expected|), in float64; 0 for empty arrays."""
+    actual = _numpy(actual).astype(np.float64)
+    expected = _numpy(expected).astype(np.float64)
+    if expected.size == 0:
+        return 0.0
+    scale = max(1.0, float(np.max(np.abs(expected))))
+    return float(np.max(np.abs(actual - expected))) / scale
 
 
 def random_case(batch=3, features=4, state=5, seed=0):
@@ -71,14 +96,8 @@ def finite_difference_errors(xp=np, case=None, eps=1e-6) -> dict:
     _, _, saved = lltm_cupy.forward(*(args[n] for n in FORWARD_NAMES))
     grads = lltm_cupy.backward(grad_h, grad_cell, saved)
     numeric = numeric_gradients(args, grad_h, grad_cell, eps)
-    errors = {}
-    for field, name in GRAD_OF.items():
-        analytic = getattr(grads, field)
-        analytic = analytic.get() if hasattr(analytic, "get") else np.asarray(analytic)
-        ref = numeric[name]
-        scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
-        errors[field] = float(np.abs(analytic - ref).max()) / scale if ref.size else 0.0
-    return errors
+    return {field: normalised_error(getattr(grads, field), numeric[name])
+            for field, name in GRAD_OF.items()}
 
 
 def _gpu_reason():
@@ -117,3 +136,116 @@ def format_table(rows, tol) -> str:
         lines.append(f"{name:<22}" + "".join(f"{errs[f]:>12.2e}" for f in fields)
                      + ("  ok" if ok else "  FAIL"))
     return "\n".join(lines)
+
+
+def _torch_devices(skipped: list):
+    """Devices torch can run lltm_cupy on here: cpu, and cuda when torch and CuPy see a GPU."""
+    import torch
+
+    devices = ["cpu"]
+    reason = None if torch.cuda.is_available() else "torch finds no CUDA device"
+    reason = reason or _gpu_reason()
+    if reason:
+        skipped.append(("torch cuda", reason))
+    else:
+        devices.append("cuda")
+    return devices
+
+
+def torch_gradchecks(case=None, skipped=None):
+    """Run torch.autograd.gradcheck of lltm_cupy.torch.lltm per available device and dtype.
+
+    Returns [(label, passed, message)]. float64 with gradcheck's default tolerances; float32 with
+    eps=1e-3 and atol=rtol=1e-2 (finite differences in single precision are only good to about
+    that); float16 is not finite-difference checked (11-bit mantissa) but compared against the
+    reference by :func:`compare_backends`.
+    """
+    import torch
+
+    from . import torch as lt
+
+    case = random_case() if case is None else case
+    skipped = [] if skipped is None else skipped
+    results = []
+    for device in _torch_devices(skipped):
+        for dtype, opts in ((torch.float64, {}),
+                            (torch.float32, dict(eps=1e-3, atol=1e-2, rtol=1e-2))):
+            args = [torch.tensor(case[n], dtype=dtype, device=device, requires_grad=True)
+                    for n in FORWARD_NAMES]
+            label = f"torch {device} {str(dtype).replace('torch.', '')}"
+            try:
+                ok = torch.autograd.gradcheck(lt.lltm, args, **opts)
+                results.append((label, bool(ok), "gradcheck passed"))
+            except torch.autograd.gradcheck.GradcheckError as exc:
+                results.append((label, False, str(exc).splitlines()[0]))
+    return results
+
+
+def _torch_reference(case):
+    """Forward + gradients of the pure-torch reference in float64 on the CPU."""
+    import torch
+
+    from . import torch as lt
+
+    args = [torch.tensor(case[n], dtype=torch.float64, requires_grad=True) for n in FORWARD_NAMES]
+    h, c = lt.lltm_reference(*args)
+    torch.autograd.backward((h, c), (torch.tensor(case["grad_h"]), torch.tensor(case["grad_cell"])))
+    out = {"new_h": h, "new_cell": c}
+    out.update({field: args[FORWARD_NAMES.index(name)].grad for field, name in GRAD_OF.items()})
+    return {k: _numpy(v) for k, v in out.items()}
+
+
+def _run_arrays(xp, case, dtype):
+    args = [xp.asarray(case[n], dtype=dtype) for n in FORWARD_NAMES]
+    new_h, new_cell, saved = lltm_cupy.forward(*args)
+    grads = lltm_cupy.backward(xp.asarray(case["grad_h"], dtype=dtype),
+                               xp.asarray(case["grad_cell"], dtype=dtype), saved)
+    return {"new_h": new_h, "new_cell": new_cell, **grads._asdict()}
+
+
+def _run_torch(device, case, dtype):
+    import torch
+
+    from . import torch as lt
+
+    tdtype = getattr(torch, np.dtype(dtype).name)
+    args = [torch.tensor(case[n], dtype=tdtype, device=device, requires_grad=True)
+            for n in FORWARD_NAMES]
+    h, c = lt.lltm(*args)
+    torch.autograd.backward((h, c), tuple(torch.tensor(case[g], dtype=tdtype, device=device)
+                                          for g in ("grad_h", "grad_cell")))
+    out = {"new_h": h, "new_cell": c}
+    out.update({field: args[FORWARD_NAMES.index(name)].grad for field, name in GRAD_OF.items()})
+    return out
+
+
+def compare_backends(case=None, skipped=None):
+    """Every backend and dtype against the torch reference (float64, CPU).
+
+    The case's values are first rounded to each dtype, and the reference is computed from those
+    rounded values, so the comparison measures the computation, not the input rounding.
+    Returns [(label, dtype, {output: normalised error}, ok)].
+    """
+    case = random_case(16, 32, 128) if case is None else case
+    skipped = [] if skipped is None else skipped
+    runners = [("numpy", lambda c, d: _run_arrays(np, c, d), (np.float32, np.float64))]
+    reason = _gpu_reason()
+    if reason:
+        skipped.append(("cupy", reason))
+    else:
+        import cupy
+        runners.append(("cupy", lambda c, d: _run_arrays(cupy, c, d),
+                        (np.float16, np.float32, np.float64)))
+    for device in _torch_devices(skipped):
+        dts = (np.float32, np.float64) + ((np.float16,) if device == "cuda" else ())
+        runners.append((f"torch {device}", lambda c, d, dev=device: _run_torch(dev, c, d), dts))
+    rows = []
+    for label, run, dtypes in runners:
+        for dtype in dtypes:
+            rounded = {k: np.asarray(v, dtype=dtype).astype(np.float64) for k, v in case.items()}
+            ref = _torch_reference(rounded)
+            got = run(rounded, dtype)
+            errors = {k: normalised_error(got[k], ref[k]) for k in ref}
+            tol = TOLERANCE[np.dtype(dtype)]
+            rows.append((label, np.dtype(dtype).name, errors, all(e <= tol for e in errors.values())))
+    return rows

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Finite-difference gradient verification of every backend available on this machine.
 
-Prints a table of the max normalised error of each gradient per backend and exits with status 1
-if any exceeds --tol (2 if no backend could run). Usage: python scripts/grad_check.py [-h]
+Prints a table of the max normalised error of each gradient per array backend (NumPy, and CuPy
+where a GPU is present; float64), then torch.autograd.gradcheck of lltm_cupy.torch.lltm per
+device and dtype where torch is installed. Exits with status 1 on any failure (2 if nothing could
+run). Usage: python scripts/grad_check.py [-h]
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--eps", type=float, default=1e-6, help="finite-difference step (float64)")
     p.add_argument("--tol", type=float, default=1e-6, help="max normalised error allowed")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-torch", action="store_true", help="skip torch.autograd.gradcheck")
     args = p.parse_args(argv)
 
     case = verify.random_case(args.batch_size, args.features, args.state_size, args.seed)
@@ -38,6 +41,23 @@ def main(argv=None) -> int:
         return 2
     print(format_table(rows, args.tol))
     failed = [n for n, errs in rows if any(not e <= args.tol for e in errs.values())]
+
+    if args.no_torch:
+        print("torch gradcheck: not run (--no-torch)")
+    else:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            print("torch gradcheck: skipped, torch is not installed")
+        else:
+            print("checking torch gradcheck ...", file=sys.stderr, flush=True)
+            torch_skipped = []
+            for label, ok, message in verify.torch_gradchecks(case, torch_skipped):
+                print(f"{label:<22}{message}  {'ok' if ok else 'FAIL'}")
+                if not ok:
+                    failed.append(label)
+            for name, why in torch_skipped:
+                print(f"skipped {name}: {why}")
     print(f"{'FAILED: ' + ', '.join(failed) if failed else 'all gradients match'} "
           f"(B={args.batch_size}, F={args.features}, S={args.state_size}, eps={args.eps:g}, "
           f"tol={args.tol:g})")

@@ -8,11 +8,7 @@ import pytest
 
 from lltm_cupy import reference
 
-#: Max |actual - reference| / max(1, max |reference|), per dtype of the computation.
-#: float64: a few ulp through GEMMs of <= ~150 terms; float32: the same in single precision;
-#: float16 (GPU only): storage rounding of inputs, gates and outputs (eps = 9.8e-4).
-#: A wrong formula gives errors of order 1e-1 and above.
-TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2}
+from lltm_cupy.verify import TOLERANCE, normalised_error as max_error  # noqa: F401 (re-exported)
 
 GRAD_NAMES = ("d_old_h", "d_input", "d_weights", "d_bias", "d_old_cell")
 
@@ -57,16 +53,6 @@ def dtypes_for(xp):
 
 def to_numpy(a):
     return a.get() if hasattr(a, "get") else np.asarray(a)
-
-
-def max_error(actual, expected) -> float:
-    """Normalised max error: max |actual - expected| / max(1, max |expected|)."""
-    actual = to_numpy(actual).astype(np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    if expected.size == 0:
-        return 0.0
-    scale = max(1.0, float(np.max(np.abs(expected))))
-    return float(np.max(np.abs(actual - expected))) / scale
 
 
 def assert_close(actual, expected, dtype, name):

@@ -24,3 +24,17 @@ def test_grad_check_fails_with_an_impossible_tolerance():
     proc = script("grad_check.py", "--tol", "0")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout
+
+
+def test_check_compares_every_backend_against_the_torch_reference():
+    proc = script("check.py", "-b", "5", "-f", "7", "-s", "9")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("numpy       float32", "numpy       float64", "torch cpu   float32",
+                "torch cpu   float64"):
+        assert row in proc.stdout, proc.stdout
+    assert "all backends match the torch reference" in proc.stdout
+
+
+def test_grad_check_includes_torch_gradcheck():
+    proc = script("grad_check.py")
+    assert "torch cpu float64     gradcheck passed  ok" in proc.stdout, proc.stdout

@@ -1,0 +1,65 @@
+"""LLTMCell under DistributedDataParallel (gloo, two CPU processes on loopback): the gradients
+equal those of one process on the same global batch."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import lltm_cupy.torch as lt  # noqa: E402
+
+WORLD = 2
+FEATURES, STATE, BATCH, STEPS = 5, 7, 8, 3
+
+
+def make_model_and_data():
+    torch.manual_seed(0)
+    model = lt.LLTMCell(FEATURES, STATE, dtype=torch.float64)
+    xs = torch.randn(STEPS, BATCH, FEATURES, dtype=torch.float64)
+    target = torch.randn(BATCH, STATE, dtype=torch.float64)
+    return model, xs, target
+
+
+def loss_fn(model, xs, target):
+    state = None
+    for x in xs:
+        state = model(x, state)
+    h, c = state
+    return ((h - target) ** 2).mean() + c.pow(2).mean()
+
+
+def worker(rank, port, out_dir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
+    try:
+        model, xs, target = make_model_and_data()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        shard = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+        loss_fn(ddp, xs[:, shard], target[shard]).backward()  # DDP averages over ranks
+        torch.save({n: p.grad for n, p in model.named_parameters()}, f"{out_dir}/grads{rank}.pt")
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_gradients_equal_single_process(tmp_path):
+    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True,
+                       start_method="spawn")
+    model, xs, target = make_model_and_data()
+    loss_fn(model, xs, target).backward()
+    for rank in range(WORLD):
+        grads = torch.load(tmp_path / f"grads{rank}.pt")
+        assert set(grads) == {"weights", "bias"}
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")

@@ -1,0 +1,344 @@
+"""lltm_cupy.torch against the pure-torch reference LLTM (autograd through torch ops)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+
+import lltm_cupy  # noqa: E402
+import lltm_cupy.torch as lt  # noqa: E402
+from conftest import GRAD_NAMES, TOLERANCE, make_case, max_error  # noqa: E402
+
+NAMES = ("input", "weights", "bias", "old_h", "old_cell")
+TORCH_TO_NP = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _cuda_reason():
+    if not torch.cuda.is_available():
+        return "torch finds no CUDA device (CPU build or no GPU)"
+    from conftest import gpu_unavailable_reason
+    return gpu_unavailable_reason()
+
+
+CUDA_REASON = _cuda_reason()
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu] + (
+    [pytest.mark.skip(reason=f"GPU test: {CUDA_REASON}")] if CUDA_REASON else []))]
+needs_cuda = pytest.mark.skipif(CUDA_REASON is not None, reason=f"GPU test: {CUDA_REASON}")
+
+
+def tensors(case, device, requires_grad=True):
+    return [torch.tensor(case[n], device=device).requires_grad_(requires_grad) for n in NAMES]
+
+
+def run_both(case, device, dtype):
+    """Forward + backward through ours and through the reference (in float64) on the same values."""
+    results = []
+    for fn, dt in ((lt.lltm, dtype), (lt.lltm_reference, torch.float64)):
+        args = [t.detach().to(dt).requires_grad_() for t in tensors(case, device)]
+        h, c = fn(*args)
+        gh = torch.tensor(case["grad_h"], device=device, dtype=dt)
+        gc = torch.tensor(case["grad_cell"], device=device, dtype=dt)
+        torch.autograd.backward((h, c), (gh, gc))
+        results.append((h, c, [a.grad for a in args]))
+    return results
+
+
+def assert_close(actual, expected, dtype, name):
+    assert actual.shape == expected.shape, f"{name}: {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == dtype, f"{name}: dtype {actual.dtype} != {dtype}"
+    err = max_error(actual.detach().cpu().double().numpy(), expected.detach().cpu().double().numpy())
+    tol = TOLERANCE[np.dtype(TORCH_TO_NP[dtype])]
+    assert err <= tol, f"{name}: max normalised error {err:.3e} > {tol:.0e}"
+
+
+def dtypes(device):
+    return (torch.float32, torch.float64) + ((torch.float16,) if device == "cuda" else ())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch,features,state", [(0, 3, 4), (1, 1, 1), (3, 17, 5), (16, 17, 129)])
+@pytest.mark.parametrize("bias_2d", [False, True], ids=["bias_1d", "bias_2d"])
+def test_matches_torch_reference(device, batch, features, state, bias_2d):
+    for dtype in dtypes(device):
+        case = make_case(batch, features, state, TORCH_TO_NP[dtype], seed=state, bias_2d=bias_2d,
+                         zeros_at=(0,))
+        (h, c, g), (rh, rc, rg) = run_both(case, device, dtype)
+        assert_close(h, rh, dtype, "new_h")
+        assert_close(c, rc, dtype, "new_cell")
+        for name, a, b in zip(NAMES, g, rg):
+            assert_close(a, b, dtype, f"grad of {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saturated_preactivations(device):
+    for dtype in (torch.float32, torch.float64):
+        case = make_case(4, 5, 6, TORCH_TO_NP[dtype], seed=3, scale=1e4)
+        (h, c, g), (rh, rc, rg) = run_both(case, device, dtype)
+        for name, a, b in zip(("new_h", "new_cell", *NAMES), (h, c, *g), (rh, rc, *rg)):
+            assert torch.isfinite(a).all(), name
+            assert_close(a, b, dtype, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_float64(device):
+    case = make_case(3, 4, 5, np.float64, seed=41)
+    assert torch.autograd.gradcheck(lt.lltm, tensors(case, device), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_copy_in_and_out(device, monkeypatch):
+    """The arrays the backend sees share the tensors' memory, and the results' memory is the
+    backend's arrays' memory."""
+    seen = {}
+    real_forward, real_backward = lltm_cupy.forward, lltm_cupy.backward
+
+    def ptr(a):
+        return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+
+    def forward(*arrays):
+        seen["in"] = [ptr(a) for a in arrays]
+        out = real_forward(*arrays)
+        seen["out"] = [ptr(out[0]), ptr(out[1])]
+        return out
+
+    def backward(gh, gc, saved, needed=None):
+        seen["grad_in"] = [ptr(gh), ptr(gc)]
+        grads = real_backward(gh, gc, saved, needed=needed)
+        seen["grad_out"] = [ptr(g) for g in grads]
+        return grads
+
+    monkeypatch.setattr(lltm_cupy, "forward", forward)
+    monkeypatch.setattr(lltm_cupy, "backward", backward)
+    args = tensors(make_case(3, 4, 5, np.float32), device)
+    h, c = lt.lltm(*args)
+    assert seen["in"] == [a.data_ptr() for a in args]
+    assert seen["out"] == [h.data_ptr(), c.data_ptr()]
+    gh, gc = torch.randn_like(h), torch.randn_like(c)
+    torch.autograd.backward((h, c), (gh, gc))
+    assert seen["grad_in"] == [gh.data_ptr(), gc.data_ptr()]
+    grads = dict(zip(GRAD_NAMES, seen["grad_out"]))
+    # autograd accumulates a leaf's first gradient by stealing the tensor when it can.
+    assert args[0].grad.data_ptr() == grads["d_input"]
+    assert args[1].grad.data_ptr() == grads["d_weights"]
+
+
+def test_only_needed_gradients_are_computed(monkeypatch):
+    calls = []
+    real = lltm_cupy.backward
+
+    def spy(gh, gc, saved, needed=None):
+        calls.append(needed)
+        return real(gh, gc, saved, needed=needed)
+
+    monkeypatch.setattr(lltm_cupy, "backward", spy)
+    case = make_case(3, 4, 5, np.float64)
+    args = tensors(case, "cpu", requires_grad=False)
+    args[1].requires_grad_()  # weights only
+    h, c = lt.lltm(*args)
+    h.sum().backward()
+    assert calls == [(False, False, True, False, False)]
+    assert args[1].grad is not None and all(a.grad is None for i, a in enumerate(args) if i != 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("which", ["h", "c"])
+def test_one_output_and_non_contiguous_gradients(device, which):
+    """A gradient for one output only, arriving expanded (stride 0) or transposed."""
+    case = make_case(4, 3, 5, np.float64, seed=43)
+    ours = tensors(case, device)
+    ref = tensors(case, device)
+    weight = torch.randn(5, 4, dtype=torch.float64, device=device)
+    for fn, args in ((lt.lltm, ours), (lt.lltm_reference, ref)):
+        h, c = fn(*args)
+        out = h if which == "h" else c
+        (out.sum() + (out * weight.t()).sum()).backward()  # expanded ones + a transposed tensor
+    for name, a, b in zip(NAMES, ours, ref):
+        assert_close(a.grad, b.grad, torch.float64, name)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_double_backward_raises_clearly(compiled):
+    args = tensors(make_case(2, 3, 4, np.float64), "cpu")
+    fn = torch.compile(lt.lltm, backend="aot_eager", fullgraph=True) if compiled else lt.lltm
+    h, c = fn(*args)
+    with pytest.raises(RuntimeError, match="double backward"):
+        # Eager: our backward refuses create_graph=True. Compiled: AOTAutograd's backward is
+        # differentiable only into its own error, raised on the second backward.
+        (g,) = torch.autograd.grad(h.sum(), args[1], create_graph=True)
+        g.sum().backward()
+
+
+def test_in_place_change_of_weights_or_output_is_detected():
+    args = tensors(make_case(2, 3, 4, np.float64), "cpu")
+    h, c = lt.lltm(*args)
+    with torch.no_grad():
+        args[1].add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        h.sum().backward()
+    h, c = lt.lltm(*[a.detach().requires_grad_() for a in args])
+    c.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        h.sum().backward()
+
+
+@pytest.mark.parametrize("bad,error,pattern", [
+    (dict(input=lambda t: t.to(torch.int64)), TypeError, "same dtype"),
+    (dict(all=lambda t: t.to(torch.int32)), TypeError, "unsupported dtype torch.int32"),
+    (dict(all=lambda t: t.to(torch.bfloat16)), TypeError, "bfloat16 is not supported"),
+    (dict(all=lambda t: t.to(torch.float16)), TypeError, "float16 runs on CUDA only"),
+    (dict(weights=lambda t: t.to("meta")), ValueError, "one device.*weights on meta"),
+    (dict(old_cell=lambda t: t[:, :3]), ValueError, r"old_cell must have shape \(3, 5\)"),
+    (dict(bias=lambda t: t[:7]), ValueError, r"bias must have shape"),
+    (dict(input=lambda t: t.tolist()), TypeError, "input must be a torch.Tensor"),
+])
+def test_bad_input(bad, error, pattern, monkeypatch):
+    monkeypatch.setattr(lltm_cupy, "forward", lambda *a: pytest.fail("backend reached"))
+    args = dict(zip(NAMES, tensors(make_case(3, 4, 5, np.float32), "cpu", requires_grad=False)))
+    for name, fix in bad.items():
+        for n in (NAMES if name == "all" else (name,)):
+            args[n] = fix(args[n])
+    with pytest.raises(error, match=pattern):
+        lt.lltm(*args.values())
+
+
+# --------------------------------------------------------------------------------- modules
+
+def test_cell_parameters_and_state_dict_compatibility():
+    torch.manual_seed(0)
+    ref = lt.ReferenceLLTMCell(7, 5)
+    cell = lt.LLTMCell(7, 5)
+    assert dict((n, p.shape) for n, p in cell.named_parameters()) == {
+        "weights": (15, 12), "bias": (1, 15)}
+    bound = 1 / np.sqrt(5)
+    assert all(p.abs().max() <= bound for p in cell.parameters())
+    assert all(p.std() > bound / 4 for p in cell.parameters())  # not all zeros/constant
+    cell.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 7)
+    state = (torch.randn(4, 5), torch.randn(4, 5))
+    for a, b in zip(cell(x, state), ref(x, state)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # A missing state is zeros, as in nn.LSTMCell.
+    zeros = (torch.zeros(4, 5), torch.zeros(4, 5))
+    for a, b in zip(cell(x), cell(x, zeros)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert "state_size=5" in repr(cell)
+
+
+def test_cell_without_bias_and_factory_kwargs():
+    cell = lt.LLTMCell(3, 4, bias=False, dtype=torch.float64)
+    assert cell.bias is None and cell.weights.dtype == torch.float64
+    ref = lt.ReferenceLLTMCell(3, 4, bias=False, dtype=torch.float64)
+    ref.load_state_dict(cell.state_dict())
+    x = torch.randn(2, 3, dtype=torch.float64)
+    torch.testing.assert_close(cell(x), ref(x))
+    with pytest.raises(ValueError, match="state_size >= 1"):
+        lt.LLTMCell(3, 0)
+
+
+def test_training_parity_with_reference():
+    torch.manual_seed(1)
+    ref = lt.ReferenceLLTMCell(8, 16)
+    cell = lt.LLTMCell(8, 16)
+    cell.load_state_dict(ref.state_dict())
+    data = [(torch.randn(5, 8), torch.randn(5, 16)) for _ in range(6)]
+    losses = {}
+    for name, model in (("ours", cell), ("ref", ref)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses[name] = []
+        for step in range(36):
+            x, target = data[step % len(data)]
+            h, c = model(x)
+            h, c = model(x, (h, c))  # two steps, so gradients flow through the state
+            loss = torch.nn.functional.mse_loss(h, target) + 0.1 * c.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    np.testing.assert_allclose(losses["ours"], losses["ref"], rtol=1e-4)
+    # It trained: the last pass over the 6 batches has a lower mean loss than the first.
+    assert np.mean(losses["ours"][-6:]) < 0.9 * np.mean(losses["ours"][:6])
+
+
+# ------------------------------------------------------------------------- torch.compile
+
+def test_custom_ops_pass_opcheck():
+    case = make_case(3, 4, 5, np.float64, seed=47)
+    args = [t.detach() for t in tensors(case, "cpu")]
+    torch.library.opcheck(torch.ops.lltm_cupy.lltm_forward.default, args)
+    _, new_cell, X, gates = torch.ops.lltm_cupy.lltm_forward(*args)
+    gh, gc = torch.randn_like(new_cell), torch.randn_like(new_cell)
+    for bias_2d in (False, True):
+        torch.library.opcheck(torch.ops.lltm_cupy.lltm_backward.default,
+                              (gh, gc, X, gates, new_cell, args[1], bias_2d))
+    torch.library.opcheck(torch.ops.lltm_cupy.lltm_backward.default,
+                          (None, gc, X, gates, new_cell, args[1], False))
+
+
+@needs_cuda
+def test_custom_ops_pass_opcheck_cuda():
+    case = make_case(3, 4, 5, np.float64, seed=47)
+    args = [t.detach() for t in tensors(case, "cuda")]
+    torch.library.opcheck(torch.ops.lltm_cupy.lltm_forward.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_model_matches_eager(device):
+    """fullgraph=True fails on any graph break; the compiled path uses the custom ops."""
+    torch.manual_seed(2)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = lt.LLTMCell(6, 8, device=device, dtype=torch.float64)
+            self.head = torch.nn.Linear(8, 1, device=device, dtype=torch.float64)
+
+        def forward(self, xs):
+            h, c = self.cell(xs[0])
+            for x in xs[1:]:
+                h, c = self.cell(x, (h, c))
+            return self.head(torch.tanh(h)).sum() + c.sum()
+
+    model = Model()
+    xs = torch.randn(3, 4, 6, device=device, dtype=torch.float64)
+    compiled = torch.compile(model, fullgraph=True)
+    results = []
+    for m in (model, compiled):
+        m.zero_grad()
+        loss = m(xs)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-12)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------ GPU only
+
+@needs_cuda
+def test_side_stream_and_no_default_stream():
+    case = make_case(64, 32, 128, np.float32, seed=53)
+    expected = run_both(case, "cuda", torch.float32)[0]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        args = [t.detach().requires_grad_() for t in tensors(case, "cuda")]
+        h, c = lt.lltm(*args)
+        torch.autograd.backward((h, c), (torch.tensor(case["grad_h"], device="cuda"),
+                                         torch.tensor(case["grad_cell"], device="cuda")))
+    side.synchronize()
+    torch.testing.assert_close(h, expected[0])
+    for a, b in zip(args, expected[2]):
+        torch.testing.assert_close(a.grad, b)
+
+
+@pytest.mark.skipif(CUDA_REASON is not None or torch.cuda.device_count() < 2,
+                    reason="GPU test: needs two CUDA devices")
+def test_second_device():
+    case = make_case(8, 4, 16, np.float32, seed=59)
+    expected = run_both(case, "cuda:0", torch.float32)[0]
+    got = run_both(case, "cuda:1", torch.float32)[0]
+    assert got[0].device == torch.device("cuda:1")
+    torch.testing.assert_close(got[0].cpu(), expected[0].cpu())
+    for a, b in zip(got[2], expected[2]):
+        assert a.device == torch.device("cuda:1")
+        torch.testing.assert_close(a.cpu(), b.cpu())
