@@ -1,9 +1,10 @@
 """PyTorch layer: a differentiable ``lltm`` op and the ``LLTMCell`` module.
 
 Tensors move to NumPy (CPU) or CuPy (CUDA) arrays and back without a copy (``Tensor.numpy`` /
-``torch.from_numpy`` on the CPU, DLPack on the GPU), and the array API of :mod:`lltm_cupy` does
-the work. On CUDA every kernel and GEMM runs on torch's current stream of the tensors' device,
-read on every call.
+``torch.from_numpy`` on the CPU, DLPack on the GPU), and the backends of :mod:`lltm_cupy` do the
+work, after the checks here (which cover everything the array API checks). On CUDA every kernel
+and GEMM runs on torch's current stream of the tensors' device, read on every call. On the CPU
+the NumPy backend's GEMMs run through torch's BLAS, so that the process has one BLAS thread pool.
 
 Two paths give the same results:
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-import lltm_cupy
+from . import _numpy
 from ._checks import check_shapes
 from ._types import LLTMSaved
 
@@ -98,6 +99,31 @@ def _context(device: torch.device):
     return _on_torch_stream(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _torch_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b by torch's BLAS, on NumPy arrays, without copies."""
+    return torch.mm(torch.from_numpy(a), torch.from_numpy(b)).numpy()
+
+
+def _forward(device, arrays):
+    """The backend's forward for tensors on ``device`` (arguments already checked)."""
+    if device.type == "cpu":
+        # NumPy backend with torch's GEMM: one BLAS thread pool in the process. NumPy's OpenBLAS
+        # threads and torch's OpenMP threads spinning side by side slowed a training step by
+        # more than 10x on a 2-core machine.
+        return _numpy.forward(*arrays, mm=_torch_mm)
+    from . import _cupy
+
+    return _cupy.forward(*arrays)
+
+
+def _backward(device, grad_h, grad_cell, saved, needed=(True,) * 5):
+    if device.type == "cpu":
+        return _numpy.backward(grad_h, grad_cell, saved, needed, mm=_torch_mm)
+    from . import _cupy
+
+    return _cupy.backward(grad_h, grad_cell, saved, needed)
+
+
 # LLTMGrads order (d_old_h, d_input, d_weights, d_bias, d_old_cell) <-> forward argument order
 # (input, weights, bias, old_h, old_cell).
 def _to_argument_order(g):
@@ -130,7 +156,7 @@ class LLTMFunction(torch.autograd.Function):
         device = input.device
         with _context(device):
             arrays = [_to_array(t) for t in (input, weights, bias, old_h, old_cell)]
-            new_h, new_cell, saved = lltm_cupy.forward(*arrays)
+            new_h, new_cell, saved = _forward(device, arrays)
             new_h, new_cell_t = _from_array(new_h), _from_array(new_cell)
         ctx.lltm_saved = saved
         ctx.device = device
@@ -147,10 +173,9 @@ class LLTMFunction(torch.autograd.Function):
         if grad_h is None and grad_cell is None:
             return (None,) * 5
         with _context(ctx.device):
-            grads = lltm_cupy.backward(
-                None if grad_h is None else _to_array(grad_h),
-                None if grad_cell is None else _to_array(grad_cell),
-                ctx.lltm_saved, needed=_to_grads_order(ctx.needs_input_grad))
+            grads = _backward(ctx.device, None if grad_h is None else _to_array(grad_h),
+                              None if grad_cell is None else _to_array(grad_cell),
+                              ctx.lltm_saved, _to_grads_order(ctx.needs_input_grad))
             return tuple(None if g is None else _from_array(g) for g in _to_argument_order(grads))
 
 
@@ -163,8 +188,10 @@ def _lltm_forward_op(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor
     """Returns (new_h, new_cell, X, gates): the outputs plus what the backward op needs."""
     with _context(input.device):
         arrays = [_to_array(t) for t in (input, weights, bias, old_h, old_cell)]
-        new_h, new_cell, saved = lltm_cupy.forward(*arrays)
-        return tuple(_from_array(a) for a in (new_h, new_cell, saved.X, saved.gates))
+        new_h, new_cell, saved = _forward(input.device, arrays)
+        # The fake declares contiguous outputs; the CPU backend's gates are in Fortran order.
+        gates = saved.gates if saved.gates.flags.c_contiguous else np.ascontiguousarray(saved.gates)
+        return tuple(_from_array(a) for a in (new_h, new_cell, saved.X, gates))
 
 
 @_lltm_forward_op.register_fake
@@ -185,8 +212,8 @@ def _lltm_backward_op(grad_h: Optional[Tensor], grad_cell: Optional[Tensor], X: 
         saved = LLTMSaved("numpy" if X.device.type == "cpu" else "cupy",
                           *(_to_array(t.contiguous()) for t in (X, gates, new_cell, weights)),
                           (1, 3 * state) if bias_2d else (3 * state,))
-        grads = lltm_cupy.backward(None if grad_h is None else _to_array(grad_h),
-                                   None if grad_cell is None else _to_array(grad_cell), saved)
+        grads = _backward(X.device, None if grad_h is None else _to_array(grad_h),
+                          None if grad_cell is None else _to_array(grad_cell), saved)
         return tuple(_from_array(g) for g in grads)
 
 

@@ -1,12 +1,15 @@
 """lltm_cupy.torch against the pure-torch reference LLTM (autograd through torch ops)."""
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
 
 import lltm_cupy  # noqa: E402
+import lltm_cupy._numpy  # noqa: E402
 import lltm_cupy.torch as lt  # noqa: E402
 from conftest import GRAD_NAMES, TOLERANCE, make_case, max_error  # noqa: E402
 
@@ -91,25 +94,26 @@ def test_zero_copy_in_and_out(device, monkeypatch):
     """The arrays the backend sees share the tensors' memory, and the results' memory is the
     backend's arrays' memory."""
     seen = {}
-    real_forward, real_backward = lltm_cupy.forward, lltm_cupy.backward
+    backend = lltm_cupy._numpy if device == "cpu" else importlib.import_module("lltm_cupy._cupy")
+    real_forward, real_backward = backend.forward, backend.backward
 
     def ptr(a):
         return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
 
-    def forward(*arrays):
+    def forward(*arrays, **kw):
         seen["in"] = [ptr(a) for a in arrays]
-        out = real_forward(*arrays)
+        out = real_forward(*arrays, **kw)
         seen["out"] = [ptr(out[0]), ptr(out[1])]
         return out
 
-    def backward(gh, gc, saved, needed=None):
+    def backward(gh, gc, saved, needed, **kw):
         seen["grad_in"] = [ptr(gh), ptr(gc)]
-        grads = real_backward(gh, gc, saved, needed=needed)
+        grads = real_backward(gh, gc, saved, needed, **kw)
         seen["grad_out"] = [ptr(g) for g in grads]
         return grads
 
-    monkeypatch.setattr(lltm_cupy, "forward", forward)
-    monkeypatch.setattr(lltm_cupy, "backward", backward)
+    monkeypatch.setattr(backend, "forward", forward)
+    monkeypatch.setattr(backend, "backward", backward)
     args = tensors(make_case(3, 4, 5, np.float32), device)
     h, c = lt.lltm(*args)
     assert seen["in"] == [a.data_ptr() for a in args]
@@ -125,13 +129,13 @@ def test_zero_copy_in_and_out(device, monkeypatch):
 
 def test_only_needed_gradients_are_computed(monkeypatch):
     calls = []
-    real = lltm_cupy.backward
+    real = lltm_cupy._numpy.backward
 
-    def spy(gh, gc, saved, needed=None):
+    def spy(gh, gc, saved, needed, **kw):
         calls.append(needed)
-        return real(gh, gc, saved, needed=needed)
+        return real(gh, gc, saved, needed, **kw)
 
-    monkeypatch.setattr(lltm_cupy, "backward", spy)
+    monkeypatch.setattr(lltm_cupy._numpy, "backward", spy)
     case = make_case(3, 4, 5, np.float64)
     args = tensors(case, "cpu", requires_grad=False)
     args[1].requires_grad_()  # weights only
@@ -193,7 +197,7 @@ def test_in_place_change_of_weights_or_output_is_detected():
     (dict(input=lambda t: t.tolist()), TypeError, "input must be a torch.Tensor"),
 ])
 def test_bad_input(bad, error, pattern, monkeypatch):
-    monkeypatch.setattr(lltm_cupy, "forward", lambda *a: pytest.fail("backend reached"))
+    monkeypatch.setattr(lltm_cupy._numpy, "forward", lambda *a, **k: pytest.fail("backend reached"))
     args = dict(zip(NAMES, tensors(make_case(3, 4, 5, np.float32), "cpu", requires_grad=False)))
     for name, fix in bad.items():
         for n in (NAMES if name == "all" else (name,)):
