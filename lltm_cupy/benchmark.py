@@ -1,0 +1,462 @@
+"""Benchmark library behind scripts/benchmark.py: our LLTM against the peers a user would pick.
+
+Implementations (names used by ``--impl``):
+
+- ``reference``: the tutorial's pure-torch LLTM, eager (:class:`lltm_cupy.torch.ReferenceLLTMCell`);
+- ``compiled``: the same module under ``torch.compile`` (where it compiles on the machine);
+- ``cell``: our :class:`lltm_cupy.torch.LLTMCell`;
+- ``array``: our array API (NumPy on the CPU, CuPy on the GPU), called directly;
+- ``lstm``: ``torch.nn.LSTMCell`` of the same hidden size (different math, comparable work).
+
+Every implementation runs the tutorial's step: ``h, c = cell(x, (h0, c0))`` then a backward of
+``h`` and ``c`` with gradient one (the tutorial's ``(h.sum() + c.sum()).backward()``), with
+gradients for the parameters only (add ``all_grads`` for the inputs and state too). Timings are
+taken in one loop, interleaved and rotated so that machine drift hits all implementations alike:
+each iteration times the forward, the backward of that forward, and a whole forward+backward.
+On the GPU each timed region is bracketed by synchronisations and timed with CUDA events.
+"""
+from __future__ import annotations
+
+import dataclasses
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["Config", "IMPLS", "PHASES", "CPU_SIZES", "GPU_SIZES", "run_size", "format_table",
+           "gpu_kernel_report", "mixed_model_report", "machine_name"]
+
+IMPLS = ("reference", "compiled", "cell", "array", "lstm")
+PHASES = ("forward", "backward", "fwd+bwd")
+CPU_SIZES = ((16, 32, 128), (64, 256, 512), (256, 512, 1024))
+GPU_SIZES = CPU_SIZES + ((1024, 1024, 1024), (4096, 1024, 1024))
+
+
+@dataclasses.dataclass
+class Config:
+    batch: int
+    features: int
+    state: int
+    cuda: bool = False
+    double: bool = False
+    runs: int = 100
+    warmup: int = 10
+    all_grads: bool = False
+    seed: int = 0
+
+    @property
+    def size(self):
+        return (self.batch, self.features, self.state)
+
+
+def machine_name(cuda: bool) -> str:
+    if cuda:
+        import torch
+
+        return torch.cuda.get_device_name()
+    import os
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core {platform.machine()} CPU" + (f" ({model})" if model else "")
+
+
+def _log(quiet, *args):
+    if not quiet:
+        print(*args, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timers
+
+class _CpuTimer:
+    def start(self):
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+class _CudaTimer:
+    """CUDA events on torch's current stream, with a device synchronisation on both sides."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.e0 = torch.cuda.Event(enable_timing=True)
+        self.e1 = torch.cuda.Event(enable_timing=True)
+
+    def start(self):
+        self.torch.cuda.synchronize()
+        self.e0.record()
+
+    def stop(self) -> float:
+        self.e1.record()
+        self.torch.cuda.synchronize()
+        return self.e0.elapsed_time(self.e1) / 1e3
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations: each has forward() -> state, backward(state), saved_bytes()
+
+class _TorchRunner:
+    def __init__(self, module, cfg, inputs):
+        import torch
+
+        self.torch = torch
+        self.module = module
+        self.x, self.h, self.c = inputs
+        self.ones = torch.ones_like(self.h)
+
+    def forward(self):
+        return self.module(self.x, (self.h, self.c))
+
+    def backward(self, out):
+        self.torch.autograd.backward(out, (self.ones, self.ones))
+
+    def saved_bytes(self) -> int:
+        """Bytes of the tensors autograd saves for backward, other than parameters and inputs."""
+        torch = self.torch
+        saved = {}
+        exclude = {t.data_ptr() for t in (*self.module.parameters(), self.x, self.h, self.c)}
+
+        def pack(t):
+            if t.data_ptr() not in exclude:
+                saved[t.data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.forward()
+        hidden = getattr(out[0].grad_fn, "lltm_saved", None)  # our Function keeps arrays on ctx
+        if hidden is not None:
+            for a in (hidden.X, hidden.gates, hidden.new_cell):
+                ptr = a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+                saved[ptr] = a.nbytes
+        return int(sum(saved.values()))
+
+
+class _ArrayRunner:
+    def __init__(self, cfg, params, inputs):
+        import lltm_cupy
+
+        self.lltm = lltm_cupy
+        if cfg.cuda:
+            import cupy as xp
+            import torch
+
+            self.stream_ctx = lambda: xp.cuda.Stream.from_external(torch.cuda.current_stream())
+        else:
+            xp = np
+            import contextlib
+            self.stream_ctx = contextlib.nullcontext
+        conv = (lambda t: xp.from_dlpack(t.detach())) if cfg.cuda else (lambda t: t.detach().numpy())
+        w, b = params
+        self.args = [conv(t) for t in (inputs[0], w, b, inputs[1], inputs[2])]
+        self.ones = xp.ones_like(self.args[3])
+        self.needed = None if cfg.all_grads else (False, False, True, True, False)
+
+    def forward(self):
+        with self.stream_ctx():
+            return self.lltm.forward(*self.args)
+
+    def backward(self, out):
+        with self.stream_ctx():
+            self.lltm.backward(self.ones, self.ones, out[2], needed=self.needed)
+
+    def saved_bytes(self) -> int:
+        return self.forward()[2].nbytes
+
+
+def _make_runners(cfg: Config, impls, quiet):
+    import torch
+
+    from . import torch as lt
+
+    device = "cuda" if cfg.cuda else "cpu"
+    dtype = torch.float64 if cfg.double else torch.float32
+    torch.manual_seed(cfg.seed)
+    ref = lt.ReferenceLLTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
+    x = torch.randn(cfg.batch, cfg.features, device=device, dtype=dtype)
+    h = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
+    c = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
+    if cfg.all_grads:
+        for t in (x, h, c):
+            t.requires_grad_()
+    runners, skipped = {}, {}
+    for name in impls:
+        try:
+            if name == "reference":
+                runners[name] = _TorchRunner(ref, cfg, (x, h, c))
+            elif name == "compiled":
+                _log(quiet, f"  compiling the reference with torch.compile ...")
+                module = lt.ReferenceLLTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
+                module.load_state_dict(ref.state_dict())
+                runner = _TorchRunner(torch.compile(module, dynamic=False), cfg, (x, h, c))
+                runner.backward(runner.forward())  # compile now, not in the timed loop
+                runners[name] = runner
+            elif name == "cell":
+                cell = lt.LLTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
+                cell.load_state_dict(ref.state_dict())
+                runners[name] = _TorchRunner(cell, cfg, (x, h, c))
+            elif name == "array":
+                runners[name] = _ArrayRunner(cfg, (ref.weights, ref.bias), (x, h, c))
+            elif name == "lstm":
+                lstm = torch.nn.LSTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
+                runners[name] = _TorchRunner(lstm, cfg, (x, h, c))
+            else:
+                raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
+        except ValueError:
+            raise
+        except Exception as exc:  # e.g. torch.compile without a working compiler
+            skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            _log(quiet, f"  {name}: not run ({skipped[name]})")
+    return runners, skipped
+
+
+def _time_loop(runners: dict, cfg: Config, timer, quiet, label=""):
+    """Interleaved, rotated timing of ``runners``; returns {name: {phase: [seconds]}}."""
+    names = list(runners)
+    for name in names:
+        for _ in range(cfg.warmup):
+            runners[name].backward(runners[name].forward())
+    samples = {n: {p: [] for p in PHASES} for n in names}
+    report_every = max(1, cfg.runs // 4)
+    for r in range(cfg.runs):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            run, s = runners[name], samples[name]
+            timer.start()
+            out = run.forward()
+            s["forward"].append(timer.stop())
+            timer.start()
+            run.backward(out)
+            s["backward"].append(timer.stop())
+            del out
+            timer.start()
+            run.backward(run.forward())
+            s["fwd+bwd"].append(timer.stop())
+        if (r + 1) % report_every == 0:
+            _log(quiet, f"  {label}{r + 1}/{cfg.runs} runs")
+    return samples
+
+
+def run_size(cfg: Config, impls=None, quiet=False) -> dict:
+    """Time every implementation at one size. Returns a JSON-ready dict.
+
+    On the CPU the array API (NumPy) is timed in a block of its own after the torch
+    implementations: NumPy's OpenBLAS worker threads keep spinning for a while after each GEMM,
+    and interleaved with torch's OpenMP threads on few cores both slow down by up to 10x, which
+    would measure the interleaving rather than either implementation. A NumPy program without
+    torch, the array API's use, does not pay that. (lltm_cupy.torch runs its GEMMs through torch
+    for this reason.)
+    """
+    impls = list(impls or IMPLS)
+    runners, skipped = _make_runners(cfg, impls, quiet)
+    timer = _CudaTimer() if cfg.cuda else _CpuTimer()
+    groups = [runners]
+    if not cfg.cuda and "array" in runners and len(runners) > 1:
+        groups = [{k: v for k, v in runners.items() if k != "array"}, {"array": runners["array"]}]
+    samples = {}
+    for group in groups:
+        samples.update(_time_loop(group, cfg, timer, quiet, label=f"{'/'.join(group)}: "))
+    if len(groups) > 1:
+        time.sleep(0.5)  # let OpenBLAS's workers go idle before anything else runs
+    results = {}
+    for name in runners:
+        results[name] = {p: {"median_s": statistics.median(v), "min_s": min(v)}
+                         for p, v in samples[name].items()}
+        results[name]["saved_bytes"] = runners[name].saved_bytes()
+    return {"batch": cfg.batch, "features": cfg.features, "state": cfg.state,
+            "device": "cuda" if cfg.cuda else "cpu",
+            "dtype": "float64" if cfg.double else "float32", "runs": cfg.runs,
+            "all_grads": cfg.all_grads, "separately_timed": [k for g in groups[1:] for k in g],
+            "results": results, "skipped": skipped}
+
+
+_SCALES = {"s": (1.0, "s"), "ms": (1e3, "ms"), "us": (1e6, "us")}
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def format_table(record: dict, scale="us") -> str:
+    """A text table: median / min per phase, speed-up of fwd+bwd over the eager reference."""
+    factor, unit = _SCALES[scale]
+    res = record["results"]
+    base = res.get("reference", {}).get("fwd+bwd", {}).get("median_s")
+    lines = [f"(batch, features, state) = ({record['batch']}, {record['features']}, {record['state']}), "
+             f"{record['dtype']} on {record['device']}, {record['runs']} runs; "
+             f"times in {unit}, median / min"]
+    head = f"{'impl':<11}" + "".join(f"{p:>22}" for p in PHASES) + f"{'vs reference':>14}{'saved':>12}"
+    lines += [head, "-" * len(head)]
+    for name, r in res.items():
+        cells = "".join(f"{r[p]['median_s'] * factor:>12.1f} /{r[p]['min_s'] * factor:>8.1f}"
+                        for p in PHASES)
+        ratio = f"{base / r['fwd+bwd']['median_s']:.2f}x" if base else "n/a"
+        lines.append(f"{name:<11}{cells}{ratio:>14}{_fmt_bytes(r['saved_bytes']):>12}")
+    for name, why in record["skipped"].items():
+        lines.append(f"{name:<11}not run: {why}")
+    if record.get("separately_timed"):
+        lines.append(f"timed in a separate block (NumPy BLAS threads vs torch threads): "
+                     f"{', '.join(record['separately_timed'])}")
+    if base:
+        lines.append("vs reference: eager reference fwd+bwd median / this fwd+bwd median "
+                     "(above 1: faster than the reference)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bandwidth of the element-wise kernels and the share of time in GEMMs
+
+def gpu_kernel_report(cfg: Config, runs=50) -> dict:
+    """Time the fused kernels and the GEMMs of one step alone, with CuPy and CUDA events.
+
+    Bytes counted per element of (B, S): forward reads gates (3), bias (negligible), old_cell (1)
+    and writes gates (3), new_h (1), new_cell (1): 9; backward reads grad_h, grad_cell (2),
+    gates (3), new_cell (1) and writes d_gates (3), d_old_cell (1): 10.
+    """
+    import cupy
+
+    from . import _kernels
+
+    dtype = np.float64 if cfg.double else np.float32
+    B, F, S = cfg.size
+    rng = cupy.random.default_rng(cfg.seed)
+    X = rng.standard_normal((B, S + F), dtype=dtype)
+    W = rng.standard_normal((3 * S, S + F), dtype=dtype) / np.sqrt(S + F)
+    bias = cupy.zeros(3 * S, dtype)
+    old_cell = rng.standard_normal((B, S), dtype=dtype)
+    gates = cupy.empty((B, 3 * S), dtype)
+    new_h, new_cell = cupy.empty((B, S), dtype), cupy.empty((B, S), dtype)
+    d_gates, d_old_cell = cupy.empty((B, 3 * S), dtype), cupy.empty((B, S), dtype)
+    grad = cupy.ones((B, S), dtype)
+    fwd, bwd = _kernels.get_kernels(dtype)
+    n = B * S
+    grid, block = _kernels.launch_config(n)
+    cupy.matmul(X, W.T, out=gates)
+
+    def timed(fn):
+        for _ in range(3):
+            fn()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        cupy.cuda.Device().synchronize()
+        start.record()
+        for _ in range(runs):
+            fn()
+        end.record()
+        end.synchronize()
+        return cupy.cuda.get_elapsed_time(start, end) / 1e3 / runs
+
+    t_fwd = timed(lambda: fwd(grid, block, (gates, bias, old_cell, new_h, new_cell,
+                                            np.int64(n), np.int32(S))))
+    t_bwd = timed(lambda: bwd(grid, block, (grad, grad, gates, new_cell, d_gates, d_old_cell,
+                                            np.int32(1), np.int32(1), np.int64(n), np.int32(S))))
+    t_gemm_fwd = timed(lambda: cupy.matmul(X, W.T, out=gates))
+    t_gemm_bwd = timed(lambda: (cupy.matmul(d_gates.T, X), cupy.matmul(d_gates, W[:, :S]),
+                                cupy.matmul(d_gates, W[:, S:])))
+
+    import lltm_cupy
+
+    args = (X[:, S:], W, bias, X[:, :S], old_cell)
+
+    def step():
+        out = lltm_cupy.forward(*args)
+        lltm_cupy.backward(grad, grad, out[2])
+
+    t_step = timed(step)
+    itemsize = np.dtype(dtype).itemsize
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    peak = 2 * props["memoryClockRate"] * 1e3 * props["memoryBusWidth"] / 8
+    bw_fwd = 9 * n * itemsize / t_fwd
+    bw_bwd = 10 * n * itemsize / t_bwd
+    gemms = t_gemm_fwd + t_gemm_bwd
+    return {"fwd_kernel_s": t_fwd, "bwd_kernel_s": t_bwd, "fwd_kernel_GBps": bw_fwd / 1e9,
+            "bwd_kernel_GBps": bw_bwd / 1e9, "peak_GBps": peak / 1e9,
+            "fwd_kernel_pct_peak": 100 * bw_fwd / peak, "bwd_kernel_pct_peak": 100 * bw_bwd / peak,
+            "gemm_fwd_s": t_gemm_fwd, "gemm_bwd_s": t_gemm_bwd, "step_s": t_step,
+            "step_over_gemms": t_step / gemms, "gemm_share_pct": 100 * gemms / t_step}
+
+
+def format_gpu_report(size, rep: dict) -> str:
+    return (f"GPU kernels at {size}: forward {rep['fwd_kernel_s'] * 1e6:.1f} us = "
+            f"{rep['fwd_kernel_GBps']:.0f} GB/s ({rep['fwd_kernel_pct_peak']:.0f}% of "
+            f"{rep['peak_GBps']:.0f} GB/s peak), backward {rep['bwd_kernel_s'] * 1e6:.1f} us = "
+            f"{rep['bwd_kernel_GBps']:.0f} GB/s ({rep['bwd_kernel_pct_peak']:.0f}%); GEMMs "
+            f"{(rep['gemm_fwd_s'] + rep['gemm_bwd_s']) * 1e6:.1f} us of a "
+            f"{rep['step_s'] * 1e6:.1f} us array-API step ({rep['gemm_share_pct']:.0f}%; "
+            f"step / GEMMs = {rep['step_over_gemms']:.2f})")
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the cell between torch layers (thread-pool contention check)
+
+def mixed_model_report(cfg: Config, runs=200, quiet=False) -> dict:
+    """Time torch layers alone, the cell alone, and both in one model, interleaved.
+
+    Model: x -> Linear(F, F) + tanh -> cell -> Linear(S, S) + tanh -> sum. "layers alone" runs
+    the two Linear layers on the same shapes without the cell, "cell alone" the cell on its own.
+    With no contention, mixed ~= layers alone + cell alone.
+    """
+    import torch
+
+    from . import torch as lt
+
+    dtype = torch.float64 if cfg.double else torch.float32
+    torch.manual_seed(cfg.seed)
+    B, F, S = cfg.size
+    pre = torch.nn.Linear(F, F, dtype=dtype)
+    post = torch.nn.Linear(S, S, dtype=dtype)
+    x = torch.randn(B, F, dtype=dtype)
+    h0 = torch.randn(B, S, dtype=dtype)
+    c0 = torch.randn(B, S, dtype=dtype)
+    results = {}
+    for cell_name, cell in (("cell", lt.LLTMCell(F, S, dtype=dtype)),
+                            ("reference", lt.ReferenceLLTMCell(F, S, dtype=dtype))):
+        def layers_only():
+            (torch.tanh(pre(x)).sum() + torch.tanh(post(h0)).sum()).backward()
+
+        def cell_only():
+            h, c = cell(x, (h0, c0))
+            (h.sum() + c.sum()).backward()
+
+        def mixed():
+            h, c = cell(torch.tanh(pre(x)), (h0, c0))
+            (torch.tanh(post(h)).sum() + c.sum()).backward()
+
+        fns = {"layers alone": layers_only, "cell alone": cell_only, "mixed": mixed}
+        samples = {k: [] for k in fns}
+        for fn in fns.values():
+            for _ in range(cfg.warmup):
+                fn()
+        names = list(fns)
+        for r in range(runs):
+            for k in names[r % 3:] + names[: r % 3]:
+                t0 = time.perf_counter()
+                fns[k]()
+                samples[k].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        med["mixed / (layers + cell)"] = med["mixed"] / (med["layers alone"] + med["cell alone"])
+        results[cell_name] = med
+        _log(quiet, f"  mixed model with {cell_name}: done")
+    return results
+
+
+def format_mixed(size, rep: dict, scale="us") -> str:
+    factor, unit = _SCALES[scale]
+    lines = [f"Mixed model at {size} (torch Linear+tanh before and after the cell), "
+             f"fwd+bwd median in {unit}:",
+             f"{'cell':<11}{'layers alone':>14}{'cell alone':>12}{'mixed':>10}{'mixed/(sum)':>13}"]
+    for name, r in rep.items():
+        lines.append(f"{name:<11}{r['layers alone'] * factor:>14.1f}{r['cell alone'] * factor:>12.1f}"
+                     f"{r['mixed'] * factor:>10.1f}{r['mixed / (layers + cell)']:>13.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""Benchmark lltm_cupy against the tutorial's pure-torch LLTM, torch.compile and nn.LSTMCell.
+
+Examples:
+    python scripts/benchmark.py                       # the default size sweep on the CPU
+    python scripts/benchmark.py -b 16 -f 32 -s 128 -r 1000 --scale us
+    python scripts/benchmark.py --cuda --json gpu.json
+    python scripts/benchmark.py --mixed               # the cell between torch layers (CPU)
+
+Options -b/-f/-s/-r/--scale/-c/-d are those of the tutorial's benchmark.py. Giving any of
+-b/-f/-s runs that one size; otherwise the sweep of --sizes (default: the CPU or GPU sweep).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from lltm_cupy import benchmark as bm  # noqa: E402
+
+
+def parse_sizes(text):
+    try:
+        return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sizes are BxFxS[,BxFxS...], got {text!r}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("-b", "--batch-size", type=int)
+    p.add_argument("-f", "--features", type=int)
+    p.add_argument("-s", "--state-size", type=int)
+    p.add_argument("-r", "--runs", type=int, default=None,
+                   help="timed iterations per size (default: 1000 at the smallest size, fewer above)")
+    p.add_argument("--scale", choices=("s", "ms", "us"), default="us")
+    p.add_argument("-c", "--cuda", action="store_true", help="run on the GPU")
+    p.add_argument("-d", "--double", action="store_true", help="float64 instead of float32")
+    p.add_argument("--sizes", type=parse_sizes, default=None, help="BxFxS[,BxFxS...] sweep")
+    p.add_argument("--impl", default=None,
+                   help=f"comma-separated subset of {','.join(bm.IMPLS)} (default: all; lstm on GPU only)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--all-grads", action="store_true",
+                   help="inputs and state require grad too (default: parameters only, as the tutorial)")
+    p.add_argument("--mixed", action="store_true", help="also time the cell between torch layers (CPU)")
+    p.add_argument("--no-kernels", action="store_true", help="GPU: skip the kernel bandwidth report")
+    p.add_argument("--json", metavar="FILE", help="write all results as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    args = p.parse_args(argv)
+
+    import torch
+
+    if args.cuda and not torch.cuda.is_available():
+        print("--cuda given but torch finds no CUDA device", file=sys.stderr)
+        return 2
+    if any(v is not None for v in (args.batch_size, args.features, args.state_size)):
+        sizes = [(args.batch_size or 16, args.features or 32, args.state_size or 128)]
+    else:
+        sizes = args.sizes or list(bm.GPU_SIZES if args.cuda else bm.CPU_SIZES)
+    impls = args.impl.split(",") if args.impl else [
+        i for i in bm.IMPLS if i != "lstm" or args.cuda]
+    unknown = set(impls) - set(bm.IMPLS)
+    if unknown:
+        p.error(f"unknown --impl {','.join(sorted(unknown))}; choose from {','.join(bm.IMPLS)}")
+
+    machine = bm.machine_name(args.cuda)
+    print(f"lltm_cupy benchmark on {machine}; torch {torch.__version__}, "
+          f"torch threads {torch.get_num_threads()}")
+    out = {"machine": machine, "torch": torch.__version__, "sizes": [], "gpu_kernels": {}, "mixed": {}}
+    for i, size in enumerate(sizes, 1):
+        runs = args.runs or max(30, min(1000, int(2e9 // (size[0] * size[2] * (size[1] + size[2])))))
+        cfg = bm.Config(*size, cuda=args.cuda, double=args.double, runs=runs, warmup=args.warmup,
+                        all_grads=args.all_grads)
+        print(f"[{i}/{len(sizes)}] size {size}, {runs} runs", file=sys.stderr, flush=True) \
+            if not args.quiet else None
+        record = bm.run_size(cfg, impls, quiet=args.quiet)
+        out["sizes"].append(record)
+        print()
+        print(bm.format_table(record, args.scale), flush=True)
+        if args.cuda and not args.no_kernels and size[0] * size[2] >= 1 << 20:
+            rep = bm.gpu_kernel_report(cfg)
+            out["gpu_kernels"][str(size)] = rep
+            print(bm.format_gpu_report(size, rep), flush=True)
+        if args.mixed and not args.cuda:
+            rep = bm.mixed_model_report(cfg, runs=max(50, runs // 2), quiet=args.quiet)
+            out["mixed"][str(size)] = rep
+            print(bm.format_mixed(size, rep, args.scale), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
