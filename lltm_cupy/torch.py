@@ -69,7 +69,8 @@ def _check(tensors) -> None:
 
 def _to_array(t: Tensor):
     """A NumPy (CPU) or CuPy (CUDA) view of ``t``'s memory; no copy for contiguous tensors."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.device.type == "cpu":
         return t.numpy()
     import cupy
