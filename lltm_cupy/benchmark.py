@@ -151,7 +151,9 @@ class _ArrayRunner:
             import cupy as xp
             import torch
 
-            self.stream_ctx = lambda: xp.cuda.Stream.from_external(torch.cuda.current_stream())
+            from .torch import _on_torch_stream
+
+            self.stream_ctx = lambda: _on_torch_stream(torch.device("cuda", torch.cuda.current_device()))
         else:
             xp = np
             import contextlib
@@ -375,16 +377,38 @@ def gpu_kernel_report(cfg: Config, runs=50) -> dict:
 
     t_step = timed(step)
     itemsize = np.dtype(dtype).itemsize
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    peak = 2 * props["memoryClockRate"] * 1e3 * props["memoryBusWidth"] / 8
+    peak = _peak_bandwidth()
     bw_fwd = 9 * n * itemsize / t_fwd
     bw_bwd = 10 * n * itemsize / t_bwd
     gemms = t_gemm_fwd + t_gemm_bwd
+    pct = (lambda bw: 100 * bw / peak) if peak else (lambda bw: float("nan"))
     return {"fwd_kernel_s": t_fwd, "bwd_kernel_s": t_bwd, "fwd_kernel_GBps": bw_fwd / 1e9,
-            "bwd_kernel_GBps": bw_bwd / 1e9, "peak_GBps": peak / 1e9,
-            "fwd_kernel_pct_peak": 100 * bw_fwd / peak, "bwd_kernel_pct_peak": 100 * bw_bwd / peak,
+            "bwd_kernel_GBps": bw_bwd / 1e9, "peak_GBps": (peak or float("nan")) / 1e9,
+            "fwd_kernel_pct_peak": pct(bw_fwd), "bwd_kernel_pct_peak": pct(bw_bwd),
             "gemm_fwd_s": t_gemm_fwd, "gemm_bwd_s": t_gemm_bwd, "step_s": t_step,
             "step_over_gemms": t_step / gemms, "gemm_share_pct": 100 * gemms / t_step}
+
+
+#: Datasheet memory bandwidth (bytes/s) for GPUs whose driver no longer reports the memory clock
+#: (CUDA 13 removed cudaDeviceProp.memoryClockRate).
+_DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
+                        "A100-SXM4-80GB": 2.039e12, "A100": 1.555e12, "L40S": 0.864e12}
+
+
+def _peak_bandwidth():
+    """Peak memory bandwidth in bytes/s: from the device properties, else the datasheet, else None."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    clock, width = props.get("memoryClockRate"), props.get("memoryBusWidth")
+    if clock and width:
+        return 2 * clock * 1e3 * width / 8
+    name = props.get("name", b"")
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    for key, value in _DATASHEET_BANDWIDTH.items():
+        if key in name:
+            return value
+    return None
 
 
 def format_gpu_report(size, rep: dict) -> str:

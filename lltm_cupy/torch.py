@@ -86,13 +86,26 @@ def _from_array(a) -> Tensor:
     return torch.from_dlpack(a)
 
 
+class _StreamRef:
+    """A CUDA stream handle offered through the CUDA stream protocol (any torch version)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
 @contextlib.contextmanager
 def _on_torch_stream(device: torch.device):
     """Make CuPy run on ``device`` and on torch's current stream there (read now, not cached)."""
     import cupy
 
     with cupy.cuda.Device(device.index):
-        with cupy.cuda.Stream.from_external(torch.cuda.current_stream(device)):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        with cupy.cuda.Stream.from_external(_StreamRef(stream)):
             yield
 
 

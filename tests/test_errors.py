@@ -79,6 +79,7 @@ def test_backward_errors():
         lltm_cupy.backward(gh.tolist(), gc, saved)
 
 
+@pytest.mark.gpu
 def test_mixed_numpy_and_cupy():
     reason = __import__("conftest").gpu_unavailable_reason()
     if reason:

@@ -38,3 +38,29 @@ def test_check_compares_every_backend_against_the_torch_reference():
 def test_grad_check_includes_torch_gradcheck():
     proc = script("grad_check.py")
     assert "torch cpu float64     gradcheck passed  ok" in proc.stdout, proc.stdout
+
+
+def test_benchmark_runs_and_writes_json(tmp_path):
+    import json
+
+    out = tmp_path / "bench.json"
+    proc = script("benchmark.py", "-b", "4", "-f", "3", "-s", "5", "-r", "3", "--warmup", "1",
+                  "--impl", "reference,cell,array", "--mixed", "--quiet", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr == "", proc.stderr  # --quiet: no progress output
+    data = json.loads(out.read_text())
+    (record,) = data["sizes"]
+    assert (record["batch"], record["features"], record["state"]) == (4, 3, 5)
+    assert set(record["results"]) == {"reference", "cell", "array"}
+    for result in record["results"].values():
+        for phase in ("forward", "backward", "fwd+bwd"):
+            assert 0 < result[phase]["min_s"] <= result[phase]["median_s"]
+    # X (4 x 8) plus 4 * B * S float32 values, the same for the cell and the array API.
+    assert record["results"]["array"]["saved_bytes"] == (4 * 8 + 4 * 4 * 5) * 4
+    assert record["results"]["cell"]["saved_bytes"] == (4 * 8 + 4 * 4 * 5) * 4
+    assert "vs reference" in proc.stdout and "Mixed model" in proc.stdout
+
+
+def test_benchmark_rejects_unknown_implementations():
+    proc = script("benchmark.py", "--impl", "nope", "--quiet")
+    assert proc.returncode == 2 and "unknown --impl nope" in proc.stderr

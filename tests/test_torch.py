@@ -27,7 +27,11 @@ def _cuda_reason():
 CUDA_REASON = _cuda_reason()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu] + (
     [pytest.mark.skip(reason=f"GPU test: {CUDA_REASON}")] if CUDA_REASON else []))]
-needs_cuda = pytest.mark.skipif(CUDA_REASON is not None, reason=f"GPU test: {CUDA_REASON}")
+
+
+def needs_cuda(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(CUDA_REASON is not None,
+                                              reason=f"GPU test: {CUDA_REASON}")(fn))
 
 
 def tensors(case, device, requires_grad=True):
@@ -335,6 +339,7 @@ def test_side_stream_and_no_default_stream():
         torch.testing.assert_close(a.grad, b)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(CUDA_REASON is not None or torch.cuda.device_count() < 2,
                     reason="GPU test: needs two CUDA devices")
 def test_second_device():
