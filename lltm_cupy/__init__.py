@@ -2,6 +2,8 @@
 
     new_h, new_cell, saved = lltm_cupy.forward(input, weights, bias, old_h, old_cell)
     grads = lltm_cupy.backward(grad_h, grad_cell, saved)
+    outputs, h_n, c_n, saved = lltm_cupy.forward_sequence(inputs, weights, bias, h0, c0)
+    grads = lltm_cupy.backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved)
 
 NumPy arrays run on the CPU backend, CuPy arrays on the GPU backend (fused CUDA kernels compiled
 at run time, cuBLAS GEMMs). ``lltm_cupy.torch`` wraps both for PyTorch. Importing this package
@@ -9,10 +11,12 @@ imports neither CuPy nor torch and compiles nothing.
 """
 from __future__ import annotations
 
-from ._checks import check_backward, check_forward
-from ._types import LLTMGrads, LLTMSaved
+from ._checks import (check_backward, check_backward_sequence, check_forward,
+                      check_forward_sequence)
+from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
 
-__all__ = ["forward", "backward", "LLTMGrads", "LLTMSaved", "__version__"]
+__all__ = ["forward", "backward", "forward_sequence", "backward_sequence", "LLTMGrads",
+           "LLTMSaved", "LLTMSequenceGrads", "LLTMSequenceSaved", "__version__"]
 __version__ = "0.1.0"
 
 
@@ -61,3 +65,34 @@ def backward(grad_h, grad_cell, saved, *, needed=None):
         raise ValueError(f"lltm_cupy: needed must hold 5 booleans (one per LLTMGrads field), "
                          f"got {len(needed)}")
     return _backend(backend).backward(grad_h, grad_cell, saved, tuple(map(bool, needed)))
+
+
+def forward_sequence(inputs, weights, bias, h0, c0):
+    """Run the cell over a whole sequence. Returns ``(outputs, h_n, c_n, saved)``.
+
+    inputs: (steps, batch, features)
+    weights: (3 * state, state + features), as for :func:`forward`
+    bias: (3 * state,) or (1, 3 * state)
+    h0, c0: (batch, state), the initial state
+
+    ``outputs`` (steps, batch, state) holds the hidden state after every step; ``h_n`` and
+    ``c_n`` (batch, state) are the final state. Equal to stepping :func:`forward` ``steps`` times,
+    but with the input projection of all steps in one GEMM and per step one recurrent GEMM plus
+    the fused kernel. Same array, dtype and device rules as :func:`forward`; steps may be 0.
+    """
+    backend, _ = check_forward_sequence(inputs, weights, bias, h0, c0)
+    return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0)
+
+
+def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved):
+    """Gradients of a sequence (backpropagation through time). Returns :class:`LLTMSequenceGrads`.
+
+    grad_outputs: (steps, batch, state) gradient w.r.t. outputs, or None for zero
+    grad_h_n, grad_c_n: (batch, state) gradients w.r.t. the final state, or None for zero
+    saved: what :func:`forward_sequence` returned, untouched
+
+    Fields: ``d_inputs (steps, batch, features)``, ``d_weights (3 * state, state + features)``,
+    ``d_bias`` (like the bias given), ``d_h0 (batch, state)``, ``d_c0 (batch, state)``.
+    """
+    backend = check_backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved)
+    return _backend(backend).backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved)

@@ -8,9 +8,10 @@ import sys
 
 import numpy as np
 
-from ._types import LLTMSaved
+from ._types import LLTMSaved, LLTMSequenceSaved
 
-__all__ = ["array_backend", "check_shapes", "check_forward", "check_backward"]
+__all__ = ["array_backend", "check_shapes", "check_forward", "check_backward",
+           "check_sequence_shapes", "check_forward_sequence", "check_backward_sequence"]
 
 _FORWARD_NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 _FLOATS = {
@@ -66,6 +67,15 @@ def _expect_shape(name: str, x, expected: tuple, meaning: str) -> None:
         raise ValueError(f"lltm_cupy: {name} must have shape {expected} {meaning}, got {tuple(x.shape)}")
 
 
+def _check_weights_and_bias(weights, bias, state, features, state_from, features_from) -> None:
+    _expect_shape("weights", weights, (3 * state, state + features),
+                  f"(3 * state, state + features) with state from {state_from} and features "
+                  f"from {features_from}")
+    if tuple(bias.shape) not in ((3 * state,), (1, 3 * state)):
+        raise ValueError(f"lltm_cupy: bias must have shape ({3 * state},) or (1, {3 * state}) "
+                         f"(3 * state), got {tuple(bias.shape)}")
+
+
 def _check_device(named: dict) -> None:
     devices = {name: x.device.id for name, x in named.items()}
     if len(set(devices.values())) > 1:
@@ -83,11 +93,7 @@ def check_shapes(input, weights, bias, old_h, old_cell) -> None:
     state = old_h.shape[1]
     _expect_shape("old_h", old_h, (batch, state), "(batch, state) with batch from input")
     _expect_shape("old_cell", old_cell, (batch, state), "(batch, state) like old_h")
-    _expect_shape("weights", weights, (3 * state, state + features),
-                  "(3 * state, state + features) with state from old_h and features from input")
-    if tuple(bias.shape) not in ((3 * state,), (1, 3 * state)):
-        raise ValueError(f"lltm_cupy: bias must have shape ({3 * state},) or (1, {3 * state}) "
-                         f"(3 * state), got {tuple(bias.shape)}")
+    _check_weights_and_bias(weights, bias, state, features, "old_h", "input")
 
 
 def check_forward(input, weights, bias, old_h, old_cell):
@@ -120,4 +126,58 @@ def check_backward(grad_h, grad_cell, saved):
         _expect_shape(name, g, tuple(saved.new_cell.shape), "(batch, state) like new_cell")
     if backend == "cupy":
         _check_device({**named, "saved": saved.new_cell})
+    return backend
+
+
+_SEQUENCE_NAMES = ("inputs", "weights", "bias", "h0", "c0")
+
+
+def check_sequence_shapes(inputs, weights, bias, h0, c0) -> None:
+    """Shape checks of forward_sequence (anything with .ndim and .shape)."""
+    if inputs.ndim != 3:
+        raise ValueError(f"lltm_cupy: inputs must be 3-D (steps, batch, features), got shape "
+                         f"{tuple(inputs.shape)}")
+    steps, batch, features = inputs.shape
+    if h0.ndim != 2:
+        raise ValueError(f"lltm_cupy: h0 must be 2-D (batch, state), got shape {tuple(h0.shape)}")
+    state = h0.shape[1]
+    _expect_shape("h0", h0, (batch, state), "(batch, state) with batch from inputs")
+    _expect_shape("c0", c0, (batch, state), "(batch, state) like h0")
+    _check_weights_and_bias(weights, bias, state, features, "h0", "inputs")
+
+
+def check_forward_sequence(inputs, weights, bias, h0, c0):
+    """Validate forward_sequence arguments; return (backend, dtype)."""
+    named = dict(zip(_SEQUENCE_NAMES, (inputs, weights, bias, h0, c0)))
+    backend = array_backend(named)
+    dtype = _check_dtypes(named, backend)
+    check_sequence_shapes(inputs, weights, bias, h0, c0)
+    if backend == "cupy":
+        _check_device(named)
+    return backend, dtype
+
+
+def check_backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved):
+    """Validate backward_sequence arguments; return the backend name. Any gradient may be None."""
+    if not isinstance(saved, LLTMSequenceSaved):
+        raise TypeError(f"lltm_cupy: saved must be the LLTMSequenceSaved returned by "
+                        f"lltm_cupy.forward_sequence, got {type(saved).__qualname__}")
+    steps, batch, state = saved.cells.shape
+    expected = {"grad_outputs": (steps, batch, state), "grad_h_n": (batch, state),
+                "grad_c_n": (batch, state)}
+    named = {n: g for n, g in zip(expected, (grad_outputs, grad_h_n, grad_c_n)) if g is not None}
+    if not named:
+        return saved.backend
+    backend = array_backend(named)
+    if backend != saved.backend:
+        raise TypeError(f"lltm_cupy: gradients are {backend} arrays but the forward ran on "
+                        f"{saved.backend} arrays")
+    for name, g in named.items():
+        if g.dtype != saved.dtype:
+            raise TypeError(f"lltm_cupy: {name} must have the forward's dtype {saved.dtype}, "
+                            f"got {g.dtype}")
+        _expect_shape(name, g, expected[name], "(steps, batch, state)" if name == "grad_outputs"
+                      else "(batch, state)")
+    if backend == "cupy":
+        _check_device({**named, "saved": saved.cells})
     return backend

@@ -20,46 +20,41 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._types import LLTMGrads, LLTMSaved
+from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "forward_sequence", "backward_sequence"]
 
 
-def forward(input, weights, bias, old_h, old_cell, mm=np.matmul):
-    state = old_h.shape[1]
-    X = np.concatenate((old_h, input), axis=1)
-    # W @ X.T rather than X @ W.T: the same product, and OpenBLAS runs it up to 2x faster at
-    # small batch sizes; the bias add then writes it back in C order (every array below is in C
-    # order: NumPy is up to 20x slower on operands of mixed memory order).
-    acts = np.add(mm(weights, X.T).T, bias.reshape(-1), order="C")
-
-    io = acts[:, : 2 * state]               # sigmoid(z) = (1 + tanh(z / 2)) / 2, in place
+def _activate(acts, old_cell, new_h, new_cell) -> None:
+    """Element-wise forward of one step, in place: acts (B, 3S) holds the pre-activations on
+    entry and [input_gate | output_gate | candidate_cell] on exit; writes new_h and new_cell."""
+    state = old_cell.shape[1]
+    io = acts[:, : 2 * state]               # sigmoid(z) = (1 + tanh(z / 2)) / 2
     io *= 0.5
     np.tanh(io, out=io)
     io *= 0.5
     io += 0.5
 
-    zc = acts[:, 2 * state:]                # elu(z) = max(z, 0) + expm1(min(z, 0)), in place
+    zc = acts[:, 2 * state:]                # elu(z) = max(z, 0) + expm1(min(z, 0))
     neg = np.minimum(zc, 0)
     np.expm1(neg, out=neg)
     np.maximum(zc, 0, out=zc)
     zc += neg
 
-    new_cell = np.multiply(zc, acts[:, :state])
+    np.multiply(zc, acts[:, :state], out=new_cell)
     new_cell += old_cell
-    new_h = np.tanh(new_cell)
+    np.tanh(new_cell, out=new_h)
     new_h *= acts[:, state: 2 * state]
-    return new_h, new_cell, LLTMSaved("numpy", X, acts, new_cell, weights, tuple(bias.shape))
 
 
-def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
-    acts, new_cell, X, weights = saved.gates, saved.new_cell, saved.X, saved.weights
-    batch, state = new_cell.shape
+def _d_gates(grad_h, grad_cell, acts, new_cell, d_gates):
+    """Element-wise backward of one step: writes d_gates (B, 3S), returns d_new_cell (B, S).
+
+    grad_h / grad_cell may be None (zero)."""
+    state = new_cell.shape[1]
     input_gate = acts[:, :state]
     output_gate = acts[:, state: 2 * state]
     candidate_cell = acts[:, 2 * state:]
-
-    d_gates = np.empty((batch, 3 * state), new_cell.dtype)
     d_i, d_o, d_c = d_gates[:, :state], d_gates[:, state: 2 * state], d_gates[:, 2 * state:]
 
     # sigmoid' = s (1 - s) for both sigmoid gates at once, into the d_gates slots
@@ -70,8 +65,8 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
     np.add(candidate_cell, 1, out=d_c)
     np.minimum(d_c, 1, out=d_c)
 
-    tanh_c = np.tanh(new_cell)
     if grad_h is not None:
+        tanh_c = np.tanh(new_cell)
         # d_new_cell = (1 - tanh(c)^2) * output_gate * grad_h + grad_cell
         d_new_cell = np.square(tanh_c)
         np.subtract(1, d_new_cell, out=d_new_cell)
@@ -89,7 +84,27 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
     d_i *= d_new_cell
     d_c *= input_gate                       # d_candidate_cell = input_gate * d_new_cell
     d_c *= d_new_cell
+    return d_new_cell
 
+
+def forward(input, weights, bias, old_h, old_cell, mm=np.matmul):
+    batch, state = old_h.shape
+    X = np.concatenate((old_h, input), axis=1)
+    # W @ X.T rather than X @ W.T: the same product, and OpenBLAS runs it up to 2x faster at
+    # small batch sizes; the bias add then writes it back in C order (every array below is in C
+    # order: NumPy is up to 20x slower on operands of mixed memory order).
+    acts = np.add(mm(weights, X.T).T, bias.reshape(-1), order="C")
+    new_h = np.empty((batch, state), acts.dtype)
+    new_cell = np.empty((batch, state), acts.dtype)
+    _activate(acts, old_cell, new_h, new_cell)
+    return new_h, new_cell, LLTMSaved("numpy", X, acts, new_cell, weights, tuple(bias.shape))
+
+
+def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
+    acts, new_cell, X, weights = saved.gates, saved.new_cell, saved.X, saved.weights
+    batch, state = new_cell.shape
+    d_gates = np.empty((batch, 3 * state), new_cell.dtype)
+    d_new_cell = _d_gates(grad_h, grad_cell, acts, new_cell, d_gates)
     need_h, need_x, need_w, need_b, need_c = needed
     return LLTMGrads(
         mm(d_gates, weights[:, :state]) if need_h else None,
@@ -98,3 +113,56 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
         d_gates.sum(axis=0).reshape(saved.bias_shape) if need_b else None,
         d_new_cell if need_c else None,
     )
+
+
+def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul):
+    steps, batch, features = inputs.shape
+    state = h0.shape[1]
+    x = inputs.reshape(steps * batch, features)
+    # The input projection of every step in one GEMM, bias added, as (T, B, 3S) in C order.
+    gates = np.add(mm(weights[:, state:], x.T).T, bias.reshape(-1), order="C")
+    gates = gates.reshape(steps, batch, 3 * state)
+    hs = np.empty((steps + 1, batch, state), gates.dtype)   # [h0, h_1, ..., h_T]
+    hs[0] = h0
+    cells = np.empty((steps, batch, state), gates.dtype)
+    w_h = weights[:, :state]
+    c = c0
+    for t in range(steps):
+        gates[t] += mm(hs[t], w_h.T)        # the recurrent GEMM, into the step's slice
+        _activate(gates[t], c, hs[t + 1], cells[t])
+        c = cells[t]
+    h_n = hs[steps].copy()
+    c_n = c.copy()
+    saved = LLTMSequenceSaved("numpy", x, hs, gates, cells, weights, tuple(bias.shape))
+    return hs[1:], h_n, c_n, saved
+
+
+def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, mm=np.matmul):
+    x, hs, gates, cells, weights = saved.inputs, saved.hs, saved.gates, saved.cells, saved.weights
+    steps, batch, state = cells.shape
+    features = x.shape[1]
+    dtype = cells.dtype
+    # grad_h of every step; step t adds the gradient flowing back from step t + 1 into it.
+    grad_h = (np.zeros((steps, batch, state), dtype) if grad_outputs is None
+              else np.array(grad_outputs, dtype=dtype, order="C"))
+    if steps and grad_h_n is not None:
+        grad_h[steps - 1] += grad_h_n
+    d_gates = np.empty((steps, batch, 3 * state), dtype)
+    w_h = weights[:, :state]
+    d_c = grad_c_n
+    for t in range(steps - 1, -1, -1):
+        d_c = _d_gates(grad_h[t], d_c, gates[t], cells[t], d_gates[t])
+        if t:
+            grad_h[t - 1] += mm(d_gates[t], w_h)
+    if steps:
+        d_h0 = mm(d_gates[0], w_h)
+    else:
+        d_h0 = np.zeros((batch, state), dtype) if grad_h_n is None else np.array(grad_h_n)
+        d_c = np.zeros((batch, state), dtype) if grad_c_n is None else np.array(grad_c_n)
+    flat = d_gates.reshape(steps * batch, 3 * state)
+    d_weights = np.empty(weights.shape, dtype)
+    d_weights[:, :state] = mm(flat.T, hs[:-1].reshape(steps * batch, state))
+    d_weights[:, state:] = mm(flat.T, x)
+    d_bias = flat.sum(axis=0).reshape(saved.bias_shape)
+    d_inputs = mm(flat, weights[:, state:]).reshape(steps, batch, features)
+    return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0, d_c)

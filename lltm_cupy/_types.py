@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["LLTMGrads", "LLTMSaved"]
+__all__ = ["LLTMGrads", "LLTMSaved", "LLTMSequenceGrads", "LLTMSequenceSaved"]
 
 
 class LLTMGrads(NamedTuple):
@@ -44,3 +44,49 @@ class LLTMSaved:
         b, s = self.new_cell.shape
         return (f"LLTMSaved(backend={self.backend!r}, batch={b}, state={s}, "
                 f"dtype={self.new_cell.dtype}, nbytes={self.nbytes})")
+
+
+class LLTMSequenceGrads(NamedTuple):
+    """Gradients of a whole sequence, each shaped like its argument of forward_sequence."""
+
+    d_inputs: Any
+    d_weights: Any
+    d_bias: Any
+    d_h0: Any
+    d_c0: Any
+
+
+class LLTMSequenceSaved:
+    """What :func:`lltm_cupy.backward_sequence` needs from :func:`lltm_cupy.forward_sequence`.
+
+    Holds the inputs reshaped to (T * B, F) (a view of the caller's array when it is
+    contiguous), the hidden states ``hs`` (T + 1, B, S) = [h0, outputs...], and per step the
+    backend's gate values (T, B, 3S) and new_cell (T, B, S): 4 * B * S values per step besides
+    the inputs and hidden states. Keeps references to the weights and, where contiguous, the
+    inputs: do not modify them in place between forward and backward.
+    """
+
+    __slots__ = ("backend", "inputs", "hs", "gates", "cells", "weights", "bias_shape")
+
+    def __init__(self, backend, inputs, hs, gates, cells, weights, bias_shape):
+        self.backend = backend
+        self.inputs = inputs
+        self.hs = hs
+        self.gates = gates
+        self.cells = cells
+        self.weights = weights
+        self.bias_shape = bias_shape
+
+    @property
+    def dtype(self):
+        return self.hs.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for backward besides the weights (inputs counted only if copied)."""
+        return int(self.hs.nbytes + self.gates.nbytes + self.cells.nbytes)
+
+    def __repr__(self) -> str:
+        t, b, s = self.cells.shape
+        return (f"LLTMSequenceSaved(backend={self.backend!r}, steps={t}, batch={b}, state={s}, "
+                f"dtype={self.dtype}, nbytes={self.nbytes})")

@@ -28,10 +28,11 @@ import torch
 from torch import Tensor, nn
 
 from . import _numpy
-from ._checks import check_shapes
-from ._types import LLTMSaved
+from ._checks import check_sequence_shapes, check_shapes
+from ._types import LLTMSaved, LLTMSequenceSaved
 
-__all__ = ["lltm", "LLTMFunction", "LLTMCell", "lltm_reference", "ReferenceLLTMCell"]
+__all__ = ["lltm", "LLTMFunction", "LLTMCell", "lltm_sequence", "LLTMSequenceFunction", "LLTM",
+           "lltm_reference", "ReferenceLLTMCell"]
 
 _NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 _DTYPES = {"cpu": (torch.float32, torch.float64),
@@ -41,21 +42,21 @@ _DTYPES = {"cpu": (torch.float32, torch.float64),
 # ---------------------------------------------------------------------------------------------
 # Checks and zero-copy conversions
 
-def _check(tensors) -> None:
+def _check(tensors, names=_NAMES, check=check_shapes) -> None:
     """Torch-level checks, before any conversion or kernel: type, device, dtype, shapes."""
-    for name, t in zip(_NAMES, tensors):
+    for name, t in zip(names, tensors):
         if not isinstance(t, Tensor):
             raise TypeError(f"lltm_cupy.torch: {name} must be a torch.Tensor, got {type(t).__qualname__}")
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        listing = ", ".join(f"{n} on {t.device}" for n, t in zip(_NAMES, tensors))
+        listing = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
         raise ValueError(f"lltm_cupy.torch: all tensors must be on one device, got {listing}")
     device = tensors[0].device
     if device.type not in _DTYPES:
         raise ValueError(f"lltm_cupy.torch: tensors on {device} are not supported (CPU or CUDA only)")
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
-        listing = ", ".join(f"{n}={t.dtype}" for n, t in zip(_NAMES, tensors))
+        listing = ", ".join(f"{n}={t.dtype}" for n, t in zip(names, tensors))
         raise TypeError(f"lltm_cupy.torch: all tensors must have the same dtype, got {listing}")
     dtype = tensors[0].dtype
     if dtype not in _DTYPES[device.type]:
@@ -64,7 +65,7 @@ def _check(tensors) -> None:
                 else " (float16 runs on CUDA only)" if dtype == torch.float16 else "")
         raise TypeError(f"lltm_cupy.torch: unsupported dtype {dtype} on {device.type}; expected one "
                         f"of {allowed}{hint}")
-    check_shapes(*tensors)
+    check(*tensors)
 
 
 def _to_array(t: Tensor):
@@ -332,6 +333,174 @@ class LLTMCell(_CellBase):
 
     def forward(self, input: Tensor, state: Optional[tuple[Tensor, Tensor]] = None):
         return lltm(*self._args(input, state))
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole sequences
+
+_SEQ_NAMES = ("inputs", "weights", "bias", "h0", "c0")
+
+
+def _sequence_backend(device):
+    if device.type == "cpu":
+        return (lambda *a: _numpy.forward_sequence(*a, mm=_torch_mm),
+                lambda *a: _numpy.backward_sequence(*a, mm=_torch_mm))
+    from . import _cupy
+
+    return _cupy.forward_sequence, _cupy.backward_sequence
+
+
+def _optional(t):
+    return None if t is None else _to_array(t)
+
+
+class LLTMSequenceFunction(torch.autograd.Function):
+    """A whole sequence with autograd; ``apply(inputs, weights, bias, h0, c0)``.
+
+    Returns ``(outputs, h_n, c_n)``. Prefer :func:`lltm_sequence`.
+    """
+
+    @staticmethod
+    def forward(ctx, inputs, weights, bias, h0, c0):
+        device = inputs.device
+        forward, _ = _sequence_backend(device)
+        with _context(device):
+            outputs, h_n, c_n, saved = forward(*(_to_array(t) for t in (inputs, weights, bias, h0, c0)))
+            outputs, h_n, c_n = (_from_array(a) for a in (outputs, h_n, c_n))
+        ctx.lltm_saved = saved
+        ctx.device = device
+        # The saved hidden states are the outputs' memory, and the saved inputs may be the
+        # caller's: saved through autograd so that an in-place change raises at backward.
+        ctx.save_for_backward(inputs, weights, outputs)
+        ctx.set_materialize_grads(False)
+        return outputs, h_n, c_n
+
+    @staticmethod
+    def backward(ctx, grad_outputs, grad_h_n, grad_c_n):
+        _refuse_double_backward()
+        ctx.saved_tensors  # noqa: B018 -- the version check
+        _, backward = _sequence_backend(ctx.device)
+        with _context(ctx.device):
+            grads = backward(_optional(grad_outputs), _optional(grad_h_n), _optional(grad_c_n),
+                             ctx.lltm_saved)
+            return tuple(_from_array(g) if need else None
+                         for g, need in zip(grads, ctx.needs_input_grad))
+
+
+@torch.library.custom_op("lltm_cupy::lltm_sequence_forward", mutates_args=())
+def _sequence_forward_op(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor,
+                         c0: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (hs, h_n, c_n, gates, cells); the outputs are hs[1:]."""
+    forward, _ = _sequence_backend(inputs.device)
+    with _context(inputs.device):
+        _, h_n, c_n, saved = forward(*(_to_array(t) for t in (inputs, weights, bias, h0, c0)))
+        return tuple(_from_array(a) for a in (saved.hs, h_n, c_n, saved.gates, saved.cells))
+
+
+@_sequence_forward_op.register_fake
+def _(inputs, weights, bias, h0, c0):
+    steps, batch, _ = inputs.shape
+    state = h0.shape[1]
+    return (inputs.new_empty(steps + 1, batch, state), inputs.new_empty(batch, state),
+            inputs.new_empty(batch, state), inputs.new_empty(steps, batch, 3 * state),
+            inputs.new_empty(steps, batch, state))
+
+
+@torch.library.custom_op("lltm_cupy::lltm_sequence_backward", mutates_args=())
+def _sequence_backward_op(grad_outputs: Optional[Tensor], grad_h_n: Optional[Tensor],
+                          grad_c_n: Optional[Tensor], inputs: Tensor, hs: Tensor, gates: Tensor,
+                          cells: Tensor, weights: Tensor,
+                          bias_2d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (d_inputs, d_weights, d_bias, d_h0, d_c0)."""
+    _, backward = _sequence_backend(inputs.device)
+    with _context(inputs.device):
+        steps, batch, features = inputs.shape
+        state = hs.shape[2]
+        saved = LLTMSequenceSaved(
+            "numpy" if inputs.device.type == "cpu" else "cupy",
+            _to_array(inputs.contiguous()).reshape(steps * batch, features),
+            *(_to_array(t.contiguous()) for t in (hs, gates, cells, weights)),
+            (1, 3 * state) if bias_2d else (3 * state,))
+        grads = backward(_optional(grad_outputs), _optional(grad_h_n), _optional(grad_c_n), saved)
+        return tuple(_from_array(g) for g in grads)
+
+
+@_sequence_backward_op.register_fake
+def _(grad_outputs, grad_h_n, grad_c_n, inputs, hs, gates, cells, weights, bias_2d):
+    state = hs.shape[2]
+    return (inputs.new_empty(inputs.shape), weights.new_empty(weights.shape),
+            weights.new_empty((1, 3 * state) if bias_2d else (3 * state,)),
+            hs.new_empty(hs.shape[1:]), hs.new_empty(hs.shape[1:]))
+
+
+def _sequence_setup_context(ctx, inputs, output):
+    x, weights, bias, _, _ = inputs
+    hs, _, _, gates, cells = output
+    ctx.save_for_backward(x, hs, gates, cells, weights)
+    ctx.bias_2d = bias.dim() == 2
+
+
+def _sequence_backward_autograd(ctx, grad_hs, grad_h_n, grad_c_n, _grad_gates, _grad_cells):
+    _refuse_double_backward()
+    x, hs, gates, cells, weights = ctx.saved_tensors
+    grad_outputs = None if grad_hs is None else grad_hs[1:]
+    return _sequence_backward_op(grad_outputs, grad_h_n, grad_c_n, x, hs, gates, cells, weights,
+                                 ctx.bias_2d)
+
+
+_sequence_forward_op.register_autograd(_sequence_backward_autograd,
+                                       setup_context=_sequence_setup_context)
+
+
+def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor,
+                  c0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The cell over a whole sequence, differentiable. Returns ``(outputs, h_n, c_n)``.
+
+    inputs: (steps, batch, features)
+    weights: (3 * state, state + features); bias: (3 * state,) or (1, 3 * state)
+    h0, c0: (batch, state)
+
+    outputs: (steps, batch, state), the hidden state after every step; h_n, c_n: (batch, state).
+    """
+    tensors = (inputs, weights, bias, h0, c0)
+    _check(tensors, _SEQ_NAMES, check_sequence_shapes)
+    if torch.compiler.is_compiling():
+        hs, h_n, c_n, _, _ = _sequence_forward_op(*tensors)
+        return hs[1:], h_n, c_n
+    return LLTMSequenceFunction.apply(*tensors)
+
+
+class LLTM(_CellBase):
+    """The LLTM over whole sequences, shaped like a one-layer ``nn.LSTM``.
+
+    Same parameters (names, shapes, initialisation) as :class:`LLTMCell`, so a cell's
+    state_dict loads into it.
+
+    forward(input, state=None) -> (output, (h_n, c_n))
+        input: (steps, batch, input_features), or (batch, steps, input_features) if batch_first
+        state: (h0, c0), each (batch, state_size), or None for zeros
+        output: (steps, batch, state_size) (or batch first); h_n, c_n: (batch, state_size)
+    """
+
+    def __init__(self, input_features: int, state_size: int, batch_first: bool = False,
+                 bias: bool = True, device=None, dtype=None):
+        super().__init__(input_features, state_size, bias=bias, device=device, dtype=dtype)
+        self.batch_first = batch_first
+
+    def forward(self, input: Tensor, state: Optional[tuple[Tensor, Tensor]] = None):
+        if self.batch_first:
+            input = input.transpose(0, 1)
+        if state is None:
+            zeros = input.new_zeros(input.shape[1], self.state_size)
+            state = (zeros, zeros)
+        bias = self.bias if self.bias is not None else self.weights.new_zeros(3 * self.state_size)
+        output, h_n, c_n = lltm_sequence(input, self.weights, bias, *state)
+        if self.batch_first:
+            output = output.transpose(0, 1)
+        return output, (h_n, c_n)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", batch_first={self.batch_first}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,147 @@
+"""forward_sequence / backward_sequence equal stepping the cell, forward and every gradient."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lltm_cupy
+from conftest import TOLERANCE, dtypes_for, max_error, to_numpy
+
+SEQ_NAMES = ("inputs", "weights", "bias", "h0", "c0")
+
+
+def make_sequence(steps, batch, features, state, dtype, seed=0, bias_2d=False):
+    rng = np.random.default_rng(seed)
+    k = state + features
+    case = dict(
+        inputs=rng.standard_normal((steps, batch, features)),
+        weights=rng.uniform(-1, 1, (3 * state, k)) / np.sqrt(k),
+        bias=rng.uniform(-1, 1, (1, 3 * state) if bias_2d else 3 * state),
+        h0=rng.uniform(-1, 1, (batch, state)),
+        c0=rng.standard_normal((batch, state)),
+        grad_outputs=rng.standard_normal((steps, batch, state)),
+        grad_h_n=rng.standard_normal((batch, state)),
+        grad_c_n=rng.standard_normal((batch, state)),
+    )
+    return {k: v.astype(dtype) for k, v in case.items()}
+
+
+def stepped(xp, case, grad_outputs, grad_h_n, grad_c_n):
+    """The sequence by stepping lltm_cupy.forward / backward from Python, in the same dtype."""
+    a = {k: xp.asarray(v) for k, v in case.items()}
+    steps = a["inputs"].shape[0]
+    h, c, saves, outs = a["h0"], a["c0"], [], []
+    for t in range(steps):
+        h, c, s = lltm_cupy.forward(a["inputs"][t], a["weights"], a["bias"], h, c)
+        outs.append(h)
+        saves.append(s)
+    dh = None if grad_h_n is None else xp.asarray(grad_h_n)
+    dc = None if grad_c_n is None else xp.asarray(grad_c_n)
+    d_w = xp.zeros_like(a["weights"])
+    d_b = xp.zeros_like(a["bias"])
+    d_x = xp.zeros_like(a["inputs"])
+    for t in range(steps - 1, -1, -1):
+        gh = dh
+        if grad_outputs is not None:
+            gh = xp.asarray(grad_outputs[t]) if gh is None else gh + xp.asarray(grad_outputs[t])
+        g = lltm_cupy.backward(gh, dc, saves[t])
+        dh, dc = g.d_old_h, g.d_old_cell
+        d_w += g.d_weights
+        d_b += g.d_bias
+        d_x[t] = g.d_input
+    if steps == 0:
+        dh = xp.zeros_like(a["h0"]) if dh is None else dh
+        dc = xp.zeros_like(a["c0"]) if dc is None else dc
+    return outs, h, c, (d_x, d_w, d_b, dh, dc)
+
+
+def check(got, want, dtype, name):
+    assert tuple(got.shape) == tuple(want.shape), f"{name}: {got.shape} != {want.shape}"
+    assert got.dtype == dtype, name
+    err = max_error(to_numpy(got), to_numpy(want).astype(np.float64))
+    # Stepping and the sequence round the same values in different orders (one GEMM vs per-step
+    # GEMMs, a sum over T*B vs T sums over B); errors can add up over the steps.
+    tol = 10 * TOLERANCE[np.dtype(dtype)]
+    assert err <= tol, f"{name}: max normalised error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("steps", [0, 1, 7])
+@pytest.mark.parametrize("missing", ["none", "outputs", "final"])
+def test_sequence_equals_stepped_cell(xp, steps, missing):
+    for dtype in dtypes_for(xp):
+        case = make_sequence(steps, 3, 17, 5, dtype, seed=steps, bias_2d=(steps == 1))
+        go = None if missing == "outputs" else case["grad_outputs"]
+        ghn = None if missing == "final" else case["grad_h_n"]
+        gcn = None if missing == "final" else case["grad_c_n"]
+        args = [xp.asarray(case[n]) for n in SEQ_NAMES]
+        outputs, h_n, c_n, saved = lltm_cupy.forward_sequence(*args)
+        grads = lltm_cupy.backward_sequence(*(None if g is None else xp.asarray(g)
+                                              for g in (go, ghn, gcn)), saved)
+        outs, h, c, want = stepped(xp, {n: case[n] for n in SEQ_NAMES}, go, ghn, gcn)
+        assert outputs.shape == (steps, 3, 5)
+        for t in range(steps):
+            check(outputs[t], outs[t], dtype, f"outputs[{t}]")
+        check(h_n, h if steps else args[3], dtype, "h_n")
+        check(c_n, c if steps else args[4], dtype, "c_n")
+        assert isinstance(grads, lltm_cupy.LLTMSequenceGrads)
+        for name, g, w in zip(grads._fields, grads, want):
+            check(g, w, dtype, name)
+
+
+def test_sequence_does_not_modify_inputs(xp):
+    case = make_sequence(4, 2, 3, 5, np.float64, seed=3)
+    args = {n: xp.asarray(v) for n, v in case.items()}
+    before = {n: to_numpy(v).copy() for n, v in args.items()}
+    *_, saved = lltm_cupy.forward_sequence(*(args[n] for n in SEQ_NAMES))
+    lltm_cupy.backward_sequence(args["grad_outputs"], args["grad_h_n"], args["grad_c_n"], saved)
+    lltm_cupy.backward_sequence(args["grad_outputs"], args["grad_h_n"], args["grad_c_n"], saved)
+    for n, v in args.items():
+        np.testing.assert_array_equal(to_numpy(v), before[n], err_msg=n)
+    assert "LLTMSequenceSaved" in repr(saved)
+    # per step: 4 * B * S values, plus the hidden states (T + 1) * B * S
+    assert saved.nbytes == (4 * 4 * 2 * 5 + 5 * 2 * 5) * 8
+
+
+def test_sequence_finite_differences():
+    case = make_sequence(3, 2, 3, 4, np.float64, seed=5)
+    args = {n: case[n].copy() for n in SEQ_NAMES}
+    go, ghn, gcn = case["grad_outputs"], case["grad_h_n"], case["grad_c_n"]
+
+    def loss():
+        outputs, h_n, c_n, _ = lltm_cupy.forward_sequence(*(args[n] for n in SEQ_NAMES))
+        return float((outputs * go).sum() + (h_n * ghn).sum() + (c_n * gcn).sum())
+
+    *_, saved = lltm_cupy.forward_sequence(*(args[n] for n in SEQ_NAMES))
+    grads = lltm_cupy.backward_sequence(go, ghn, gcn, saved)
+    eps = 1e-6
+    for name, g in zip(SEQ_NAMES, grads):
+        arg = args[name]
+        numeric = np.zeros_like(arg)
+        for idx in np.ndindex(arg.shape):
+            orig = arg[idx]
+            arg[idx] = orig + eps
+            up = loss()
+            arg[idx] = orig - eps
+            down = loss()
+            arg[idx] = orig
+            numeric[idx] = (up - down) / (2 * eps)
+        err = np.abs(g - numeric).max()
+        assert err < 1e-7, f"d_{name}: max |analytic - numeric| = {err:.2e}"
+
+
+def test_sequence_errors():
+    case = make_sequence(2, 3, 4, 5, np.float32)
+    args = [case[n] for n in SEQ_NAMES]
+    with pytest.raises(ValueError, match=r"inputs must be 3-D \(steps, batch, features\)"):
+        lltm_cupy.forward_sequence(args[0][0], *args[1:])
+    with pytest.raises(ValueError, match=r"h0 must have shape \(3, 5\)"):
+        lltm_cupy.forward_sequence(args[0], args[1], args[2], args[3][:2], args[4])
+    with pytest.raises(ValueError, match=r"weights must have shape \(15, 9\)"):
+        lltm_cupy.forward_sequence(args[0], args[1][:, :8], *args[2:])
+    with pytest.raises(TypeError, match="same dtype"):
+        lltm_cupy.forward_sequence(args[0].astype(np.float64), *args[1:])
+    *_, saved = lltm_cupy.forward_sequence(*args)
+    with pytest.raises(ValueError, match=r"grad_outputs must have shape \(2, 3, 5\)"):
+        lltm_cupy.backward_sequence(case["grad_outputs"][:1], None, None, saved)
+    with pytest.raises(TypeError, match="LLTMSequenceSaved"):
+        lltm_cupy.backward_sequence(None, None, None, object())
