@@ -28,6 +28,15 @@ def _backend(name: str):
     return backend
 
 
+def _needed(needed) -> tuple:
+    if needed is None:
+        return (True,) * 5
+    if len(needed) != 5:
+        raise ValueError(f"lltm_cupy: needed must hold 5 booleans (one per gradient field), "
+                         f"got {len(needed)}")
+    return tuple(map(bool, needed))
+
+
 def forward(input, weights, bias, old_h, old_cell):
     """One LLTM step. Returns ``(new_h, new_cell, saved)``.
 
@@ -59,12 +68,7 @@ def backward(grad_h, grad_cell, saved, *, needed=None):
     ``d_bias`` (like the bias given), ``d_old_cell (batch, state)``.
     """
     backend = check_backward(grad_h, grad_cell, saved)
-    if needed is None:
-        needed = (True,) * 5
-    elif len(needed) != 5:
-        raise ValueError(f"lltm_cupy: needed must hold 5 booleans (one per LLTMGrads field), "
-                         f"got {len(needed)}")
-    return _backend(backend).backward(grad_h, grad_cell, saved, tuple(map(bool, needed)))
+    return _backend(backend).backward(grad_h, grad_cell, saved, _needed(needed))
 
 
 def forward_sequence(inputs, weights, bias, h0, c0):
@@ -84,15 +88,18 @@ def forward_sequence(inputs, weights, bias, h0, c0):
     return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0)
 
 
-def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved):
+def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, *, needed=None):
     """Gradients of a sequence (backpropagation through time). Returns :class:`LLTMSequenceGrads`.
 
     grad_outputs: (steps, batch, state) gradient w.r.t. outputs, or None for zero
     grad_h_n, grad_c_n: (batch, state) gradients w.r.t. the final state, or None for zero
     saved: what :func:`forward_sequence` returned, untouched
+    needed: optional 5 booleans in the order of the fields below; a False field is returned as
+        None and its GEMM or reduction is skipped (default: all computed)
 
     Fields: ``d_inputs (steps, batch, features)``, ``d_weights (3 * state, state + features)``,
     ``d_bias`` (like the bias given), ``d_h0 (batch, state)``, ``d_c0 (batch, state)``.
     """
     backend = check_backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved)
-    return _backend(backend).backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved)
+    return _backend(backend).backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved,
+                                               _needed(needed))

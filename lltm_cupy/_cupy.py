@@ -126,7 +126,7 @@ def forward_sequence(inputs, weights, bias, h0, c0):
     return hs[1:], h_n, c_n, saved
 
 
-def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved):
+def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5):
     cupy = _cupy()
     x, hs, gates, cells, weights = saved.inputs, saved.hs, saved.gates, saved.cells, saved.weights
     steps, batch, state = cells.shape
@@ -162,14 +162,21 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved):
         else:
             d_h0 = cupy.zeros((batch, state), dtype) if grad_h_n is None else cupy.array(grad_h_n)
             d_c0 = cupy.zeros((batch, state), dtype) if grad_c_n is None else cupy.array(grad_c_n)
+        need_x, need_w, need_b, need_h0, need_c0 = needed
         flat = d_gates.reshape(steps * batch, 3 * state)
-        d_weights = cupy.zeros(weights.shape, dtype)
-        if steps * batch:
-            d_weights[:, :state] = cupy.matmul(flat.T, hs[:-1].reshape(steps * batch, state))
-            d_weights[:, state:] = cupy.matmul(flat.T, x)
-        if dtype == np.float16:
-            d_bias = flat.sum(axis=0, dtype=np.float32).astype(dtype)
-        else:
-            d_bias = flat.sum(axis=0)
-        d_inputs = cupy.matmul(flat, weights[:, state:]).reshape(steps, batch, features)
-    return LLTMSequenceGrads(d_inputs, d_weights, d_bias.reshape(saved.bias_shape), d_h0, d_c0)
+        d_weights = d_bias = d_inputs = None
+        if need_w:
+            d_weights = cupy.zeros(weights.shape, dtype)
+            if steps * batch:
+                d_weights[:, :state] = cupy.matmul(flat.T, hs[:-1].reshape(steps * batch, state))
+                d_weights[:, state:] = cupy.matmul(flat.T, x)
+        if need_b:
+            if dtype == np.float16:
+                d_bias = flat.sum(axis=0, dtype=np.float32).astype(dtype)
+            else:
+                d_bias = flat.sum(axis=0)
+            d_bias = d_bias.reshape(saved.bias_shape)
+        if need_x:
+            d_inputs = cupy.matmul(flat, weights[:, state:]).reshape(steps, batch, features)
+    return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
+                             d_c0 if need_c0 else None)

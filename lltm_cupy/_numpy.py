@@ -25,6 +25,21 @@ from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
 __all__ = ["forward", "backward", "forward_sequence", "backward_sequence"]
 
 
+def _project(x, w, bias, mm):
+    """x @ w.T + bias as a new C-ordered array (every array here is in C order: NumPy runs
+    element-wise ops on operands of mixed memory order up to 20x slower).
+
+    For up to 128 rows, (w @ x.T).T written back in C order by the bias add: OpenBLAS runs that
+    product up to 2x faster than x @ w.T at small batch. For more rows the transposing add costs
+    more than it saves (43 ms against a 20 ms GEMM at 4096 x 1536), so x @ w.T directly.
+    """
+    if x.shape[0] <= 128:
+        return np.add(mm(w, x.T).T, bias.reshape(-1), order="C")
+    out = mm(x, w.T)
+    out += bias.reshape(-1)
+    return out
+
+
 def _activate(acts, old_cell, new_h, new_cell) -> None:
     """Element-wise forward of one step, in place: acts (B, 3S) holds the pre-activations on
     entry and [input_gate | output_gate | candidate_cell] on exit; writes new_h and new_cell."""
@@ -90,10 +105,7 @@ def _d_gates(grad_h, grad_cell, acts, new_cell, d_gates):
 def forward(input, weights, bias, old_h, old_cell, mm=np.matmul):
     batch, state = old_h.shape
     X = np.concatenate((old_h, input), axis=1)
-    # W @ X.T rather than X @ W.T: the same product, and OpenBLAS runs it up to 2x faster at
-    # small batch sizes; the bias add then writes it back in C order (every array below is in C
-    # order: NumPy is up to 20x slower on operands of mixed memory order).
-    acts = np.add(mm(weights, X.T).T, bias.reshape(-1), order="C")
+    acts = _project(X, weights, bias, mm)
     new_h = np.empty((batch, state), acts.dtype)
     new_cell = np.empty((batch, state), acts.dtype)
     _activate(acts, old_cell, new_h, new_cell)
@@ -119,16 +131,16 @@ def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul):
     steps, batch, features = inputs.shape
     state = h0.shape[1]
     x = inputs.reshape(steps * batch, features)
-    # The input projection of every step in one GEMM, bias added, as (T, B, 3S) in C order.
-    gates = np.add(mm(weights[:, state:], x.T).T, bias.reshape(-1), order="C")
-    gates = gates.reshape(steps, batch, 3 * state)
+    # The input projection of every step in one GEMM, bias added, as (T, B, 3S).
+    gates = _project(x, weights[:, state:], bias, mm).reshape(steps, batch, 3 * state)
     hs = np.empty((steps + 1, batch, state), gates.dtype)   # [h0, h_1, ..., h_T]
     hs[0] = h0
     cells = np.empty((steps, batch, state), gates.dtype)
-    w_h = weights[:, :state]
+    # h @ W_h.T with W_h.T copied to C order once: 1.3-1.9x faster per step than on the view.
+    w_h_t = np.ascontiguousarray(weights[:, :state].T)
     c = c0
     for t in range(steps):
-        gates[t] += mm(hs[t], w_h.T)        # the recurrent GEMM, into the step's slice
+        gates[t] += mm(hs[t], w_h_t)        # the recurrent GEMM, into the step's slice
         _activate(gates[t], c, hs[t + 1], cells[t])
         c = cells[t]
     h_n = hs[steps].copy()
@@ -137,7 +149,7 @@ def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul):
     return hs[1:], h_n, c_n, saved
 
 
-def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, mm=np.matmul):
+def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, mm=np.matmul):
     x, hs, gates, cells, weights = saved.inputs, saved.hs, saved.gates, saved.cells, saved.weights
     steps, batch, state = cells.shape
     features = x.shape[1]
@@ -148,7 +160,7 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, mm=np.matmul):
     if steps and grad_h_n is not None:
         grad_h[steps - 1] += grad_h_n
     d_gates = np.empty((steps, batch, 3 * state), dtype)
-    w_h = weights[:, :state]
+    w_h = np.ascontiguousarray(weights[:, :state])
     d_c = grad_c_n
     for t in range(steps - 1, -1, -1):
         d_c = _d_gates(grad_h[t], d_c, gates[t], cells[t], d_gates[t])
@@ -159,10 +171,16 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, mm=np.matmul):
     else:
         d_h0 = np.zeros((batch, state), dtype) if grad_h_n is None else np.array(grad_h_n)
         d_c = np.zeros((batch, state), dtype) if grad_c_n is None else np.array(grad_c_n)
+    need_x, need_w, need_b, need_h0, need_c0 = needed
     flat = d_gates.reshape(steps * batch, 3 * state)
-    d_weights = np.empty(weights.shape, dtype)
-    d_weights[:, :state] = mm(flat.T, hs[:-1].reshape(steps * batch, state))
-    d_weights[:, state:] = mm(flat.T, x)
-    d_bias = flat.sum(axis=0).reshape(saved.bias_shape)
-    d_inputs = mm(flat, weights[:, state:]).reshape(steps, batch, features)
-    return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0, d_c)
+    d_weights = d_bias = d_inputs = None
+    if need_w:
+        d_weights = np.empty(weights.shape, dtype)
+        d_weights[:, :state] = mm(flat.T, hs[:-1].reshape(steps * batch, state))
+        d_weights[:, state:] = mm(flat.T, x)
+    if need_b:
+        d_bias = flat.sum(axis=0).reshape(saved.bias_shape)
+    if need_x:
+        d_inputs = mm(flat, weights[:, state:]).reshape(steps, batch, features)
+    return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
+                             d_c if need_c0 else None)

@@ -122,10 +122,11 @@ class _TorchRunner:
         self.torch.autograd.backward(out, (self.ones, self.ones))
 
     def saved_bytes(self) -> int:
-        """Bytes of the tensors autograd saves for backward, other than parameters and inputs."""
+        """Bytes of the tensors autograd saves for backward, other than parameters and inputs,
+        plus the arrays our autograd Functions keep on their ctx (invisible to the hooks)."""
         torch = self.torch
         saved = {}
-        exclude = {t.data_ptr() for t in (*self.module.parameters(), self.x, self.h, self.c)}
+        exclude = {t.data_ptr() for t in (*self.module.parameters(), *self._inputs())}
 
         def pack(t):
             if t.data_ptr() not in exclude:
@@ -134,12 +135,38 @@ class _TorchRunner:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self.forward()
-        hidden = getattr(out[0].grad_fn, "lltm_saved", None)  # our Function keeps arrays on ctx
-        if hidden is not None:
-            for a in (hidden.X, hidden.gates, hidden.new_cell):
-                ptr = a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
-                saved[ptr] = a.nbytes
+        saved.update(_hidden_saved(out))
         return int(sum(saved.values()))
+
+    def _inputs(self):
+        return (self.x, self.h, self.c)
+
+
+def _tensors(obj):
+    if hasattr(obj, "grad_fn"):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+
+
+def _hidden_saved(out) -> dict:
+    """{pointer: bytes} of the arrays held by lltm_cupy autograd nodes reachable from ``out``."""
+    found, seen = {}, set()
+    stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        hidden = getattr(node, "lltm_saved", None)
+        if hidden is not None:
+            for name in ("X", "gates", "new_cell", "hs", "cells"):
+                a = getattr(hidden, name, None)
+                if a is not None:
+                    found[a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr] = a.nbytes
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
 
 
 class _ArrayRunner:
@@ -292,28 +319,32 @@ def _fmt_bytes(n: int) -> str:
 
 
 def format_table(record: dict, scale="us") -> str:
-    """A text table: median / min per phase, speed-up of fwd+bwd over the eager reference."""
+    """A text table: median / min per phase, speed-up of fwd+bwd over the baseline (the eager
+    reference; for sequences our cell stepped from Python)."""
     factor, unit = _SCALES[scale]
     res = record["results"]
-    base = res.get("reference", {}).get("fwd+bwd", {}).get("median_s")
-    lines = [f"(batch, features, state) = ({record['batch']}, {record['features']}, {record['state']}), "
-             f"{record['dtype']} on {record['device']}, {record['runs']} runs; "
+    baseline = record.get("baseline", "reference")
+    base = res.get(baseline, {}).get("fwd+bwd", {}).get("median_s")
+    steps = f", {record['steps']} steps" if "steps" in record else ""
+    lines = [f"(batch, features, state) = ({record['batch']}, {record['features']}, {record['state']})"
+             f"{steps}, {record['dtype']} on {record['device']}, {record['runs']} runs; "
              f"times in {unit}, median / min"]
-    head = f"{'impl':<11}" + "".join(f"{p:>22}" for p in PHASES) + f"{'vs reference':>14}{'saved':>12}"
+    width = max(11, max(len(n) for n in res) + 2) if res else 11
+    head = f"{'impl':<{width}}" + "".join(f"{p:>22}" for p in PHASES) + f"{'vs ' + baseline:>20}{'saved':>12}"
     lines += [head, "-" * len(head)]
     for name, r in res.items():
         cells = "".join(f"{r[p]['median_s'] * factor:>12.1f} /{r[p]['min_s'] * factor:>8.1f}"
                         for p in PHASES)
         ratio = f"{base / r['fwd+bwd']['median_s']:.2f}x" if base else "n/a"
-        lines.append(f"{name:<11}{cells}{ratio:>14}{_fmt_bytes(r['saved_bytes']):>12}")
+        lines.append(f"{name:<{width}}{cells}{ratio:>20}{_fmt_bytes(r['saved_bytes']):>12}")
     for name, why in record["skipped"].items():
         lines.append(f"{name:<11}not run: {why}")
     if record.get("separately_timed"):
         lines.append(f"timed in a separate block (NumPy BLAS threads vs torch threads): "
                      f"{', '.join(record['separately_timed'])}")
     if base:
-        lines.append("vs reference: eager reference fwd+bwd median / this fwd+bwd median "
-                     "(above 1: faster than the reference)")
+        lines.append(f"vs {baseline}: its fwd+bwd median / this fwd+bwd median "
+                     f"(above 1: faster than {baseline})")
     return "\n".join(lines)
 
 
@@ -484,3 +515,146 @@ def format_mixed(size, rep: dict, scale="us") -> str:
         lines.append(f"{name:<11}{r['layers alone'] * factor:>14.1f}{r['cell alone'] * factor:>12.1f}"
                      f"{r['mixed'] * factor:>10.1f}{r['mixed / (layers + cell)']:>13.2f}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole sequences
+
+SEQUENCE_IMPLS = ("sequence", "cell-stepped", "reference-stepped", "array-sequence",
+                  "array-stepped", "lstm")
+SEQUENCE_SIZES = ((16, 32, 128), (64, 256, 512))
+
+
+class _TorchSequenceRunner(_TorchRunner):
+    """A torch module over T steps: one call for sequence modules, a Python loop for cells."""
+
+    def __init__(self, module, xs, h, c, mode):
+        import torch
+
+        self.torch = torch
+        self.module, self.xs, self.h, self.c, self.mode = module, xs, h, c, mode
+        self.ones_h = torch.ones_like(h)
+
+    def forward(self):
+        if self.mode == "sequence":
+            out, (_, c) = self.module(self.xs, (self.h, self.c))
+            return [out, c]
+        if self.mode == "lstm":
+            out, (_, c) = self.module(self.xs, (self.h[None], self.c[None]))
+            return [out, c]
+        state, outs = (self.h, self.c), []
+        for x in self.xs:
+            state = self.module(x, state)
+            outs.append(state[0])
+        return outs + [state[1]]
+
+    def backward(self, out):
+        self.torch.autograd.backward(out, [self.torch.ones_like(t) for t in out])
+
+    def _inputs(self):
+        return (self.xs, self.h, self.c)
+
+
+class _ArraySequenceRunner:
+    def __init__(self, cfg, params, xs, h, c, stepped):
+        import lltm_cupy
+
+        self.lltm, self.stepped = lltm_cupy, stepped
+        if cfg.cuda:
+            import cupy as xp
+            import torch
+
+            from .torch import _on_torch_stream
+
+            self.stream_ctx = lambda: _on_torch_stream(torch.device("cuda", torch.cuda.current_device()))
+            conv = lambda t: xp.from_dlpack(t.detach())  # noqa: E731
+        else:
+            import contextlib
+
+            xp = np
+            self.stream_ctx = contextlib.nullcontext
+            conv = lambda t: t.detach().numpy()  # noqa: E731
+        self.w, self.b = (conv(t) for t in params)
+        self.xs, self.h, self.c = conv(xs), conv(h), conv(c)
+        self.ones = xp.ones_like(self.h)
+        self.ones_out = xp.ones(self.xs.shape[:2] + self.h.shape[1:], self.h.dtype)
+
+    def forward(self):
+        with self.stream_ctx():
+            if not self.stepped:
+                return self.lltm.forward_sequence(self.xs, self.w, self.b, self.h, self.c)
+            h, c, saves = self.h, self.c, []
+            for x in self.xs:
+                h, c, saved = self.lltm.forward(x, self.w, self.b, h, c)
+                saves.append(saved)
+            return saves
+
+    def backward(self, out):
+        with self.stream_ctx():
+            if not self.stepped:
+                self.lltm.backward_sequence(self.ones_out, None, self.ones, out[3])
+                return
+            d_h, d_c, d_w, d_b = None, self.ones, 0, 0
+            for saved in reversed(out):
+                g = self.lltm.backward(self.ones if d_h is None else d_h + self.ones, d_c, saved,
+                                       needed=(True, False, True, True, True))
+                d_h, d_c = g.d_old_h, g.d_old_cell
+                d_w = d_w + g.d_weights
+                d_b = d_b + g.d_bias
+
+    def saved_bytes(self) -> int:
+        out = self.forward()
+        return out[3].nbytes if not self.stepped else sum(s.nbytes for s in out)
+
+
+def run_sequence(cfg: Config, steps: int, impls=None, quiet=False) -> dict:
+    """Time whole-sequence implementations over ``steps`` steps at one cell size."""
+    import torch
+
+    from . import torch as lt
+
+    impls = list(impls or [i for i in SEQUENCE_IMPLS if i != "lstm" or cfg.cuda])
+    device = "cuda" if cfg.cuda else "cpu"
+    dtype = torch.float64 if cfg.double else torch.float32
+    torch.manual_seed(cfg.seed)
+    seq = lt.LLTM(cfg.features, cfg.state, device=device, dtype=dtype)
+    xs = torch.randn(steps, cfg.batch, cfg.features, device=device, dtype=dtype)
+    h = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
+    c = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
+    runners, skipped = {}, {}
+    for name in impls:
+        if name == "sequence":
+            runners[name] = _TorchSequenceRunner(seq, xs, h, c, "sequence")
+        elif name in ("cell-stepped", "reference-stepped"):
+            cls = lt.LLTMCell if name == "cell-stepped" else lt.ReferenceLLTMCell
+            cell = cls(cfg.features, cfg.state, device=device, dtype=dtype)
+            cell.load_state_dict(seq.state_dict())
+            runners[name] = _TorchSequenceRunner(cell, xs, h, c, "stepped")
+        elif name in ("array-sequence", "array-stepped"):
+            runners[name] = _ArraySequenceRunner(cfg, (seq.weights, seq.bias), xs, h, c,
+                                                 stepped=(name == "array-stepped"))
+        elif name == "lstm":
+            lstm = torch.nn.LSTM(cfg.features, cfg.state, device=device, dtype=dtype)
+            runners[name] = _TorchSequenceRunner(lstm, xs, h, c, "lstm")
+        else:
+            raise ValueError(f"unknown sequence implementation {name!r}; choose from {SEQUENCE_IMPLS}")
+    timer = _CudaTimer() if cfg.cuda else _CpuTimer()
+    groups = [runners]
+    numpy_side = [k for k in runners if k.startswith("array")]
+    if not cfg.cuda and numpy_side and len(numpy_side) < len(runners):
+        groups = [{k: v for k, v in runners.items() if k not in numpy_side},
+                  {k: runners[k] for k in numpy_side}]
+    samples = {}
+    for group in groups:
+        samples.update(_time_loop(group, cfg, timer, quiet, label=f"T={steps} {'/'.join(group)}: "))
+    if len(groups) > 1:
+        time.sleep(0.5)
+    results = {}
+    for name in runners:
+        results[name] = {p: {"median_s": statistics.median(v), "min_s": min(v)}
+                         for p, v in samples[name].items()}
+        results[name]["saved_bytes"] = runners[name].saved_bytes()
+    return {"batch": cfg.batch, "features": cfg.features, "state": cfg.state, "steps": steps,
+            "device": device, "dtype": "float64" if cfg.double else "float32", "runs": cfg.runs,
+            "all_grads": False, "separately_timed": [k for g in groups[1:] for k in g],
+            "results": results, "skipped": skipped, "baseline": "cell-stepped"}

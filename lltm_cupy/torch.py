@@ -382,9 +382,8 @@ class LLTMSequenceFunction(torch.autograd.Function):
         _, backward = _sequence_backend(ctx.device)
         with _context(ctx.device):
             grads = backward(_optional(grad_outputs), _optional(grad_h_n), _optional(grad_c_n),
-                             ctx.lltm_saved)
-            return tuple(_from_array(g) if need else None
-                         for g, need in zip(grads, ctx.needs_input_grad))
+                             ctx.lltm_saved, tuple(ctx.needs_input_grad))
+            return tuple(None if g is None else _from_array(g) for g in grads)
 
 
 @torch.library.custom_op("lltm_cupy::lltm_sequence_forward", mutates_args=())

@@ -6,6 +6,7 @@ Examples:
     python scripts/benchmark.py -b 16 -f 32 -s 128 -r 1000 --scale us
     python scripts/benchmark.py --cuda --json gpu.json
     python scripts/benchmark.py --mixed               # the cell between torch layers (CPU)
+    python scripts/benchmark.py --sequence            # T = 64: our LLTM vs stepped cells
 
 Options -b/-f/-s/-r/--scale/-c/-d are those of the tutorial's benchmark.py. Giving any of
 -b/-f/-s runs that one size; otherwise the sweep of --sizes (default: the CPU or GPU sweep).
@@ -48,6 +49,9 @@ def main(argv=None) -> int:
     p.add_argument("--all-grads", action="store_true",
                    help="inputs and state require grad too (default: parameters only, as the tutorial)")
     p.add_argument("--mixed", action="store_true", help="also time the cell between torch layers (CPU)")
+    p.add_argument("--sequence", action="store_true",
+                   help="time whole sequences instead (our LLTM vs stepped cells, nn.LSTM on GPU)")
+    p.add_argument("-t", "--steps", type=int, default=64, help="sequence length for --sequence")
     p.add_argument("--no-kernels", action="store_true", help="GPU: skip the kernel bandwidth report")
     p.add_argument("--json", metavar="FILE", help="write all results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -61,12 +65,13 @@ def main(argv=None) -> int:
     if any(v is not None for v in (args.batch_size, args.features, args.state_size)):
         sizes = [(args.batch_size or 16, args.features or 32, args.state_size or 128)]
     else:
-        sizes = args.sizes or list(bm.GPU_SIZES if args.cuda else bm.CPU_SIZES)
-    impls = args.impl.split(",") if args.impl else [
-        i for i in bm.IMPLS if i != "lstm" or args.cuda]
-    unknown = set(impls) - set(bm.IMPLS)
+        default = bm.SEQUENCE_SIZES if args.sequence else bm.GPU_SIZES if args.cuda else bm.CPU_SIZES
+        sizes = args.sizes or list(default)
+    known = bm.SEQUENCE_IMPLS if args.sequence else bm.IMPLS
+    impls = args.impl.split(",") if args.impl else [i for i in known if i != "lstm" or args.cuda]
+    unknown = set(impls) - set(known)
     if unknown:
-        p.error(f"unknown --impl {','.join(sorted(unknown))}; choose from {','.join(bm.IMPLS)}")
+        p.error(f"unknown --impl {','.join(sorted(unknown))}; choose from {','.join(known)}")
 
     machine = bm.machine_name(args.cuda)
     print(f"lltm_cupy benchmark on {machine}; torch {torch.__version__}, "
@@ -78,10 +83,16 @@ def main(argv=None) -> int:
                         all_grads=args.all_grads)
         print(f"[{i}/{len(sizes)}] size {size}, {runs} runs", file=sys.stderr, flush=True) \
             if not args.quiet else None
-        record = bm.run_size(cfg, impls, quiet=args.quiet)
+        if args.sequence:
+            cfg.runs = args.runs or max(10, cfg.runs // args.steps)
+            record = bm.run_sequence(cfg, args.steps, impls, quiet=args.quiet)
+        else:
+            record = bm.run_size(cfg, impls, quiet=args.quiet)
         out["sizes"].append(record)
         print()
         print(bm.format_table(record, args.scale), flush=True)
+        if args.sequence:
+            continue
         if args.cuda and not args.no_kernels and size[0] * size[2] >= 1 << 20:
             rep = bm.gpu_kernel_report(cfg)
             out["gpu_kernels"][str(size)] = rep

@@ -145,3 +145,19 @@ def test_sequence_errors():
         lltm_cupy.backward_sequence(case["grad_outputs"][:1], None, None, saved)
     with pytest.raises(TypeError, match="LLTMSequenceSaved"):
         lltm_cupy.backward_sequence(None, None, None, object())
+
+
+def test_sequence_needed_skips_fields(xp):
+    case = make_sequence(3, 2, 3, 4, np.float64, seed=9)
+    *_, saved = lltm_cupy.forward_sequence(*(xp.asarray(case[n]) for n in SEQ_NAMES))
+    grads_in = [xp.asarray(case[n]) for n in ("grad_outputs", "grad_h_n", "grad_c_n")]
+    full = lltm_cupy.backward_sequence(*grads_in, saved)
+    for i in range(5):
+        needed = [True] * 5
+        needed[i] = False
+        got = lltm_cupy.backward_sequence(*grads_in, saved, needed=needed)
+        for j, (name, a, b) in enumerate(zip(got._fields, got, full)):
+            if j == i:
+                assert a is None, name
+            else:
+                np.testing.assert_array_equal(to_numpy(a), to_numpy(b), err_msg=name)
