@@ -96,15 +96,39 @@ def check_shapes(input, weights, bias, old_h, old_cell) -> None:
     _check_weights_and_bias(weights, bias, state, features, "old_h", "input")
 
 
-def check_forward(input, weights, bias, old_h, old_cell):
-    """Validate forward arguments; return (backend, dtype)."""
-    named = dict(zip(_FORWARD_NAMES, (input, weights, bias, old_h, old_cell)))
+def _check_arguments(names, arrays, check_shapes_fn):
+    """Kind, dtype, shapes and device of a forward call's arrays; return (backend, dtype)."""
+    named = dict(zip(names, arrays))
     backend = array_backend(named)
     dtype = _check_dtypes(named, backend)
-    check_shapes(input, weights, bias, old_h, old_cell)
+    check_shapes_fn(*arrays)
     if backend == "cupy":
         _check_device(named)
     return backend, dtype
+
+
+def _check_gradients(expected: dict, saved, dtype, reference) -> str:
+    """expected: {name: (gradient or None, shape, meaning)}; return the backend name."""
+    named = {n: g for n, (g, _, _) in expected.items() if g is not None}
+    if not named:
+        return saved.backend
+    backend = array_backend(named)
+    if backend != saved.backend:
+        raise TypeError(f"lltm_cupy: gradients are {backend} arrays but the forward ran on "
+                        f"{saved.backend} arrays")
+    for name, g in named.items():
+        if g.dtype != dtype:
+            raise TypeError(f"lltm_cupy: {name} must have the forward's dtype {dtype}, got {g.dtype}")
+        _, shape, meaning = expected[name]
+        _expect_shape(name, g, shape, meaning)
+    if backend == "cupy":
+        _check_device({**named, "saved": reference})
+    return backend
+
+
+def check_forward(input, weights, bias, old_h, old_cell):
+    """Validate forward arguments; return (backend, dtype)."""
+    return _check_arguments(_FORWARD_NAMES, (input, weights, bias, old_h, old_cell), check_shapes)
 
 
 def check_backward(grad_h, grad_cell, saved):
@@ -112,21 +136,10 @@ def check_backward(grad_h, grad_cell, saved):
     if not isinstance(saved, LLTMSaved):
         raise TypeError(f"lltm_cupy: saved must be the LLTMSaved returned by lltm_cupy.forward, "
                         f"got {type(saved).__qualname__}")
-    named = {n: g for n, g in (("grad_h", grad_h), ("grad_cell", grad_cell)) if g is not None}
-    if not named:
-        return saved.backend
-    backend = array_backend(named)
-    if backend != saved.backend:
-        raise TypeError(f"lltm_cupy: gradients are {backend} arrays but the forward ran on "
-                        f"{saved.backend} arrays")
-    dtype = saved.new_cell.dtype
-    for name, g in named.items():
-        if g.dtype != dtype:
-            raise TypeError(f"lltm_cupy: {name} must have the forward's dtype {dtype}, got {g.dtype}")
-        _expect_shape(name, g, tuple(saved.new_cell.shape), "(batch, state) like new_cell")
-    if backend == "cupy":
-        _check_device({**named, "saved": saved.new_cell})
-    return backend
+    shape = tuple(saved.new_cell.shape)
+    return _check_gradients({"grad_h": (grad_h, shape, "(batch, state) like new_cell"),
+                             "grad_cell": (grad_cell, shape, "(batch, state) like new_cell")},
+                            saved, saved.new_cell.dtype, saved.new_cell)
 
 
 _SEQUENCE_NAMES = ("inputs", "weights", "bias", "h0", "c0")
@@ -148,13 +161,8 @@ def check_sequence_shapes(inputs, weights, bias, h0, c0) -> None:
 
 def check_forward_sequence(inputs, weights, bias, h0, c0):
     """Validate forward_sequence arguments; return (backend, dtype)."""
-    named = dict(zip(_SEQUENCE_NAMES, (inputs, weights, bias, h0, c0)))
-    backend = array_backend(named)
-    dtype = _check_dtypes(named, backend)
-    check_sequence_shapes(inputs, weights, bias, h0, c0)
-    if backend == "cupy":
-        _check_device(named)
-    return backend, dtype
+    return _check_arguments(_SEQUENCE_NAMES, (inputs, weights, bias, h0, c0),
+                            check_sequence_shapes)
 
 
 def check_backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved):
@@ -163,21 +171,8 @@ def check_backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved):
         raise TypeError(f"lltm_cupy: saved must be the LLTMSequenceSaved returned by "
                         f"lltm_cupy.forward_sequence, got {type(saved).__qualname__}")
     steps, batch, state = saved.cells.shape
-    expected = {"grad_outputs": (steps, batch, state), "grad_h_n": (batch, state),
-                "grad_c_n": (batch, state)}
-    named = {n: g for n, g in zip(expected, (grad_outputs, grad_h_n, grad_c_n)) if g is not None}
-    if not named:
-        return saved.backend
-    backend = array_backend(named)
-    if backend != saved.backend:
-        raise TypeError(f"lltm_cupy: gradients are {backend} arrays but the forward ran on "
-                        f"{saved.backend} arrays")
-    for name, g in named.items():
-        if g.dtype != saved.dtype:
-            raise TypeError(f"lltm_cupy: {name} must have the forward's dtype {saved.dtype}, "
-                            f"got {g.dtype}")
-        _expect_shape(name, g, expected[name], "(steps, batch, state)" if name == "grad_outputs"
-                      else "(batch, state)")
-    if backend == "cupy":
-        _check_device({**named, "saved": saved.cells})
-    return backend
+    return _check_gradients(
+        {"grad_outputs": (grad_outputs, (steps, batch, state), "(steps, batch, state)"),
+         "grad_h_n": (grad_h_n, (batch, state), "(batch, state)"),
+         "grad_c_n": (grad_c_n, (batch, state), "(batch, state)")},
+        saved, saved.dtype, saved.cells)

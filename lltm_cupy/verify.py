@@ -58,19 +58,14 @@ def random_case(batch=3, features=4, state=5, seed=0):
     )
 
 
-def numeric_gradients(args: dict, grad_h, grad_cell, eps=1e-6) -> dict:
-    """Central differences of the loss w.r.t. every element of every forward argument.
+def numeric_gradients(loss, args: dict, eps=1e-6) -> dict:
+    """Central differences of ``loss()`` w.r.t. every element of every array in ``args``.
 
-    args: {name: float64 array} for the five forward arguments (NumPy or CuPy; perturbed in place
-    one element at a time and restored). Returns {name: NumPy array of the argument's shape}.
+    args: {name: float64 array} (NumPy or CuPy), perturbed in place one element at a time and
+    restored; ``loss`` reads them. Returns {name: NumPy array of the argument's shape}.
     """
-    def loss():
-        new_h, new_cell, _ = lltm_cupy.forward(*(args[n] for n in FORWARD_NAMES))
-        return float((new_h * grad_h).sum() + (new_cell * grad_cell).sum())
-
     out = {}
-    for name in FORWARD_NAMES:
-        arg = args[name]
+    for name, arg in args.items():
         numeric = np.zeros(arg.shape)
         for idx in np.ndindex(*arg.shape):
             orig = float(arg[idx])
@@ -95,7 +90,11 @@ def finite_difference_errors(xp=np, case=None, eps=1e-6) -> dict:
     grad_cell = xp.asarray(case["grad_cell"], dtype=np.float64)
     _, _, saved = lltm_cupy.forward(*(args[n] for n in FORWARD_NAMES))
     grads = lltm_cupy.backward(grad_h, grad_cell, saved)
-    numeric = numeric_gradients(args, grad_h, grad_cell, eps)
+    def loss():
+        new_h, new_cell, _ = lltm_cupy.forward(*(args[n] for n in FORWARD_NAMES))
+        return float((new_h * grad_h).sum() + (new_cell * grad_cell).sum())
+
+    numeric = numeric_gradients(loss, args, eps)
     return {field: normalised_error(getattr(grads, field), numeric[name])
             for field, name in GRAD_OF.items()}
 
