@@ -106,18 +106,22 @@ __device__ __forceinline__ A lltm_d_elu(A z) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Index type I: `unsigned int` when every index of the 3 * B * S gate array fits in 32 bits (the
+// launcher decides), else `unsigned long long`. 64-bit integer division is emulated on the GPU
+// (tens of instructions per element), which a memory-bound kernel cannot afford when it need not.
+
 // Forward: one thread per (b, s), grid-stride over n = B * S.
-template <typename T>
+template <typename T, typename I>
 __global__ void lltm_fwd_kernel(T* __restrict__ gates, const T* __restrict__ bias,
                                 const T* __restrict__ old_cell, T* __restrict__ new_h,
-                                T* __restrict__ new_cell, long long n, int state_size) {
+                                T* __restrict__ new_cell, long long n_elements, int state_size) {
   typedef lltm_traits<T> tr;
   typedef typename tr::acc A;
-  const long long S = state_size;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (long long)blockDim.x * gridDim.x) {
-    const long long b = i / S;
-    const long long s = i - b * S;
+  const I n = (I)n_elements;
+  const I S = (I)state_size;
+  for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (I)blockDim.x * gridDim.x) {
+    const I b = i / S;
+    const I s = i - b * S;
     T* g = gates + b * 3 * S + s;
     // Round the pre-activations to the storage type before using them, so that the backward,
     // which recomputes the activations from the stored values, sees exactly what the forward saw.
@@ -143,19 +147,20 @@ __global__ void lltm_fwd_kernel(T* __restrict__ gates, const T* __restrict__ bia
 // Backward: d_gates (B, 3S) and d_old_cell (B, S) from the incoming gradients and the saved
 // pre-activations and new_cell. has_grad_h / has_grad_cell = 0 means that gradient is zero
 // (the pointer is then not read).
-template <typename T>
+template <typename T, typename I>
 __global__ void lltm_bwd_kernel(const T* __restrict__ grad_h, const T* __restrict__ grad_cell,
                                 const T* __restrict__ gates, const T* __restrict__ new_cell,
                                 T* __restrict__ d_gates, T* __restrict__ d_old_cell,
-                                int has_grad_h, int has_grad_cell, long long n, int state_size) {
+                                int has_grad_h, int has_grad_cell, long long n_elements,
+                                int state_size) {
   typedef lltm_traits<T> tr;
   typedef typename tr::acc A;
-  const long long S = state_size;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (long long)blockDim.x * gridDim.x) {
-    const long long b = i / S;
-    const long long s = i - b * S;
-    const long long row = b * 3 * S + s;
+  const I n = (I)n_elements;
+  const I S = (I)state_size;
+  for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (I)blockDim.x * gridDim.x) {
+    const I b = i / S;
+    const I s = i - b * S;
+    const I row = b * 3 * S + s;
     const A zi = tr::load(gates[row]);
     const A zo = tr::load(gates[row + S]);
     const A zc = tr::load(gates[row + 2 * S]);

@@ -42,10 +42,10 @@ def forward(input, weights, bias, old_h, old_cell):
         new_cell = cupy.empty((batch, state), dtype)
         n = batch * state
         if n:
-            fwd, _ = get_kernels(dtype)
+            grid, block, wide = launch_config(n)
+            fwd, _ = get_kernels(dtype, wide)
             bias_c = cupy.ascontiguousarray(bias.reshape(-1))
             old_cell_c = cupy.ascontiguousarray(old_cell)
-            grid, block = launch_config(n)
             fwd(grid, block, (gates, bias_c, old_cell_c, new_h, new_cell,
                               np.int64(n), np.int32(state)))
     return new_h, new_cell, LLTMSaved("cupy", X, gates, new_cell, weights, tuple(bias.shape))
@@ -61,11 +61,11 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5):
         d_old_cell = cupy.empty((batch, state), dtype)
         n = batch * state
         if n:
-            _, bwd = get_kernels(dtype)
+            grid, block, wide = launch_config(n)
+            _, bwd = get_kernels(dtype, wide)
             # A missing gradient is zero: the kernel is told so and reads another valid pointer.
             gh = new_cell if grad_h is None else cupy.ascontiguousarray(grad_h)
             gc = new_cell if grad_cell is None else cupy.ascontiguousarray(grad_cell)
-            grid, block = launch_config(n)
             bwd(grid, block, (gh, gc, gates, new_cell, d_gates, d_old_cell,
                               np.int32(grad_h is not None), np.int32(grad_cell is not None),
                               np.int64(n), np.int32(state)))
@@ -113,8 +113,8 @@ def forward_sequence(inputs, weights, bias, h0, c0):
             w_h = cupy.ascontiguousarray(weights[:, :state])
             bias_c = cupy.ascontiguousarray(bias.reshape(-1))
             c = cupy.ascontiguousarray(c0)
-            fwd, _ = get_kernels(dtype)
-            grid, block = launch_config(n)
+            grid, block, wide = launch_config(n)
+            fwd, _ = get_kernels(dtype, wide)
             for t in range(steps):
                 _gemm_accumulate(cupy, hs[t], w_h, gates[t])
                 fwd(grid, block, (gates[t], bias_c, c, hs[t + 1], cells[t],
@@ -143,8 +143,8 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
         d_c = None if grad_c_n is None else cupy.ascontiguousarray(grad_c_n)
         if steps and n:
             w_h = cupy.ascontiguousarray(weights[:, :state])
-            _, bwd = get_kernels(dtype)
-            grid, block = launch_config(n)
+            grid, block, wide = launch_config(n)
+            _, bwd = get_kernels(dtype, wide)
             buffers = (cupy.empty((batch, state), dtype), cupy.empty((batch, state), dtype))
             for i, t in enumerate(range(steps - 1, -1, -1)):
                 out_c = buffers[i % 2]      # never the buffer read as grad_cell (restrict)

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "CUDA_TYPE", "source_path", "source", "name_expression",
-           "get_kernels", "launch_config", "compile_offline", "ARCHITECTURES"]
+__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "CUDA_TYPE", "INDEX_TYPE", "source_path", "source",
+           "name_expression", "get_kernels", "launch_config", "needs_wide_index", "compile_offline",
+           "ARCHITECTURES"]
 
 SOURCE_NAME = "lltm.cu"
 KERNEL_NAMES = ("lltm_fwd_kernel", "lltm_bwd_kernel")
@@ -50,12 +51,23 @@ def source() -> str:
     return source_path().read_text(encoding="utf-8")
 
 
-def name_expression(kernel: str, dtype) -> str:
-    return f"{kernel}<{CUDA_TYPE[np.dtype(dtype)]}>"
+#: Index type of the kernels: 32-bit unless an index could pass 2**32 (see ``launch_config``).
+INDEX_TYPE = {False: "unsigned int", True: "unsigned long long"}
 
 
-def get_kernels(dtype):
-    """Return (fwd, bwd) ``cupy.RawKernel`` for ``dtype`` on the current device, compiling once."""
+def name_expression(kernel: str, dtype, wide: bool = False) -> str:
+    return f"{kernel}<{CUDA_TYPE[np.dtype(dtype)]}, {INDEX_TYPE[wide]}>"
+
+
+def _all_names(dtype):
+    return [name_expression(k, dtype, w) for w in (False, True) for k in KERNEL_NAMES]
+
+
+def get_kernels(dtype, wide: bool = False):
+    """Return (fwd, bwd) ``cupy.RawKernel`` for ``dtype`` on the current device, compiling once.
+
+    wide: the 64-bit index instantiation (``launch_config`` says when it is needed).
+    """
     import cupy
 
     dtype = np.dtype(dtype)
@@ -65,12 +77,13 @@ def get_kernels(dtype):
         with _lock:
             kernels = _cache.get(key)
             if kernels is None:
-                names = [name_expression(k, dtype) for k in KERNEL_NAMES]
+                names = _all_names(dtype)
                 module = cupy.RawModule(code=source(), options=RAWMODULE_OPTIONS,
                                         name_expressions=names)
-                kernels = tuple(module.get_function(n) for n in names)
+                fns = [module.get_function(n) for n in names]
+                kernels = {False: tuple(fns[:2]), True: tuple(fns[2:])}
                 _cache[key] = kernels
-    return kernels
+    return kernels[wide]
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,11 +94,19 @@ def _sm_count(device_id: int) -> int:
 
 
 def launch_config(n: int) -> tuple:
-    """(grid, block) for a grid-stride loop over n > 0 elements on the current device."""
+    """(grid, block, wide) for a grid-stride loop over n = B * S > 0 elements on this device.
+
+    wide is True when a 32-bit index could overflow: the gates index reaches 3 * n, and the
+    grid-stride adds up to grid * block past the last element.
+    """
     import cupy
 
     blocks = min(-(-n // THREADS), _sm_count(cupy.cuda.Device().id) * BLOCKS_PER_SM)
-    return (blocks,), (THREADS,)
+    return (blocks,), (THREADS,), needs_wide_index(n, blocks * THREADS)
+
+
+def needs_wide_index(n: int, threads: int) -> bool:
+    return 3 * n + threads >= 2**32
 
 
 def compile_offline(dtype, arch: int, output: str = "cubin") -> bytes:
@@ -97,7 +118,7 @@ def compile_offline(dtype, arch: int, output: str = "cubin") -> bytes:
     from cupy_backends.cuda.libs import nvrtc
 
     kind = {"cubin": "sm", "ptx": "compute"}[output]
-    names = [name_expression(k, dtype) for k in KERNEL_NAMES]
+    names = _all_names(dtype)
     prog = nvrtc.createProgram(source(), SOURCE_NAME, [], [])
     try:
         for name in names:

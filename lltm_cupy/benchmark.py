@@ -373,9 +373,9 @@ def gpu_kernel_report(cfg: Config, runs=50) -> dict:
     new_h, new_cell = cupy.empty((B, S), dtype), cupy.empty((B, S), dtype)
     d_gates, d_old_cell = cupy.empty((B, 3 * S), dtype), cupy.empty((B, S), dtype)
     grad = cupy.ones((B, S), dtype)
-    fwd, bwd = _kernels.get_kernels(dtype)
     n = B * S
-    grid, block = _kernels.launch_config(n)
+    grid, block, wide = _kernels.launch_config(n)
+    fwd, bwd = _kernels.get_kernels(dtype, wide)
     cupy.matmul(X, W.T, out=gates)
 
     def timed(fn):
