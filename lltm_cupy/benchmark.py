@@ -6,7 +6,10 @@ Implementations (names used by ``--impl``):
 - ``compiled``: the same module under ``torch.compile`` (where it compiles on the machine);
 - ``cell``: our :class:`lltm_cupy.torch.LLTMCell`;
 - ``array``: our array API (NumPy on the CPU, CuPy on the GPU), called directly;
-- ``lstm``: ``torch.nn.LSTMCell`` of the same hidden size (different math, comparable work).
+- ``lstm``: ``torch.nn.LSTMCell`` of the same hidden size (different math, comparable work);
+- ``cell-op``: our cell called through the ``lltm_cupy::lltm_forward`` custom operator in eager
+  mode (the path torch.compile uses), to measure its per-call cost against ``cell``'s plain
+  ``autograd.Function`` (not run unless named in ``--impl``).
 
 Every implementation runs the tutorial's step: ``h, c = cell(x, (h0, c0))`` then a backward of
 ``h`` and ``c`` with gradient one (the tutorial's ``(h.sum() + c.sum()).backward()``), with
@@ -29,6 +32,7 @@ __all__ = ["Config", "IMPLS", "PHASES", "CPU_SIZES", "GPU_SIZES", "run_size", "f
            "gpu_kernel_report", "mixed_model_report", "machine_name"]
 
 IMPLS = ("reference", "compiled", "cell", "array", "lstm")
+EXTRA_IMPLS = ("cell-op",)
 PHASES = ("forward", "backward", "fwd+bwd")
 CPU_SIZES = ((16, 32, 128), (64, 256, 512), (256, 512, 1024))
 GPU_SIZES = CPU_SIZES + ((1024, 1024, 1024), (4096, 1024, 1024))
@@ -239,6 +243,17 @@ def _make_runners(cfg: Config, impls, quiet):
             elif name == "lstm":
                 lstm = torch.nn.LSTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
                 runners[name] = _TorchRunner(lstm, cfg, (x, h, c))
+            elif name == "cell-op":
+                class CustomOpCell(lt.LLTMCell):
+                    """LLTMCell through the custom operator even in eager mode."""
+
+                    def forward(self, input, state=None):
+                        new_h, new_cell, _, _ = lt._lltm_forward_op(*self._args(input, state))
+                        return new_h, new_cell
+
+                cell = CustomOpCell(cfg.features, cfg.state, device=device, dtype=dtype)
+                cell.load_state_dict(ref.state_dict())
+                runners[name] = _TorchRunner(cell, cfg, (x, h, c))
             else:
                 raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
         except ValueError:
