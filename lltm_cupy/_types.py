@@ -19,10 +19,12 @@ class LLTMGrads(NamedTuple):
 class LLTMSaved:
     """What :func:`lltm_cupy.backward` needs from a forward call. Pass it back untouched.
 
-    Holds ``X = [old_h, input]`` (batch, state + features), the gate pre-activations with the
-    bias added (batch, 3 * state) and ``new_cell`` (batch, state): X plus 4 * batch * state
-    values. It also keeps a reference to ``weights`` (not a copy): do not modify the weights in
-    place between forward and backward.
+    Holds ``X = [old_h, input]`` (batch, state + features), the gate values (batch, 3 * state)
+    and ``new_cell`` (batch, state): X plus 4 * batch * state values. The gate values are what the
+    backend's backward reads: the pre-activations with the bias added on the GPU (the kernel
+    recomputes the activations), the activations [input_gate | output_gate | candidate_cell] on
+    the CPU (fewer NumPy passes). It also keeps a reference to ``weights`` (not a copy): do not
+    modify the weights in place between forward and backward.
     """
 
     __slots__ = ("backend", "X", "gates", "new_cell", "weights", "bias_shape")
