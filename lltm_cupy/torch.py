@@ -1,4 +1,4 @@
-"""PyTorch layer: a differentiable ``lltm`` op and the ``LLTMCell`` module.
+"""PyTorch layer: differentiable `lltm` and `lltm_sequence`, and the `LLTMCell` and `LLTM` modules.
 
 Tensors move to NumPy (CPU) or CuPy (CUDA) arrays and back without a copy (``Tensor.numpy`` /
 ``torch.from_numpy`` on the CPU, DLPack on the GPU), and the backends of :mod:`lltm_cupy` do the
@@ -80,6 +80,10 @@ def _to_array(t: Tensor):
     return cupy.from_dlpack(t if t.is_contiguous() else t.contiguous())
 
 
+def _optional(t):
+    return None if t is None else _to_array(t)
+
+
 def _from_array(a) -> Tensor:
     """A tensor viewing the memory of a NumPy or CuPy array; no copy."""
     if isinstance(a, np.ndarray):
@@ -119,24 +123,37 @@ def _torch_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return torch.mm(torch.from_numpy(a), torch.from_numpy(b)).numpy()
 
 
-def _forward(device, arrays):
-    """The backend's forward for tensors on ``device`` (arguments already checked)."""
+class _NumpyWithTorchGemm:
+    """The NumPy backend with its GEMMs run by torch: one BLAS thread pool in the process.
+
+    NumPy's OpenBLAS threads and torch's OpenMP threads spinning side by side made an LLTMCell
+    training step take ~8 ms instead of ~0.3 ms on a 2-core machine.
+    """
+
+    @staticmethod
+    def forward(*args):
+        return _numpy.forward(*args, mm=_torch_mm)
+
+    @staticmethod
+    def backward(*args):
+        return _numpy.backward(*args, mm=_torch_mm)
+
+    @staticmethod
+    def forward_sequence(*args):
+        return _numpy.forward_sequence(*args, mm=_torch_mm)
+
+    @staticmethod
+    def backward_sequence(*args):
+        return _numpy.backward_sequence(*args, mm=_torch_mm)
+
+
+def _backend(device: torch.device):
+    """The backend for tensors on ``device`` (their arguments already checked here)."""
     if device.type == "cpu":
-        # NumPy backend with torch's GEMM: one BLAS thread pool in the process. NumPy's OpenBLAS
-        # threads and torch's OpenMP threads spinning side by side slowed a training step by
-        # more than 10x on a 2-core machine.
-        return _numpy.forward(*arrays, mm=_torch_mm)
+        return _NumpyWithTorchGemm
     from . import _cupy
 
-    return _cupy.forward(*arrays)
-
-
-def _backward(device, grad_h, grad_cell, saved, needed=(True,) * 5):
-    if device.type == "cpu":
-        return _numpy.backward(grad_h, grad_cell, saved, needed, mm=_torch_mm)
-    from . import _cupy
-
-    return _cupy.backward(grad_h, grad_cell, saved, needed)
+    return _cupy
 
 
 # LLTMGrads order (d_old_h, d_input, d_weights, d_bias, d_old_cell) <-> forward argument order
@@ -171,7 +188,7 @@ class LLTMFunction(torch.autograd.Function):
         device = input.device
         with _context(device):
             arrays = [_to_array(t) for t in (input, weights, bias, old_h, old_cell)]
-            new_h, new_cell, saved = _forward(device, arrays)
+            new_h, new_cell, saved = _backend(device).forward(*arrays)
             new_h, new_cell_t = _from_array(new_h), _from_array(new_cell)
         ctx.lltm_saved = saved
         ctx.device = device
@@ -188,9 +205,9 @@ class LLTMFunction(torch.autograd.Function):
         if grad_h is None and grad_cell is None:
             return (None,) * 5
         with _context(ctx.device):
-            grads = _backward(ctx.device, None if grad_h is None else _to_array(grad_h),
-                              None if grad_cell is None else _to_array(grad_cell),
-                              ctx.lltm_saved, _to_grads_order(ctx.needs_input_grad))
+            grads = _backend(ctx.device).backward(
+                _optional(grad_h), _optional(grad_cell), ctx.lltm_saved,
+                _to_grads_order(ctx.needs_input_grad))
             return tuple(None if g is None else _from_array(g) for g in _to_argument_order(grads))
 
 
@@ -203,7 +220,7 @@ def _lltm_forward_op(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor
     """Returns (new_h, new_cell, X, gates): the outputs plus what the backward op needs."""
     with _context(input.device):
         arrays = [_to_array(t) for t in (input, weights, bias, old_h, old_cell)]
-        new_h, new_cell, saved = _forward(input.device, arrays)
+        new_h, new_cell, saved = _backend(input.device).forward(*arrays)
         # The fake declares contiguous outputs; the CPU backend's gates are in Fortran order.
         gates = saved.gates if saved.gates.flags.c_contiguous else np.ascontiguousarray(saved.gates)
         return tuple(_from_array(a) for a in (new_h, new_cell, saved.X, gates))
@@ -227,8 +244,8 @@ def _lltm_backward_op(grad_h: Optional[Tensor], grad_cell: Optional[Tensor], X: 
         saved = LLTMSaved("numpy" if X.device.type == "cpu" else "cupy",
                           *(_to_array(t.contiguous()) for t in (X, gates, new_cell, weights)),
                           (1, 3 * state) if bias_2d else (3 * state,))
-        grads = _backward(X.device, None if grad_h is None else _to_array(grad_h),
-                          None if grad_cell is None else _to_array(grad_cell), saved)
+        grads = _backend(X.device).backward(_optional(grad_h), _optional(grad_cell), saved,
+                                            (True,) * 5)
         return tuple(_from_array(g) for g in grads)
 
 
@@ -341,19 +358,6 @@ class LLTMCell(_CellBase):
 _SEQ_NAMES = ("inputs", "weights", "bias", "h0", "c0")
 
 
-def _sequence_backend(device):
-    if device.type == "cpu":
-        return (lambda *a: _numpy.forward_sequence(*a, mm=_torch_mm),
-                lambda *a: _numpy.backward_sequence(*a, mm=_torch_mm))
-    from . import _cupy
-
-    return _cupy.forward_sequence, _cupy.backward_sequence
-
-
-def _optional(t):
-    return None if t is None else _to_array(t)
-
-
 class LLTMSequenceFunction(torch.autograd.Function):
     """A whole sequence with autograd; ``apply(inputs, weights, bias, h0, c0)``.
 
@@ -363,9 +367,9 @@ class LLTMSequenceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inputs, weights, bias, h0, c0):
         device = inputs.device
-        forward, _ = _sequence_backend(device)
         with _context(device):
-            outputs, h_n, c_n, saved = forward(*(_to_array(t) for t in (inputs, weights, bias, h0, c0)))
+            outputs, h_n, c_n, saved = _backend(device).forward_sequence(
+                *(_to_array(t) for t in (inputs, weights, bias, h0, c0)))
             outputs, h_n, c_n = (_from_array(a) for a in (outputs, h_n, c_n))
         ctx.lltm_saved = saved
         ctx.device = device
@@ -379,10 +383,10 @@ class LLTMSequenceFunction(torch.autograd.Function):
     def backward(ctx, grad_outputs, grad_h_n, grad_c_n):
         _refuse_double_backward()
         ctx.saved_tensors  # noqa: B018 -- the version check
-        _, backward = _sequence_backend(ctx.device)
         with _context(ctx.device):
-            grads = backward(_optional(grad_outputs), _optional(grad_h_n), _optional(grad_c_n),
-                             ctx.lltm_saved, tuple(ctx.needs_input_grad))
+            grads = _backend(ctx.device).backward_sequence(
+                _optional(grad_outputs), _optional(grad_h_n), _optional(grad_c_n),
+                ctx.lltm_saved, tuple(ctx.needs_input_grad))
             return tuple(None if g is None else _from_array(g) for g in grads)
 
 
@@ -390,9 +394,9 @@ class LLTMSequenceFunction(torch.autograd.Function):
 def _sequence_forward_op(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor,
                          c0: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (hs, h_n, c_n, gates, cells); the outputs are hs[1:]."""
-    forward, _ = _sequence_backend(inputs.device)
     with _context(inputs.device):
-        _, h_n, c_n, saved = forward(*(_to_array(t) for t in (inputs, weights, bias, h0, c0)))
+        _, h_n, c_n, saved = _backend(inputs.device).forward_sequence(
+            *(_to_array(t) for t in (inputs, weights, bias, h0, c0)))
         return tuple(_from_array(a) for a in (saved.hs, h_n, c_n, saved.gates, saved.cells))
 
 
@@ -411,7 +415,6 @@ def _sequence_backward_op(grad_outputs: Optional[Tensor], grad_h_n: Optional[Ten
                           cells: Tensor, weights: Tensor,
                           bias_2d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (d_inputs, d_weights, d_bias, d_h0, d_c0)."""
-    _, backward = _sequence_backend(inputs.device)
     with _context(inputs.device):
         steps, batch, features = inputs.shape
         state = hs.shape[2]
@@ -420,7 +423,8 @@ def _sequence_backward_op(grad_outputs: Optional[Tensor], grad_h_n: Optional[Ten
             _to_array(inputs.contiguous()).reshape(steps * batch, features),
             *(_to_array(t.contiguous()) for t in (hs, gates, cells, weights)),
             (1, 3 * state) if bias_2d else (3 * state,))
-        grads = backward(_optional(grad_outputs), _optional(grad_h_n), _optional(grad_c_n), saved)
+        grads = _backend(inputs.device).backward_sequence(
+            _optional(grad_outputs), _optional(grad_h_n), _optional(grad_c_n), saved, (True,) * 5)
         return tuple(_from_array(g) for g in grads)
 
 
