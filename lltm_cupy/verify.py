@@ -15,7 +15,7 @@ import lltm_cupy
 
 __all__ = ["FORWARD_NAMES", "GRAD_OF", "TOLERANCE", "normalised_error", "random_case",
            "numeric_gradients", "finite_difference_errors", "available_backends", "format_table",
-           "torch_gradchecks", "compare_backends"]
+           "torch_gradchecks", "compare_backends", "gpu_unavailable_reason"]
 
 FORWARD_NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 #: LLTMGrads field -> the forward argument it is the gradient of.
@@ -90,6 +90,7 @@ def finite_difference_errors(xp=np, case=None, eps=1e-6) -> dict:
     grad_cell = xp.asarray(case["grad_cell"], dtype=np.float64)
     _, _, saved = lltm_cupy.forward(*(args[n] for n in FORWARD_NAMES))
     grads = lltm_cupy.backward(grad_h, grad_cell, saved)
+
     def loss():
         new_h, new_cell, _ = lltm_cupy.forward(*(args[n] for n in FORWARD_NAMES))
         return float((new_h * grad_h).sum() + (new_cell * grad_cell).sum())
@@ -99,13 +100,14 @@ def finite_difference_errors(xp=np, case=None, eps=1e-6) -> dict:
             for field, name in GRAD_OF.items()}
 
 
-def _gpu_reason():
+def gpu_unavailable_reason():
+    """None when CuPy arrays can run here, else why not (also the GPU tests' skip reason)."""
     try:
         import cupy
-    except Exception as exc:
-        return f"CuPy not importable ({exc.__class__.__name__})"
+    except Exception as exc:  # ImportError, or a broken CUDA install
+        return f"CuPy is not importable ({exc.__class__.__name__}: {exc})"
     try:
-        return None if cupy.cuda.is_available() else "no GPU found by CuPy"
+        return None if cupy.cuda.is_available() else "CuPy finds no GPU on this machine"
     except Exception as exc:
         return f"CuPy cannot query the GPU ({exc})"
 
@@ -116,7 +118,7 @@ def available_backends(skipped: list):
     Backends that cannot run are appended to ``skipped`` as (name, reason).
     """
     yield "numpy float64", lambda case, eps: finite_difference_errors(np, case, eps)
-    reason = _gpu_reason()
+    reason = gpu_unavailable_reason()
     if reason:
         skipped.append(("cupy float64", reason))
     else:
@@ -143,7 +145,7 @@ def _torch_devices(skipped: list):
 
     devices = ["cpu"]
     reason = None if torch.cuda.is_available() else "torch finds no CUDA device"
-    reason = reason or _gpu_reason()
+    reason = reason or gpu_unavailable_reason()
     if reason:
         skipped.append(("torch cuda", reason))
     else:
@@ -228,7 +230,7 @@ def compare_backends(case=None, skipped=None):
     case = random_case(16, 32, 128) if case is None else case
     skipped = [] if skipped is None else skipped
     runners = [("numpy", lambda c, d: _run_arrays(np, c, d), (np.float32, np.float64))]
-    reason = _gpu_reason()
+    reason = gpu_unavailable_reason()
     if reason:
         skipped.append(("cupy", reason))
     else:

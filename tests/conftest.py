@@ -6,26 +6,14 @@ import functools
 import numpy as np
 import pytest
 
-from lltm_cupy import reference
+from lltm_cupy import reference, verify
 
 from lltm_cupy.verify import TOLERANCE, normalised_error as max_error  # noqa: F401 (re-exported)
 
 GRAD_NAMES = ("d_old_h", "d_input", "d_weights", "d_bias", "d_old_cell")
 
 
-@functools.lru_cache(maxsize=None)
-def gpu_unavailable_reason() -> str | None:
-    """None when CuPy arrays can run here, else why not (the skip reason of the GPU tests)."""
-    try:
-        import cupy
-    except Exception as exc:  # ImportError, or a broken CUDA install
-        return f"CuPy is not importable ({exc.__class__.__name__}: {exc})"
-    try:
-        if not cupy.cuda.is_available():
-            return "CuPy finds no GPU on this machine"
-    except Exception as exc:
-        return f"CuPy cannot query the GPU ({exc})"
-    return None
+gpu_unavailable_reason = functools.lru_cache(maxsize=None)(verify.gpu_unavailable_reason)
 
 
 def _cupy_param():
