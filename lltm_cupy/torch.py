@@ -481,8 +481,10 @@ class LLTM(_CellBase):
 
     forward(input, state=None) -> (output, (h_n, c_n))
         input: (steps, batch, input_features), or (batch, steps, input_features) if batch_first
-        state: (h0, c0), each (batch, state_size), or None for zeros
-        output: (steps, batch, state_size) (or batch first); h_n, c_n: (batch, state_size)
+        state: (h0, c0), each (batch, state_size) as for the cell, or (1, batch, state_size) as
+            for a one-layer nn.LSTM; None for zeros
+        output: (steps, batch, state_size) (or batch first); h_n, c_n: shaped like the state
+            given ((batch, state_size) when it is None)
     """
 
     def __init__(self, input_features: int, state_size: int, batch_first: bool = False,
@@ -496,10 +498,19 @@ class LLTM(_CellBase):
         if state is None:
             zeros = input.new_zeros(input.shape[1], self.state_size)
             state = (zeros, zeros)
+        layered = state[0].dim() == 3  # nn.LSTM's (num_layers = 1, batch, state)
+        if layered:
+            for name, t in zip(("h0", "c0"), state):
+                if t.dim() != 3 or t.shape[0] != 1:
+                    raise ValueError(f"LLTM: {name} must be (batch, state) or (1, batch, state) "
+                                     f"like both states, got {tuple(t.shape)}")
+            state = (state[0][0], state[1][0])
         bias = self.bias if self.bias is not None else self.weights.new_zeros(3 * self.state_size)
         output, h_n, c_n = lltm_sequence(input, self.weights, bias, *state)
         if self.batch_first:
             output = output.transpose(0, 1)
+        if layered:
+            h_n, c_n = h_n.unsqueeze(0), c_n.unsqueeze(0)
         return output, (h_n, c_n)
 
     def extra_repr(self) -> str:

@@ -124,3 +124,17 @@ def test_sequence_errors_and_double_backward():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
     assert "batch_first=False" in repr(seq)
+
+
+def test_sequence_module_accepts_lstm_shaped_state():
+    seq, _ = models("cpu", torch.float64, seed=6)
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    h0, c0 = torch.randn(3, 6, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    out2, (h2, c2) = seq(x, (h0, c0))
+    out3, (h3, c3) = seq(x, (h0[None], c0[None]))
+    assert h3.shape == (1, 3, 6) and c3.shape == (1, 3, 6) and h2.shape == (3, 6)
+    torch.testing.assert_close(out3, out2, rtol=0, atol=0)
+    torch.testing.assert_close(h3[0], h2, rtol=0, atol=0)
+    torch.testing.assert_close(c3[0], c2, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"h0 must be \(batch, state\) or \(1, batch, state\)"):
+        seq(x, (torch.randn(2, 3, 6, dtype=torch.float64), c0[None]))
