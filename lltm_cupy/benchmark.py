@@ -475,7 +475,9 @@ def mixed_model_report(cfg: Config, runs=200, quiet=False) -> dict:
 
     Model: x -> Linear(F, F) + tanh -> cell -> Linear(S, S) + tanh -> sum. "layers alone" runs
     the two Linear layers on the same shapes without the cell, "cell alone" the cell on its own.
-    With no contention, mixed ~= layers alone + cell alone.
+    With no contention, mixed ~= layers alone + cell alone. Inside the steps, the forward of the
+    layer after the cell and the forward of the cell are also timed on their own, alone and in
+    the mixed model, to see which side a slowdown lands on.
     """
     import torch
 
@@ -489,32 +491,52 @@ def mixed_model_report(cfg: Config, runs=200, quiet=False) -> dict:
     x = torch.randn(B, F, dtype=dtype)
     h0 = torch.randn(B, S, dtype=dtype)
     c0 = torch.randn(B, S, dtype=dtype)
+    clock = time.perf_counter
     results = {}
     for cell_name, cell in (("cell", lt.LLTMCell(F, S, dtype=dtype)),
                             ("reference", lt.ReferenceLLTMCell(F, S, dtype=dtype))):
+        segments = {k: [] for k in ("post fwd alone", "post fwd mixed", "cell fwd alone",
+                                    "cell fwd mixed")}
+
         def layers_only():
-            (torch.tanh(pre(x)).sum() + torch.tanh(post(h0)).sum()).backward()
+            y = torch.tanh(pre(x))
+            t0 = clock()
+            z = torch.tanh(post(h0))
+            segments["post fwd alone"].append(clock() - t0)
+            (y.sum() + z.sum()).backward()
 
         def cell_only():
+            t0 = clock()
             h, c = cell(x, (h0, c0))
+            segments["cell fwd alone"].append(clock() - t0)
             (h.sum() + c.sum()).backward()
 
         def mixed():
-            h, c = cell(torch.tanh(pre(x)), (h0, c0))
-            (torch.tanh(post(h)).sum() + c.sum()).backward()
+            y = torch.tanh(pre(x))
+            t0 = clock()
+            h, c = cell(y, (h0, c0))
+            t1 = clock()
+            z = torch.tanh(post(h))
+            t2 = clock()
+            segments["cell fwd mixed"].append(t1 - t0)
+            segments["post fwd mixed"].append(t2 - t1)
+            (z.sum() + c.sum()).backward()
 
         fns = {"layers alone": layers_only, "cell alone": cell_only, "mixed": mixed}
         samples = {k: [] for k in fns}
         for fn in fns.values():
             for _ in range(cfg.warmup):
                 fn()
+        for v in segments.values():
+            v.clear()
         names = list(fns)
         for r in range(runs):
             for k in names[r % 3:] + names[: r % 3]:
-                t0 = time.perf_counter()
+                t0 = clock()
                 fns[k]()
-                samples[k].append(time.perf_counter() - t0)
+                samples[k].append(clock() - t0)
         med = {k: statistics.median(v) for k, v in samples.items()}
+        med.update({k: statistics.median(v) for k, v in segments.items()})
         med["mixed / (layers + cell)"] = med["mixed"] / (med["layers alone"] + med["cell alone"])
         results[cell_name] = med
         _log(quiet, f"  mixed model with {cell_name}: done")
@@ -523,12 +545,15 @@ def mixed_model_report(cfg: Config, runs=200, quiet=False) -> dict:
 
 def format_mixed(size, rep: dict, scale="us") -> str:
     factor, unit = _SCALES[scale]
-    lines = [f"Mixed model at {size} (torch Linear+tanh before and after the cell), "
-             f"fwd+bwd median in {unit}:",
-             f"{'cell':<11}{'layers alone':>14}{'cell alone':>12}{'mixed':>10}{'mixed/(sum)':>13}"]
+    cols = ("layers alone", "cell alone", "mixed", "post fwd alone", "post fwd mixed",
+            "cell fwd alone", "cell fwd mixed")
+    lines = [f"Mixed model at {size} (torch Linear+tanh before and after the cell), medians in "
+             f"{unit} (fwd+bwd of each model; 'post fwd' is the forward of the layer after the "
+             f"cell, 'cell fwd' the cell's forward):",
+             f"{'cell':<11}" + "".join(f"{c:>16}" for c in cols) + f"{'mixed/(sum)':>13}"]
     for name, r in rep.items():
-        lines.append(f"{name:<11}{r['layers alone'] * factor:>14.1f}{r['cell alone'] * factor:>12.1f}"
-                     f"{r['mixed'] * factor:>10.1f}{r['mixed / (layers + cell)']:>13.2f}")
+        lines.append(f"{name:<11}" + "".join(f"{r[c] * factor:>16.1f}" for c in cols)
+                     + f"{r['mixed / (layers + cell)']:>13.2f}")
     return "\n".join(lines)
 
 
