@@ -21,12 +21,13 @@ _FLOATS = {
 
 
 def _kind(x) -> str | None:
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    # A CuPy array can only exist if cupy was imported: never import it here.
+    # A CuPy array can only exist if cupy was imported: never import it here. (Checked first so
+    # that a stand-in CuPy whose arrays subclass numpy.ndarray, as in the tests, is recognised.)
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(x, cupy.ndarray):
         return "cupy"
+    if isinstance(x, np.ndarray):
+        return "numpy"
     return None
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from lltm_cupy import reference, verify
+from helpers import host_kernels
 
 from lltm_cupy.verify import TOLERANCE, normalised_error as max_error  # noqa: F401 (re-exported)
 
@@ -22,17 +23,39 @@ def _cupy_param():
     return pytest.param("cupy", marks=marks, id="cupy")
 
 
-BACKENDS = [pytest.param("numpy", id="numpy"), _cupy_param()]
+BACKENDS = [pytest.param("numpy", id="numpy"), pytest.param("emulated", id="cupy-emulated"),
+            _cupy_param()]
 
 
 @pytest.fixture(params=BACKENDS)
 def xp(request):
-    """The array module of the backend under test: numpy, or cupy when a GPU is present."""
+    """The array module of the backend under test: numpy; the GPU backend on an emulated CuPy
+    (NumPy arrays, kernels compiled as host C++; runs everywhere); cupy when a GPU is present."""
     if request.param == "numpy":
         return np
+    if request.param == "emulated":
+        return request.getfixturevalue("emulated_cupy")
     import cupy
 
     return cupy
+
+
+@pytest.fixture
+def emulated_cupy(monkeypatch, host_lib):
+    """Install tests/helpers/emulated_cupy as ``cupy`` for one test (see its docstring)."""
+    import sys
+
+    import lltm_cupy._cupy
+    from lltm_cupy import _kernels
+    from helpers import emulated_cupy as emu
+
+    fake = emu.make_module()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setitem(sys.modules, "cupy.cublas", fake.cublas)
+    monkeypatch.setattr(lltm_cupy._cupy, "get_kernels", emu.host_get_kernels(host_lib))
+    # One "SM": at most 8 blocks of 256 threads, so B * S above 2048 takes several grid strides.
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 1)
+    return fake
 
 
 def dtypes_for(xp):
@@ -89,3 +112,9 @@ def reference_results(case):
     grads = reference.lltm_backward(case["grad_h"], case["grad_cell"], *fwd[1:], case["weights"])
     d_bias = grads[3].reshape(case["bias"].shape)
     return fwd[0], fwd[1], (grads[0], grads[1], grads[2], d_bias, grads[4])
+
+
+@pytest.fixture(scope="session")
+def host_lib(tmp_path_factory):
+    """The kernels of cuda_src/lltm.cu compiled as host C++ (ctypes library)."""
+    return host_kernels.build(tmp_path_factory.mktemp("host_kernels"))

@@ -6,38 +6,16 @@ Runs everywhere (it needs g++, not a GPU); it must not skip in CI.
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lltm_cupy import _kernels, reference
 from conftest import assert_close, make_case, reference_results
-
-SHIM = Path(__file__).resolve().parent / "host_shim"
-SUFFIX = {np.dtype(np.float64): "f64", np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
+from helpers.host_kernels import SUFFIX, ptr
 # (grid, block): one thread for everything, blocks that do not divide the work, more threads
 # than elements, and a grid-stride with several rounds per thread.
 GEOMETRIES = [(1, 1), (1, 32), (3, 7), (5, 64), (64, 256), (2, 1000)]
-
-
-@pytest.fixture(scope="session")
-def host_lib(tmp_path_factory):
-    cxx = shutil.which("g++")
-    assert cxx, "g++ is required to run the CUDA source on the CPU (apt-get install g++)"
-    out = tmp_path_factory.mktemp("host_kernels") / "lltm_host.so"
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
-           f"-I{_kernels.source_path().parent}", f"-I{SHIM}", str(SHIM / "harness.cpp"), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, f"host build failed: {' '.join(cmd)}\n{proc.stderr}"
-    return ctypes.CDLL(str(out))
-
-
-def ptr(a):
-    assert a.flags.c_contiguous
-    return ctypes.c_void_p(a.ctypes.data)
 
 
 def host_forward(lib, dtype, grid, block, case, wide=False):
