@@ -9,7 +9,10 @@ Implementations (names used by ``--impl``):
 - ``lstm``: ``torch.nn.LSTMCell`` of the same hidden size (different math, comparable work);
 - ``cell-op``: our cell called through the ``lltm_cupy::lltm_forward`` custom operator in eager
   mode (the path torch.compile uses), to measure its per-call cost against ``cell``'s plain
-  ``autograd.Function`` (not run unless named in ``--impl``).
+  ``autograd.Function`` (not run unless named in ``--impl``);
+- ``cell-floor``: the same backend inside a bare ``autograd.Function`` with no argument checks,
+  no version checks and no module (CPU only, parameters' gradients only): not a usable op, the
+  floor any NumPy-backed Function can reach (not run unless named in ``--impl``).
 
 Every implementation runs the tutorial's step: ``h, c = cell(x, (h0, c0))`` then a backward of
 ``h`` and ``c`` with gradient one (the tutorial's ``(h.sum() + c.sum()).backward()``), with
@@ -32,7 +35,7 @@ __all__ = ["Config", "IMPLS", "PHASES", "CPU_SIZES", "GPU_SIZES", "run_size", "f
            "gpu_kernel_report", "mixed_model_report", "machine_name"]
 
 IMPLS = ("reference", "compiled", "cell", "array", "lstm")
-EXTRA_IMPLS = ("cell-op",)
+EXTRA_IMPLS = ("cell-op", "cell-floor")
 PHASES = ("forward", "backward", "fwd+bwd")
 CPU_SIZES = ((16, 32, 128), (64, 256, 512), (256, 512, 1024))
 GPU_SIZES = CPU_SIZES + ((1024, 1024, 1024), (4096, 1024, 1024))
@@ -207,6 +210,39 @@ class _ArrayRunner:
         return self.forward()[2].nbytes
 
 
+def _FloorCell(ref):
+    """A module running the NumPy backend in a bare autograd.Function (see ``cell-floor``)."""
+    import torch
+
+    from . import _numpy
+    from . import torch as lt
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b, h, c):
+            new_h, new_cell, ctx.lltm_saved = _numpy.forward(
+                x.numpy(), w.detach().numpy(), b.detach().numpy(), h.numpy(), c.numpy(),
+                mm=lt._torch_mm)
+            return torch.from_numpy(new_h), torch.from_numpy(new_cell)
+
+        @staticmethod
+        def backward(ctx, grad_h, grad_cell):
+            g = _numpy.backward(grad_h.numpy(), grad_cell.numpy(), ctx.lltm_saved,
+                                (False, False, True, True, False), mm=lt._torch_mm)
+            return None, torch.from_numpy(g.d_weights), torch.from_numpy(g.d_bias), None, None
+
+    class FloorCell(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = torch.nn.Parameter(ref.weights.detach().clone())
+            self.bias = torch.nn.Parameter(ref.bias.detach().clone())
+
+        def forward(self, x, state):
+            return Floor.apply(x, self.weights, self.bias, *state)
+
+    return FloorCell()
+
+
 def _make_runners(cfg: Config, impls, quiet):
     import torch
 
@@ -254,6 +290,10 @@ def _make_runners(cfg: Config, impls, quiet):
                 cell = CustomOpCell(cfg.features, cfg.state, device=device, dtype=dtype)
                 cell.load_state_dict(ref.state_dict())
                 runners[name] = _TorchRunner(cell, cfg, (x, h, c))
+            elif name == "cell-floor":
+                if cfg.cuda or cfg.all_grads:
+                    raise ValueError("cell-floor measures the CPU, parameter-gradient case only")
+                runners[name] = _TorchRunner(_FloorCell(ref), cfg, (x, h, c))
             else:
                 raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
         except ValueError:

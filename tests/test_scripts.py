@@ -45,19 +45,21 @@ def test_benchmark_runs_and_writes_json(tmp_path):
 
     out = tmp_path / "bench.json"
     proc = script("benchmark.py", "-b", "4", "-f", "3", "-s", "5", "-r", "3", "--warmup", "1",
-                  "--impl", "reference,cell,array", "--mixed", "--quiet", "--json", str(out))
+                  "--impl", "reference,cell,array,cell-op,cell-floor", "--mixed", "--quiet",
+                  "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr == "", proc.stderr  # --quiet: no progress output
     data = json.loads(out.read_text())
     (record,) = data["sizes"]
     assert (record["batch"], record["features"], record["state"]) == (4, 3, 5)
-    assert set(record["results"]) == {"reference", "cell", "array"}
+    assert set(record["results"]) == {"reference", "cell", "array", "cell-op", "cell-floor"}
     for result in record["results"].values():
         for phase in ("forward", "backward", "fwd+bwd"):
             assert 0 < result[phase]["min_s"] <= result[phase]["median_s"]
     # X (4 x 8) plus 4 * B * S float32 values, the same for the cell and the array API.
     assert record["results"]["array"]["saved_bytes"] == (4 * 8 + 4 * 4 * 5) * 4
-    assert record["results"]["cell"]["saved_bytes"] == (4 * 8 + 4 * 4 * 5) * 4
+    for name in ("cell", "cell-op", "cell-floor"):
+        assert record["results"][name]["saved_bytes"] == (4 * 8 + 4 * 4 * 5) * 4, name
     assert "vs reference" in proc.stdout and "Mixed model" in proc.stdout
 
 
