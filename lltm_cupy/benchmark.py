@@ -264,7 +264,7 @@ def _make_runners(cfg: Config, impls, quiet):
             if name == "reference":
                 runners[name] = _TorchRunner(ref, cfg, (x, h, c))
             elif name == "compiled":
-                _log(quiet, f"  compiling the reference with torch.compile ...")
+                _log(quiet, "  compiling the reference with torch.compile ...")
                 module = lt.ReferenceLLTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
                 module.load_state_dict(ref.state_dict())
                 runner = _TorchRunner(torch.compile(module, dynamic=False), cfg, (x, h, c))

@@ -1,7 +1,6 @@
 """lltm_cupy.torch.LLTM / lltm_sequence against stepping the pure-torch reference cell."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
