@@ -29,6 +29,13 @@ def _cupy():
     return cupy
 
 
+def _d_bias(d_gates, bias_shape):
+    """Sum of d_gates (rows, 3S) over its rows, shaped like the bias; float16 sums in float32."""
+    if d_gates.dtype == np.float16:
+        return d_gates.sum(axis=0, dtype=np.float32).astype(np.float16).reshape(bias_shape)
+    return d_gates.sum(axis=0).reshape(bias_shape)
+
+
 def forward(input, weights, bias, old_h, old_cell):
     cupy = _cupy()
     dtype = input.dtype
@@ -76,11 +83,7 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5):
         if need_w:
             d_weights = cupy.matmul(d_gates.T, X) if batch else cupy.zeros(weights.shape, dtype)
         if need_b:
-            if dtype == np.float16:  # accumulate in float32
-                d_bias = d_gates.sum(axis=0, dtype=np.float32).astype(dtype)
-            else:
-                d_bias = d_gates.sum(axis=0)
-            d_bias = d_bias.reshape(saved.bias_shape)
+            d_bias = _d_bias(d_gates, saved.bias_shape)
     return LLTMGrads(d_old_h, d_input, d_weights, d_bias, d_old_cell if need_c else None)
 
 
@@ -171,11 +174,7 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
                 d_weights[:, :state] = cupy.matmul(flat.T, hs[:-1].reshape(steps * batch, state))
                 d_weights[:, state:] = cupy.matmul(flat.T, x)
         if need_b:
-            if dtype == np.float16:
-                d_bias = flat.sum(axis=0, dtype=np.float32).astype(dtype)
-            else:
-                d_bias = flat.sum(axis=0)
-            d_bias = d_bias.reshape(saved.bias_shape)
+            d_bias = _d_bias(flat, saved.bias_shape)
         if need_x:
             d_inputs = cupy.matmul(flat, weights[:, state:]).reshape(steps, batch, features)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,

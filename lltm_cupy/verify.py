@@ -15,7 +15,7 @@ import lltm_cupy
 
 __all__ = ["FORWARD_NAMES", "GRAD_OF", "TOLERANCE", "normalised_error", "random_case",
            "numeric_gradients", "finite_difference_errors", "available_backends", "format_table",
-           "torch_gradchecks", "compare_backends", "gpu_unavailable_reason"]
+           "torch_gradchecks", "compare_backends", "gpu_unavailable_reason", "to_numpy"]
 
 FORWARD_NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 #: LLTMGrads field -> the forward argument it is the gradient of.
@@ -27,7 +27,8 @@ GRAD_OF = {"d_old_h": "old_h", "d_input": "input", "d_weights": "weights", "d_bi
 TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2}
 
 
-def _numpy(a):
+def to_numpy(a):
+    """A NumPy array of a NumPy, CuPy or torch array (torch tensors as float64)."""
     if hasattr(a, "detach"):  # torch
         return a.detach().cpu().double().numpy()
     return a.get() if hasattr(a, "get") else np.asarray(a)
@@ -35,8 +36,8 @@ def _numpy(a):
 
 def normalised_error(actual, expected) -> float:
     """max |actual - expected| / max(1, max |expected|), in float64; 0 for empty arrays."""
-    actual = _numpy(actual).astype(np.float64)
-    expected = _numpy(expected).astype(np.float64)
+    actual = to_numpy(actual).astype(np.float64)
+    expected = to_numpy(expected).astype(np.float64)
     if expected.size == 0:
         return 0.0
     scale = max(1.0, float(np.max(np.abs(expected))))
@@ -193,7 +194,7 @@ def _torch_reference(case):
     torch.autograd.backward((h, c), (torch.tensor(case["grad_h"]), torch.tensor(case["grad_cell"])))
     out = {"new_h": h, "new_cell": c}
     out.update({field: args[FORWARD_NAMES.index(name)].grad for field, name in GRAD_OF.items()})
-    return {k: _numpy(v) for k, v in out.items()}
+    return {k: to_numpy(v) for k, v in out.items()}
 
 
 def _run_arrays(xp, case, dtype):

@@ -9,7 +9,7 @@ import pytest
 from lltm_cupy import reference, verify
 from helpers import host_kernels
 
-from lltm_cupy.verify import TOLERANCE, normalised_error as max_error  # noqa: F401 (re-exported)
+from lltm_cupy.verify import TOLERANCE, to_numpy, normalised_error as max_error  # noqa: F401 (re-exported)
 
 GRAD_NAMES = ("d_old_h", "d_input", "d_weights", "d_bias", "d_old_cell")
 
@@ -60,10 +60,6 @@ def emulated_cupy(monkeypatch, host_lib):
 
 def dtypes_for(xp):
     return (np.float32, np.float64) + ((np.float16,) if xp is not np else ())
-
-
-def to_numpy(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def assert_close(actual, expected, dtype, name):
