@@ -2,10 +2,15 @@
 
 The arithmetic runs in the input dtype (float32 stays float32). Arguments were checked by
 ``lltm_cupy._checks``. At the sizes recurrent cells run at, the cost on the CPU is the number of
-NumPy calls rather than arithmetic, so this backend is written for few passes:
+NumPy calls rather than arithmetic, so this backend is written for few, cheap passes:
 
-- the forward saves the activations ``[input_gate | output_gate | candidate_cell]`` in place of
-  the pre-activations (still X plus 4 * B * S values), so the backward needs no exponential;
+- the gate values live gate-major, as (3, batch, state) = [input_gate, output_gate,
+  candidate_cell], so that every element-wise call runs on contiguous memory: a NumPy ufunc on a
+  column slice of a (batch, 3 * state) array costs 2-3 us more per call at the tutorial's size;
+  the layout change happens once per step, folded into the bias add (forward) and into one copy
+  of the gate gradients back to (batch, 3 * state) for the GEMMs (backward);
+- the forward saves the activations in place of the pre-activations (still X plus 4 * B * S
+  values), so the backward needs no exponential;
 - sigmoid(z) = (1 + tanh(z / 2)) / 2, which never overflows (NumPy emits no warning for any
   finite input) and needs no branch;
 - the derivatives are the tutorial's: sigmoid' = s (1 - s), tanh' = 1 - tanh^2, and
@@ -25,57 +30,57 @@ from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
 __all__ = ["forward", "backward", "forward_sequence", "backward_sequence"]
 
 
-def _project(x, w, bias, mm):
-    """x @ w.T + bias as a new C-ordered array (every array here is in C order: NumPy runs
-    element-wise ops on operands of mixed memory order up to 20x slower).
+def _project(x, w, bias, mm, steps, batch):
+    """Gate pre-activations ``x @ w.T + bias`` of ``steps * batch`` rows, as a new C-ordered
+    gate-major array (steps, 3, batch, state); the bias add writes the layout.
 
-    For up to 128 rows, (w @ x.T).T written back in C order by the bias add: OpenBLAS runs that
-    product up to 2x faster than x @ w.T at small batch. For more rows the transposing add costs
-    more than it saves (43 ms against a 20 ms GEMM at 4096 x 1536), so x @ w.T directly.
+    For up to 128 rows the product is taken as ``w @ x.T``: OpenBLAS runs it up to 2x faster than
+    ``x @ w.T`` at small batch, and the bias add transposes it anyway. For more rows, ``x @ w.T``,
+    whose (batch, 3, state) rows the bias add moves whole (transposing a large product costs more
+    than the GEMM: 43 ms against 20 ms at 4096 x 1536).
     """
+    state = w.shape[0] // 3
+    out = np.empty((steps, 3, batch, state), x.dtype)
     if x.shape[0] <= 128:
-        return np.add(mm(w, x.T).T, bias.reshape(-1), order="C")
-    out = mm(x, w.T)
-    out += bias.reshape(-1)
+        product = mm(w, x.T).reshape(3, state, steps, batch).transpose(2, 0, 3, 1)
+    else:
+        product = mm(x, w.T).reshape(steps, batch, 3, state).transpose(0, 2, 1, 3)
+    np.add(product, bias.reshape(3, 1, state), out=out)
     return out
 
 
 def _activate(acts, old_cell, new_h, new_cell) -> None:
-    """Element-wise forward of one step, in place: acts (B, 3S) holds the pre-activations on
-    entry and [input_gate | output_gate | candidate_cell] on exit; writes new_h and new_cell."""
-    state = old_cell.shape[1]
-    io = acts[:, : 2 * state]               # sigmoid(z) = (1 + tanh(z / 2)) / 2
+    """Element-wise forward of one step, in place: acts (3, B, S) holds the pre-activations on
+    entry and [input_gate, output_gate, candidate_cell] on exit; writes new_h and new_cell."""
+    io = acts[:2]                           # sigmoid(z) = (1 + tanh(z / 2)) / 2
     io *= 0.5
     np.tanh(io, out=io)
     io *= 0.5
     io += 0.5
 
-    zc = acts[:, 2 * state:]                # elu(z) = max(z, 0) + expm1(min(z, 0))
+    zc = acts[2]                            # elu(z) = max(z, 0) + expm1(min(z, 0))
     neg = np.minimum(zc, 0)
     np.expm1(neg, out=neg)
     np.maximum(zc, 0, out=zc)
     zc += neg
 
-    np.multiply(zc, acts[:, :state], out=new_cell)
+    np.multiply(zc, acts[0], out=new_cell)
     new_cell += old_cell
     np.tanh(new_cell, out=new_h)
-    new_h *= acts[:, state: 2 * state]
+    new_h *= acts[1]
 
 
 def _d_gates(grad_h, grad_cell, acts, new_cell, d_gates):
-    """Element-wise backward of one step: writes d_gates (B, 3S), returns d_new_cell (B, S).
+    """Element-wise backward of one step: writes d_gates (3, B, S), returns d_new_cell (B, S).
 
-    grad_h / grad_cell may be None (zero)."""
-    state = new_cell.shape[1]
-    input_gate = acts[:, :state]
-    output_gate = acts[:, state: 2 * state]
-    candidate_cell = acts[:, 2 * state:]
-    d_i, d_o, d_c = d_gates[:, :state], d_gates[:, state: 2 * state], d_gates[:, 2 * state:]
+    acts are the saved activations (3, B, S); grad_h / grad_cell may be None (zero)."""
+    input_gate, output_gate, candidate_cell = acts
+    d_i, d_o, d_c = d_gates
 
     # sigmoid' = s (1 - s) for both sigmoid gates at once, into the d_gates slots
-    d_io = d_gates[:, : 2 * state]
-    np.square(acts[:, : 2 * state], out=d_io)
-    np.subtract(acts[:, : 2 * state], d_io, out=d_io)
+    d_io = d_gates[:2]
+    np.square(acts[:2], out=d_io)
+    np.subtract(acts[:2], d_io, out=d_io)
     # elu' = min(elu + 1, 1)
     np.add(candidate_cell, 1, out=d_c)
     np.minimum(d_c, 1, out=d_c)
@@ -102,10 +107,16 @@ def _d_gates(grad_h, grad_cell, acts, new_cell, d_gates):
     return d_new_cell
 
 
+def _gate_major_to_rows(d_gates, out) -> None:
+    """Copy gate-major (3, B, S) values into ``out`` (B, 3 * S), the GEMMs' layout."""
+    batch, state = d_gates.shape[1:]
+    np.copyto(out.reshape(batch, 3, state), d_gates.transpose(1, 0, 2))
+
+
 def forward(input, weights, bias, old_h, old_cell, mm=np.matmul):
     batch, state = old_h.shape
     X = np.concatenate((old_h, input), axis=1)
-    acts = _project(X, weights, bias, mm)
+    acts = _project(X, weights, bias, mm, 1, batch)[0]
     new_h = np.empty((batch, state), acts.dtype)
     new_cell = np.empty((batch, state), acts.dtype)
     _activate(acts, old_cell, new_h, new_cell)
@@ -115,8 +126,11 @@ def forward(input, weights, bias, old_h, old_cell, mm=np.matmul):
 def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
     acts, new_cell, X, weights = saved.gates, saved.new_cell, saved.X, saved.weights
     batch, state = new_cell.shape
-    d_gates = np.empty((batch, 3 * state), new_cell.dtype)
-    d_new_cell = _d_gates(grad_h, grad_cell, acts, new_cell, d_gates)
+    dtype = new_cell.dtype
+    d_acts = np.empty((3, batch, state), dtype)
+    d_new_cell = _d_gates(grad_h, grad_cell, acts, new_cell, d_acts)
+    d_gates = np.empty((batch, 3 * state), dtype)
+    _gate_major_to_rows(d_acts, d_gates)
     need_h, need_x, need_w, need_b, need_c = needed
     return LLTMGrads(
         mm(d_gates, weights[:, :state]) if need_h else None,
@@ -131,8 +145,8 @@ def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul):
     steps, batch, features = inputs.shape
     state = h0.shape[1]
     x = inputs.reshape(steps * batch, features)
-    # The input projection of every step in one GEMM, bias added, as (T, B, 3S).
-    gates = _project(x, weights[:, state:], bias, mm).reshape(steps, batch, 3 * state)
+    # The input projection of every step in one GEMM, bias added, as (T, 3, B, S).
+    gates = _project(x, weights[:, state:], bias, mm, steps, batch)
     hs = np.empty((steps + 1, batch, state), gates.dtype)   # [h0, h_1, ..., h_T]
     hs[0] = h0
     cells = np.empty((steps, batch, state), gates.dtype)
@@ -140,7 +154,8 @@ def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul):
     w_h_t = np.ascontiguousarray(weights[:, :state].T)
     c = c0
     for t in range(steps):
-        gates[t] += mm(hs[t], w_h_t)        # the recurrent GEMM, into the step's slice
+        # the recurrent GEMM, added into the step's gates (its (B, 3, S) rows moved whole)
+        gates[t] += mm(hs[t], w_h_t).reshape(batch, 3, state).transpose(1, 0, 2)
         _activate(gates[t], c, hs[t + 1], cells[t])
         c = cells[t]
     h_n = hs[steps].copy()
@@ -159,20 +174,23 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
               else np.array(grad_outputs, dtype=dtype, order="C"))
     if steps and grad_h_n is not None:
         grad_h[steps - 1] += grad_h_n
-    d_gates = np.empty((steps, batch, 3 * state), dtype)
+    # Every step's d_gates in the GEMMs' layout (T * B, 3S); one step's gate-major scratch.
+    flat = np.empty((steps * batch, 3 * state), dtype)
+    d_acts = np.empty((3, batch, state), dtype)
     w_h = np.ascontiguousarray(weights[:, :state])
     d_c = grad_c_n
     for t in range(steps - 1, -1, -1):
-        d_c = _d_gates(grad_h[t], d_c, gates[t], cells[t], d_gates[t])
+        d_c = _d_gates(grad_h[t], d_c, gates[t], cells[t], d_acts)
+        d_gates = flat[t * batch: (t + 1) * batch]
+        _gate_major_to_rows(d_acts, d_gates)
         if t:
-            grad_h[t - 1] += mm(d_gates[t], w_h)
+            grad_h[t - 1] += mm(d_gates, w_h)
     if steps:
-        d_h0 = mm(d_gates[0], w_h)
+        d_h0 = mm(flat[:batch], w_h)
     else:
         d_h0 = np.zeros((batch, state), dtype) if grad_h_n is None else np.array(grad_h_n)
         d_c = np.zeros((batch, state), dtype) if grad_c_n is None else np.array(grad_c_n)
     need_x, need_w, need_b, need_h0, need_c0 = needed
-    flat = d_gates.reshape(steps * batch, 3 * state)
     d_weights = d_bias = d_inputs = None
     if need_w:
         d_weights = np.empty(weights.shape, dtype)

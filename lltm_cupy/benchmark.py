@@ -12,7 +12,11 @@ Implementations (names used by ``--impl``):
   ``autograd.Function`` (not run unless named in ``--impl``);
 - ``cell-floor``: the same backend inside a bare ``autograd.Function`` with no argument checks,
   no version checks and no module (CPU only, parameters' gradients only): not a usable op, the
-  floor any NumPy-backed Function can reach (not run unless named in ``--impl``).
+  floor any NumPy-backed Function can reach (not run unless named in ``--impl``);
+- ``function-floor``: a bare ``autograd.Function`` that does no LLTM work (it returns copies of
+  the state and zero parameter gradients): the fixed cost of one timed step (Function, the
+  tutorial's loss and the autograd engine) that any ``autograd.Function``-based cell pays on top
+  of its own work (CPU only, parameters' gradients only; not run unless named in ``--impl``).
 
 Every implementation runs the tutorial's step: ``h, c = cell(x, (h0, c0))`` then a backward of
 ``h`` and ``c`` with gradient one (the tutorial's ``(h.sum() + c.sum()).backward()``), with
@@ -35,7 +39,7 @@ __all__ = ["Config", "IMPLS", "PHASES", "CPU_SIZES", "GPU_SIZES", "run_size", "f
            "gpu_kernel_report", "mixed_model_report", "machine_name"]
 
 IMPLS = ("reference", "compiled", "cell", "array", "lstm")
-EXTRA_IMPLS = ("cell-op", "cell-floor")
+EXTRA_IMPLS = ("cell-op", "cell-floor", "function-floor")
 PHASES = ("forward", "backward", "fwd+bwd")
 CPU_SIZES = ((16, 32, 128), (64, 256, 512), (256, 512, 1024))
 GPU_SIZES = CPU_SIZES + ((1024, 1024, 1024), (4096, 1024, 1024))
@@ -243,6 +247,31 @@ def _FloorCell(ref):
     return FloorCell()
 
 
+def _EmptyCell(ref):
+    """A module whose autograd.Function does no LLTM work (see ``function-floor``)."""
+    import torch
+
+    class Empty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b, h, c):
+            return h.clone(), c.clone()
+
+        @staticmethod
+        def backward(ctx, grad_h, grad_cell):
+            return None, torch.zeros_like(ref.weights), torch.zeros_like(ref.bias), None, None
+
+    class EmptyCell(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = torch.nn.Parameter(ref.weights.detach().clone())
+            self.bias = torch.nn.Parameter(ref.bias.detach().clone())
+
+        def forward(self, x, state):
+            return Empty.apply(x, self.weights, self.bias, *state)
+
+    return EmptyCell()
+
+
 def _make_runners(cfg: Config, impls, quiet):
     import torch
 
@@ -294,6 +323,10 @@ def _make_runners(cfg: Config, impls, quiet):
                 if cfg.cuda or cfg.all_grads:
                     raise ValueError("cell-floor measures the CPU, parameter-gradient case only")
                 runners[name] = _TorchRunner(_FloorCell(ref), cfg, (x, h, c))
+            elif name == "function-floor":
+                if cfg.cuda or cfg.all_grads:
+                    raise ValueError("function-floor measures the CPU, parameter-gradient case only")
+                runners[name] = _TorchRunner(_EmptyCell(ref), cfg, (x, h, c))
             else:
                 raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
         except ValueError:

@@ -221,9 +221,15 @@ def _lltm_forward_op(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor
     with _context(input.device):
         arrays = [_to_array(t) for t in (input, weights, bias, old_h, old_cell)]
         new_h, new_cell, saved = _backend(input.device).forward(*arrays)
-        # The fake declares contiguous outputs; the CPU backend's gates are in Fortran order.
-        gates = saved.gates if saved.gates.flags.c_contiguous else np.ascontiguousarray(saved.gates)
-        return tuple(_from_array(a) for a in (new_h, new_cell, saved.X, gates))
+        return tuple(_from_array(a) for a in (new_h, new_cell, saved.X, saved.gates))
+
+
+def _empty_gates(like: Tensor, batch: int, state: int, *steps: int) -> Tensor:
+    """An empty tensor shaped like the backend's saved gate values: gate-major (..., 3, B, S)
+    from the NumPy backend (CPU), (..., B, 3S) from the CuPy backend (CUDA)."""
+    if like.device.type == "cpu":
+        return like.new_empty(*steps, 3, batch, state)
+    return like.new_empty(*steps, batch, 3 * state)
 
 
 @_lltm_forward_op.register_fake
@@ -231,7 +237,7 @@ def _(input, weights, bias, old_h, old_cell):
     batch, features = input.shape
     state = old_h.shape[1]
     return (input.new_empty(batch, state), input.new_empty(batch, state),
-            input.new_empty(batch, state + features), input.new_empty(batch, 3 * state))
+            input.new_empty(batch, state + features), _empty_gates(input, batch, state))
 
 
 @torch.library.custom_op("lltm_cupy::lltm_backward", mutates_args=())
@@ -405,7 +411,7 @@ def _(inputs, weights, bias, h0, c0):
     steps, batch, _ = inputs.shape
     state = h0.shape[1]
     return (inputs.new_empty(steps + 1, batch, state), inputs.new_empty(batch, state),
-            inputs.new_empty(batch, state), inputs.new_empty(steps, batch, 3 * state),
+            inputs.new_empty(batch, state), _empty_gates(inputs, batch, state, steps),
             inputs.new_empty(steps, batch, state))
 
 

@@ -45,14 +45,15 @@ def test_benchmark_runs_and_writes_json(tmp_path):
 
     out = tmp_path / "bench.json"
     proc = script("benchmark.py", "-b", "4", "-f", "3", "-s", "5", "-r", "3", "--warmup", "1",
-                  "--impl", "reference,cell,array,cell-op,cell-floor", "--mixed", "--quiet",
+                  "--impl", "reference,cell,array,cell-op,cell-floor,function-floor", "--mixed", "--quiet",
                   "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr == "", proc.stderr  # --quiet: no progress output
     data = json.loads(out.read_text())
     (record,) = data["sizes"]
     assert (record["batch"], record["features"], record["state"]) == (4, 3, 5)
-    assert set(record["results"]) == {"reference", "cell", "array", "cell-op", "cell-floor"}
+    assert set(record["results"]) == {"reference", "cell", "array", "cell-op", "cell-floor",
+                                       "function-floor"}
     for result in record["results"].values():
         for phase in ("forward", "backward", "fwd+bwd"):
             assert 0 < result[phase]["min_s"] <= result[phase]["median_s"]
