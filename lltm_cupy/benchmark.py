@@ -36,7 +36,7 @@ import time
 import numpy as np
 
 __all__ = ["Config", "IMPLS", "PHASES", "CPU_SIZES", "GPU_SIZES", "run_size", "format_table",
-           "gpu_kernel_report", "mixed_model_report", "machine_name"]
+           "gpu_kernel_report", "cpu_blas_report", "mixed_model_report", "machine_name"]
 
 IMPLS = ("reference", "compiled", "cell", "array", "lstm")
 EXTRA_IMPLS = ("cell-op", "cell-floor", "function-floor")
@@ -538,6 +538,87 @@ def format_gpu_report(size, rep: dict) -> str:
             f"{(rep['gemm_fwd_s'] + rep['gemm_bwd_s']) * 1e6:.1f} us of a "
             f"{rep['step_s'] * 1e6:.1f} us array-API step ({rep['gemm_share_pct']:.0f}%; "
             f"step / GEMMs = {rep['step_over_gemms']:.2f})")
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the share of the step in BLAS, with NumPy's BLAS and with torch's
+
+def blas_names() -> dict:
+    """{"numpy": ..., "torch": ...}: the BLAS library each was built with, as they report it."""
+    import torch
+
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        numpy_blas = f"{blas['name']} {blas.get('version', '')}".strip()
+    except Exception:  # older NumPy, or a build that does not say
+        numpy_blas = "unknown BLAS"
+    torch_blas = "MKL" if torch.backends.mkl.is_available() else "its own BLAS"
+    return {"numpy": numpy_blas, "torch": torch_blas}
+
+
+def cpu_blas_report(cfg: Config, runs=100) -> dict:
+    """The NumPy backend's step (forward, then the backward of the gradients the benchmark asks
+    for) with its GEMMs run by NumPy's BLAS (the array API) and by torch's (what ``LLTMCell``
+    runs on the CPU), and the GEMMs' part of it: every GEMM goes through a wrapper that times it.
+
+    The two are timed one after the other, not interleaved (two BLAS thread pools taking turns
+    would measure their contention). Returns medians in seconds and the GEMM share in percent.
+    """
+    from . import _numpy
+    from .torch import _torch_mm
+
+    dtype = np.float64 if cfg.double else np.float32
+    B, F, S = cfg.size
+    rng = np.random.default_rng(cfg.seed)
+    x, h, c = (rng.standard_normal(shape).astype(dtype) for shape in ((B, F), (B, S), (B, S)))
+    W = (rng.standard_normal((3 * S, S + F)) / np.sqrt(S + F)).astype(dtype)
+    bias = np.zeros(3 * S, dtype)
+    ones = np.ones((B, S), dtype)
+    needed = (True,) * 5 if cfg.all_grads else (False, False, True, True, False)
+    clock = time.perf_counter
+    report = {}
+    for name, mm in (("numpy", np.matmul), ("torch", _torch_mm)):
+        in_gemm = [0.0]
+
+        def timed_mm(a, b, mm=mm, in_gemm=in_gemm):
+            t0 = clock()
+            out = mm(a, b)
+            in_gemm[0] += clock() - t0
+            return out
+
+        def step():
+            saved = _numpy.forward(x, W, bias, h, c, mm=timed_mm)[2]
+            _numpy.backward(ones, ones, saved, needed, mm=timed_mm)
+
+        for _ in range(cfg.warmup):
+            step()
+        steps, gemms = [], []
+        for _ in range(runs):
+            in_gemm[0] = 0.0
+            t0 = clock()
+            step()
+            steps.append(clock() - t0)
+            gemms.append(in_gemm[0])
+        step_s, gemm_s = statistics.median(steps), statistics.median(gemms)
+        report[name] = {"step_s": step_s, "gemm_s": gemm_s, "gemm_share_pct": 100 * gemm_s / step_s}
+        time.sleep(0.5)  # let this pool's workers go idle before the other one runs
+    report["torch_gemm_over_numpy_gemm"] = report["torch"]["gemm_s"] / report["numpy"]["gemm_s"]
+    report["blas"] = blas_names()
+    report["runs"] = runs
+    return report
+
+
+def format_blas_report(size, rep: dict, scale="us") -> str:
+    factor, unit = _SCALES[scale]
+    parts = []
+    for name, who in (("numpy", "NumPy's BLAS"), ("torch", "torch's BLAS")):
+        r = rep[name]
+        parts.append(f"{who} ({rep['blas'][name]}{'; what LLTMCell runs' if name == 'torch' else ''}): "
+                     f"step {r['step_s'] * factor:.1f} {unit}, GEMMs {r['gemm_s'] * factor:.1f} {unit} "
+                     f"({r['gemm_share_pct']:.0f}%)")
+    return (f"BLAS share at {size} (the NumPy backend's step, medians of {rep['runs']} runs): "
+            + "; ".join(parts)
+            + f"; torch's GEMMs / NumPy's GEMMs = {rep['torch_gemm_over_numpy_gemm']:.2f}")
 
 
 # ---------------------------------------------------------------------------------------------

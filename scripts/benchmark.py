@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", type=parse_sizes, default=None, help="BxFxS[,BxFxS...] sweep")
     p.add_argument("--impl", default=None,
                    help=f"comma-separated subset of {','.join(bm.IMPLS + bm.EXTRA_IMPLS)} "
-                        f"(default: all but cell-op; lstm on GPU only); with --sequence, of "
+                        f"(default: all but {', '.join(bm.EXTRA_IMPLS)}; lstm on GPU only); "
+                        f"with --sequence, of "
                         f"{','.join(bm.SEQUENCE_IMPLS)}")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--all-grads", action="store_true",
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--sequence", action="store_true",
                    help="time whole sequences instead (our LLTM vs stepped cells, nn.LSTM on GPU)")
     p.add_argument("-t", "--steps", type=int, default=64, help="sequence length for --sequence")
-    p.add_argument("--no-kernels", action="store_true", help="GPU: skip the kernel bandwidth report")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="skip the GPU kernel bandwidth report (GPU) or the BLAS share report (CPU)")
     p.add_argument("--json", metavar="FILE", help="write all results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     args = p.parse_args(argv)
@@ -79,7 +81,8 @@ def main(argv=None) -> int:
     machine = bm.machine_name(args.cuda)
     print(f"lltm_cupy benchmark on {machine}; torch {torch.__version__}, "
           f"torch threads {torch.get_num_threads()}")
-    out = {"machine": machine, "torch": torch.__version__, "sizes": [], "gpu_kernels": {}, "mixed": {}}
+    out = {"machine": machine, "torch": torch.__version__, "sizes": [], "gpu_kernels": {},
+           "cpu_blas": {}, "mixed": {}}
     for i, size in enumerate(sizes, 1):
         runs = args.runs or max(30, min(1000, int(2e9 // (size[0] * size[2] * (size[1] + size[2])))))
         cfg = bm.Config(*size, cuda=args.cuda, double=args.double, runs=runs, warmup=args.warmup,
@@ -100,6 +103,10 @@ def main(argv=None) -> int:
             rep = bm.gpu_kernel_report(cfg)
             out["gpu_kernels"][str(size)] = rep
             print(bm.format_gpu_report(size, rep), flush=True)
+        if not args.cuda and not args.no_kernels:
+            rep = bm.cpu_blas_report(cfg, runs=max(20, runs // 4))
+            out["cpu_blas"][str(size)] = rep
+            print(bm.format_blas_report(size, rep, args.scale), flush=True)
         if args.mixed and not args.cuda:
             rep = bm.mixed_model_report(cfg, runs=max(50, runs // 2), quiet=args.quiet)
             out["mixed"][str(size)] = rep

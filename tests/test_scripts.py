@@ -62,6 +62,12 @@ def test_benchmark_runs_and_writes_json(tmp_path):
     for name in ("cell", "cell-op", "cell-floor"):
         assert record["results"][name]["saved_bytes"] == (4 * 8 + 4 * 4 * 5) * 4, name
     assert "vs reference" in proc.stdout and "Mixed model" in proc.stdout
+    # The BLAS share with NumPy's BLAS (the array API) and torch's (LLTMCell on the CPU).
+    assert "BLAS share at (4, 3, 5)" in proc.stdout
+    blas = data["cpu_blas"]["(4, 3, 5)"]
+    for name in ("numpy", "torch"):
+        assert 0 < blas[name]["gemm_s"] < blas[name]["step_s"], blas
+        assert 0 < blas[name]["gemm_share_pct"] < 100
 
 
 def test_benchmark_rejects_unknown_implementations():
