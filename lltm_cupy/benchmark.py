@@ -214,6 +214,23 @@ class _ArrayRunner:
         return self.forward()[2].nbytes
 
 
+def _function_cell(ref, function):
+    """A module calling ``function.apply(x, weights, bias, h, c)`` with copies of ``ref``'s
+    parameters: the bare-Function measurements ``cell-floor`` and ``function-floor``."""
+    import torch
+
+    class FunctionCell(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = torch.nn.Parameter(ref.weights.detach().clone())
+            self.bias = torch.nn.Parameter(ref.bias.detach().clone())
+
+        def forward(self, x, state):
+            return function.apply(x, self.weights, self.bias, *state)
+
+    return FunctionCell()
+
+
 def _FloorCell(ref):
     """A module running the NumPy backend in a bare autograd.Function (see ``cell-floor``)."""
     import torch
@@ -235,16 +252,7 @@ def _FloorCell(ref):
                                 (False, False, True, True, False), mm=lt._torch_mm)
             return None, torch.from_numpy(g.d_weights), torch.from_numpy(g.d_bias), None, None
 
-    class FloorCell(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weights = torch.nn.Parameter(ref.weights.detach().clone())
-            self.bias = torch.nn.Parameter(ref.bias.detach().clone())
-
-        def forward(self, x, state):
-            return Floor.apply(x, self.weights, self.bias, *state)
-
-    return FloorCell()
+    return _function_cell(ref, Floor)
 
 
 def _EmptyCell(ref):
@@ -260,16 +268,7 @@ def _EmptyCell(ref):
         def backward(ctx, grad_h, grad_cell):
             return None, torch.zeros_like(ref.weights), torch.zeros_like(ref.bias), None, None
 
-    class EmptyCell(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weights = torch.nn.Parameter(ref.weights.detach().clone())
-            self.bias = torch.nn.Parameter(ref.bias.detach().clone())
-
-        def forward(self, x, state):
-            return Empty.apply(x, self.weights, self.bias, *state)
-
-    return EmptyCell()
+    return _function_cell(ref, Empty)
 
 
 def _make_runners(cfg: Config, impls, quiet):
