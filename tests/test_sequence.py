@@ -70,8 +70,18 @@ def check(got, want, dtype, name):
 @pytest.mark.parametrize("steps", [0, 1, 7])
 @pytest.mark.parametrize("missing", ["none", "outputs", "final"])
 def test_sequence_equals_stepped_cell(xp, steps, missing):
+    compare_with_stepped(xp, steps, 3, missing)
+
+
+def test_many_rows_equals_stepped_cell(xp):
+    """5 steps x 30 rows: the sequence's input projection has 150 rows, past the NumPy backend's
+    switch of GEMM orientation at 128 (see _numpy._project), while each stepped cell has 30."""
+    compare_with_stepped(xp, 5, 30, "none")
+
+
+def compare_with_stepped(xp, steps, batch, missing):
     for dtype in dtypes_for(xp):
-        case = make_sequence(steps, 3, 17, 5, dtype, seed=steps, bias_2d=(steps == 1))
+        case = make_sequence(steps, batch, 17, 5, dtype, seed=steps, bias_2d=(steps == 1))
         go = None if missing == "outputs" else case["grad_outputs"]
         ghn = None if missing == "final" else case["grad_h_n"]
         gcn = None if missing == "final" else case["grad_c_n"]
@@ -80,7 +90,7 @@ def test_sequence_equals_stepped_cell(xp, steps, missing):
         grads = lltm_cupy.backward_sequence(*(None if g is None else xp.asarray(g)
                                               for g in (go, ghn, gcn)), saved)
         outs, h, c, want = stepped(xp, {n: case[n] for n in SEQ_NAMES}, go, ghn, gcn)
-        assert outputs.shape == (steps, 3, 5)
+        assert outputs.shape == (steps, batch, 5)
         for t in range(steps):
             check(outputs[t], outs[t], dtype, f"outputs[{t}]")
         check(h_n, h if steps else args[3], dtype, "h_n")
