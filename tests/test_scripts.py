@@ -73,3 +73,11 @@ def test_benchmark_runs_and_writes_json(tmp_path):
 def test_benchmark_rejects_unknown_implementations():
     proc = script("benchmark.py", "--impl", "nope", "--quiet")
     assert proc.returncode == 2 and "unknown --impl nope" in proc.stderr
+
+
+def test_profile_step_prints_a_profile_of_our_functions():
+    for extra in ((), ("--sequence", "-t", "3")):
+        proc = script("profile_step.py", "-b", "4", "-f", "3", "-s", "5", "-r", "3", *extra)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "us per step under the profiler" in proc.stdout
+        assert "lltm_cupy/_numpy.py" in proc.stdout, proc.stdout  # our backend is in the profile
