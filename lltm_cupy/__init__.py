@@ -50,7 +50,7 @@ def forward(input, weights, bias, old_h, old_cell):
     ``new_h`` and ``new_cell`` are (batch, state) in the input dtype; ``saved`` is an
     :class:`LLTMSaved` to pass to :func:`backward`. No argument is modified.
     """
-    backend, _ = check_forward(input, weights, bias, old_h, old_cell)
+    backend = check_forward(input, weights, bias, old_h, old_cell)
     return _backend(backend).forward(input, weights, bias, old_h, old_cell)
 
 
@@ -84,7 +84,7 @@ def forward_sequence(inputs, weights, bias, h0, c0):
     but with the input projection of all steps in one GEMM and per step one recurrent GEMM plus
     the fused kernel. Same array, dtype and device rules as :func:`forward`; steps may be 0.
     """
-    backend, _ = check_forward_sequence(inputs, weights, bias, h0, c0)
+    backend = check_forward_sequence(inputs, weights, bias, h0, c0)
     return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0)
 
 

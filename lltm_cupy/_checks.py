@@ -97,15 +97,15 @@ def check_shapes(input, weights, bias, old_h, old_cell) -> None:
     _check_weights_and_bias(weights, bias, state, features, "old_h", "input")
 
 
-def _check_arguments(names, arrays, check_shapes_fn):
-    """Kind, dtype, shapes and device of a forward call's arrays; return (backend, dtype)."""
+def _check_arguments(names, arrays, check_shapes_fn) -> str:
+    """Kind, dtype, shapes and device of a forward call's arrays; return the backend name."""
     named = dict(zip(names, arrays))
     backend = array_backend(named)
-    dtype = _check_dtypes(named, backend)
+    _check_dtypes(named, backend)
     check_shapes_fn(*arrays)
     if backend == "cupy":
         _check_device(named)
-    return backend, dtype
+    return backend
 
 
 def _check_gradients(expected: dict, saved, dtype, reference) -> str:
@@ -127,8 +127,8 @@ def _check_gradients(expected: dict, saved, dtype, reference) -> str:
     return backend
 
 
-def check_forward(input, weights, bias, old_h, old_cell):
-    """Validate forward arguments; return (backend, dtype)."""
+def check_forward(input, weights, bias, old_h, old_cell) -> str:
+    """Validate forward arguments; return the backend name."""
     return _check_arguments(_FORWARD_NAMES, (input, weights, bias, old_h, old_cell), check_shapes)
 
 
@@ -160,8 +160,8 @@ def check_sequence_shapes(inputs, weights, bias, h0, c0) -> None:
     _check_weights_and_bias(weights, bias, state, features, "h0", "inputs")
 
 
-def check_forward_sequence(inputs, weights, bias, h0, c0):
-    """Validate forward_sequence arguments; return (backend, dtype)."""
+def check_forward_sequence(inputs, weights, bias, h0, c0) -> str:
+    """Validate forward_sequence arguments; return the backend name."""
     return _check_arguments(_SEQUENCE_NAMES, (inputs, weights, bias, h0, c0),
                             check_sequence_shapes)
 

@@ -1,6 +1,7 @@
 """Result and state types shared by the backends."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 __all__ = ["LLTMGrads", "LLTMSaved", "LLTMSequenceGrads", "LLTMSequenceSaved"]
@@ -16,6 +17,7 @@ class LLTMGrads(NamedTuple):
     d_old_cell: Any
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class LLTMSaved:
     """What :func:`lltm_cupy.backward` needs from a forward call. Pass it back untouched.
 
@@ -28,15 +30,12 @@ class LLTMSaved:
     modify the weights in place between forward and backward.
     """
 
-    __slots__ = ("backend", "X", "gates", "new_cell", "weights", "bias_shape")
-
-    def __init__(self, backend, X, gates, new_cell, weights, bias_shape):
-        self.backend = backend
-        self.X = X
-        self.gates = gates
-        self.new_cell = new_cell
-        self.weights = weights
-        self.bias_shape = bias_shape
+    backend: str  # "numpy" or "cupy"
+    X: Any
+    gates: Any
+    new_cell: Any
+    weights: Any
+    bias_shape: tuple
 
     @property
     def nbytes(self) -> int:
@@ -59,6 +58,7 @@ class LLTMSequenceGrads(NamedTuple):
     d_c0: Any
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class LLTMSequenceSaved:
     """What :func:`lltm_cupy.backward_sequence` needs from :func:`lltm_cupy.forward_sequence`.
 
@@ -70,16 +70,13 @@ class LLTMSequenceSaved:
     inputs: do not modify them in place between forward and backward.
     """
 
-    __slots__ = ("backend", "inputs", "hs", "gates", "cells", "weights", "bias_shape")
-
-    def __init__(self, backend, inputs, hs, gates, cells, weights, bias_shape):
-        self.backend = backend
-        self.inputs = inputs
-        self.hs = hs
-        self.gates = gates
-        self.cells = cells
-        self.weights = weights
-        self.bias_shape = bias_shape
+    backend: str  # "numpy" or "cupy"
+    inputs: Any
+    hs: Any
+    gates: Any
+    cells: Any
+    weights: Any
+    bias_shape: tuple
 
     @property
     def dtype(self):

@@ -180,23 +180,29 @@ def _hidden_saved(out) -> dict:
     return found
 
 
+def _array_side(cfg):
+    """(xp, stream_ctx, conv) for timing the array API: the array module, a context that puts
+    CuPy on torch's current stream (GPU), and a zero-copy tensor-to-array conversion."""
+    if cfg.cuda:
+        import cupy
+        import torch
+
+        from .torch import _on_torch_stream
+
+        return (cupy,
+                lambda: _on_torch_stream(torch.device("cuda", torch.cuda.current_device())),
+                lambda t: cupy.from_dlpack(t.detach()))
+    import contextlib
+
+    return np, contextlib.nullcontext, lambda t: t.detach().numpy()
+
+
 class _ArrayRunner:
     def __init__(self, cfg, params, inputs):
         import lltm_cupy
 
         self.lltm = lltm_cupy
-        if cfg.cuda:
-            import cupy as xp
-            import torch
-
-            from .torch import _on_torch_stream
-
-            self.stream_ctx = lambda: _on_torch_stream(torch.device("cuda", torch.cuda.current_device()))
-        else:
-            xp = np
-            import contextlib
-            self.stream_ctx = contextlib.nullcontext
-        conv = (lambda t: xp.from_dlpack(t.detach())) if cfg.cuda else (lambda t: t.detach().numpy())
+        xp, self.stream_ctx, conv = _array_side(cfg)
         w, b = params
         self.args = [conv(t) for t in (inputs[0], w, b, inputs[1], inputs[2])]
         self.ones = xp.ones_like(self.args[3])
@@ -753,20 +759,7 @@ class _ArraySequenceRunner:
         import lltm_cupy
 
         self.lltm, self.stepped = lltm_cupy, stepped
-        if cfg.cuda:
-            import cupy as xp
-            import torch
-
-            from .torch import _on_torch_stream
-
-            self.stream_ctx = lambda: _on_torch_stream(torch.device("cuda", torch.cuda.current_device()))
-            conv = lambda t: xp.from_dlpack(t.detach())  # noqa: E731
-        else:
-            import contextlib
-
-            xp = np
-            self.stream_ctx = contextlib.nullcontext
-            conv = lambda t: t.detach().numpy()  # noqa: E731
+        xp, self.stream_ctx, conv = _array_side(cfg)
         self.w, self.b = (conv(t) for t in params)
         self.xs, self.h, self.c = conv(xs), conv(h), conv(c)
         self.ones = xp.ones_like(self.h)

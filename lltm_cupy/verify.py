@@ -185,15 +185,9 @@ def torch_gradchecks(case=None, skipped=None):
 
 def _torch_reference(case):
     """Forward + gradients of the pure-torch reference in float64 on the CPU."""
-    import torch
-
     from . import torch as lt
 
-    args = [torch.tensor(case[n], dtype=torch.float64, requires_grad=True) for n in FORWARD_NAMES]
-    h, c = lt.lltm_reference(*args)
-    torch.autograd.backward((h, c), (torch.tensor(case["grad_h"]), torch.tensor(case["grad_cell"])))
-    out = {"new_h": h, "new_cell": c}
-    out.update({field: args[FORWARD_NAMES.index(name)].grad for field, name in GRAD_OF.items()})
+    out = _run_torch(lt.lltm_reference, "cpu", case, np.float64)
     return {k: to_numpy(v) for k, v in out.items()}
 
 
@@ -205,15 +199,14 @@ def _run_arrays(xp, case, dtype):
     return {"new_h": new_h, "new_cell": new_cell, **grads._asdict()}
 
 
-def _run_torch(device, case, dtype):
+def _run_torch(fn, device, case, dtype):
+    """Outputs and the five gradients of ``fn`` (lltm or the reference) on torch tensors."""
     import torch
-
-    from . import torch as lt
 
     tdtype = getattr(torch, np.dtype(dtype).name)
     args = [torch.tensor(case[n], dtype=tdtype, device=device, requires_grad=True)
             for n in FORWARD_NAMES]
-    h, c = lt.lltm(*args)
+    h, c = fn(*args)
     torch.autograd.backward((h, c), tuple(torch.tensor(case[g], dtype=tdtype, device=device)
                                           for g in ("grad_h", "grad_cell")))
     out = {"new_h": h, "new_cell": c}
@@ -238,9 +231,12 @@ def compare_backends(case=None, skipped=None):
         import cupy
         runners.append(("cupy", lambda c, d: _run_arrays(cupy, c, d),
                         (np.float16, np.float32, np.float64)))
+    from . import torch as lt
+
     for device in _torch_devices(skipped):
         dts = (np.float32, np.float64) + ((np.float16,) if device == "cuda" else ())
-        runners.append((f"torch {device}", lambda c, d, dev=device: _run_torch(dev, c, d), dts))
+        runners.append((f"torch {device}",
+                        lambda c, d, dev=device: _run_torch(lt.lltm, dev, c, d), dts))
     rows = []
     for label, run, dtypes in runners:
         for dtype in dtypes:
