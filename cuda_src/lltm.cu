@@ -186,3 +186,19 @@ __global__ void lltm_bwd_kernel(const T* __restrict__ grad_h, const T* __restric
     d_gates[row + 2 * S] = tr::store(input_gate * d_new_cell * lltm_d_elu(zc));
   }
 }
+
+// X = [old_h | input] (B, S + F) in one launch (the forward GEMM's left operand, saved for the
+// weight gradient). One thread per element of X, grid-stride over n = B * (S + F).
+template <typename T, typename I>
+__global__ void lltm_concat_kernel(const T* __restrict__ old_h, const T* __restrict__ input,
+                                   T* __restrict__ X, long long n_elements, int state_size,
+                                   int features) {
+  const I n = (I)n_elements;
+  const I S = (I)state_size;
+  const I K = S + (I)features;
+  for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (I)blockDim.x * gridDim.x) {
+    const I b = i / K;
+    const I k = i - b * K;
+    X[i] = k < S ? old_h[b * S + k] : input[b * (K - S) + (k - S)];
+  }
+}

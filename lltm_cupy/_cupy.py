@@ -2,7 +2,21 @@
 
 Launchers only allocate, size the grid and launch; arguments were checked by
 ``lltm_cupy._checks``. Everything runs on CuPy's current stream, on the arrays' device, with no
-host synchronisation. CuPy is imported on first call, never at package import.
+host synchronisation and no allocation outside CuPy's current allocator (so a caller can route
+every byte through its own allocator with ``cupy.cuda.using_allocator``). CuPy is imported on
+first call, never at package import.
+
+Device work per call (the launch budget ``tests/test_launch_budget.py`` enforces):
+
+- forward: one concatenation kernel (X = [old_h, input]), one GEMM, the fused kernel;
+- backward: the fused kernel, one GEMM per needed gradient of old_h, input and the weights, one
+  reduction for the bias;
+- sequences: one GEMM for every step's input projection, then per step one GEMM plus the fused
+  kernel each way.
+
+Every GEMM goes through ``gemm``: by default :func:`gemm` below (cuBLAS ``gemmEx`` through CuPy's
+binding, on any row-major view, without copies); the torch layer passes torch's GEMM while a
+CUDA graph is being captured, where CuPy refuses to call cuBLAS.
 """
 from __future__ import annotations
 
@@ -11,7 +25,7 @@ import numpy as np
 from ._kernels import get_kernels, launch_config
 from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
 
-__all__ = ["forward", "backward", "forward_sequence", "backward_sequence"]
+__all__ = ["forward", "backward", "forward_sequence", "backward_sequence", "gemm"]
 
 _gpu_checked = False
 
@@ -29,6 +43,68 @@ def _cupy():
     return cupy
 
 
+def _operand(a):
+    """(array, transposed, leading dimension) of a 2-D operand for column-major cuBLAS.
+
+    A row-major view (unit column stride) is the column-major matrix a.T; a column-major view
+    (unit row stride, e.g. ``w.T``) is a itself. Anything else is copied to C order first.
+    """
+    rows, cols = a.shape
+    item = a.itemsize
+    s0, s1 = a.strides
+    if cols == 1 or s1 == item:
+        ld = s0 // item if rows > 1 else cols
+        if ld >= cols and s0 % item == 0:
+            return a, False, max(ld, 1)
+    if rows == 1 or s0 == item:
+        ld = s1 // item if cols > 1 else rows
+        if ld >= rows and s1 % item == 0:
+            return a, True, max(ld, 1)
+    from cupy import ascontiguousarray
+
+    return ascontiguousarray(a), False, max(cols, 1)
+
+
+def gemm(a, b, out, accumulate=False):
+    """out = a @ b, or out += a @ b with ``accumulate``: cuBLAS ``gemmEx`` on CuPy's current
+    stream and device, straight on the views given (slices and transposes of row-major arrays),
+    with no copy and no temporary.
+
+    a: (m, k); b: (k, n); out: (m, n) with a unit column stride; one dtype for all three.
+    float16 is computed in float32 (and rounded once), float32 in float32, float64 in float64.
+    """
+    import cupy
+
+    m, n = out.shape
+    k = a.shape[1]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        if not accumulate:
+            out.fill(0)
+        return out
+    cublas, runtime = cupy.cuda.cublas, cupy.cuda.runtime
+    cuda_type = {np.float16: runtime.CUDA_R_16F, np.float32: runtime.CUDA_R_32F,
+                 np.float64: runtime.CUDA_R_64F}[out.dtype.type]
+    compute, scalar = ((cublas.CUBLAS_COMPUTE_64F, np.float64) if out.dtype == np.float64
+                       else (cublas.CUBLAS_COMPUTE_32F, np.float32))
+    assert out.strides[1] == out.itemsize or n == 1, "gemm: out needs a unit column stride"
+    ldc = out.strides[0] // out.itemsize if m > 1 else n
+    # Row-major out is the column-major (n, m) matrix out.T = b.T @ a.T: cuBLAS's first operand
+    # is b, its second a; a row-major operand is already transposed in column-major terms.
+    b, b_t, ldb = _operand(b)
+    a, a_t, lda = _operand(a)
+    alpha = np.ones((), scalar)
+    beta = np.full((), 1 if accumulate else 0, scalar)
+    cublas.gemmEx(cupy.cuda.device.get_cublas_handle(),
+                  cublas.CUBLAS_OP_T if b_t else cublas.CUBLAS_OP_N,
+                  cublas.CUBLAS_OP_T if a_t else cublas.CUBLAS_OP_N,
+                  n, m, k, alpha.ctypes.data, b.data.ptr, cuda_type, ldb, a.data.ptr, cuda_type,
+                  lda, beta.ctypes.data, out.data.ptr, cuda_type, max(ldc, 1), compute,
+                  cublas.CUBLAS_GEMM_DEFAULT)
+    return out
+
+
 def _d_bias(d_gates, bias_shape):
     """Sum of d_gates (rows, 3S) over its rows, shaped like the bias; float16 sums in float32."""
     if d_gates.dtype == np.float16:
@@ -36,68 +112,62 @@ def _d_bias(d_gates, bias_shape):
     return d_gates.sum(axis=0).reshape(bias_shape)
 
 
-def forward(input, weights, bias, old_h, old_cell):
+def forward(input, weights, bias, old_h, old_cell, gemm=gemm):
     cupy = _cupy()
     dtype = input.dtype
-    batch = input.shape[0]
+    batch, features = input.shape
     state = old_h.shape[1]
     with cupy.cuda.Device(input.device.id):
-        X = cupy.concatenate((old_h, input), axis=1)
+        X = cupy.empty((batch, state + features), dtype)
         gates = cupy.empty((batch, 3 * state), dtype)
-        cupy.matmul(X, weights.T, out=gates)
         new_h = cupy.empty((batch, state), dtype)
         new_cell = cupy.empty((batch, state), dtype)
-        n = batch * state
-        if n:
+        if batch:  # state >= 1, so nothing to launch exactly when batch == 0
+            grid, block, wide = launch_config(X.size)
+            get_kernels(dtype, wide).concat(grid, block, (
+                cupy.ascontiguousarray(old_h), cupy.ascontiguousarray(input), X,
+                np.int64(X.size), np.int32(state), np.int32(features)))
+            gemm(X, weights.T, gates)
+            n = batch * state
             grid, block, wide = launch_config(n)
-            fwd, _ = get_kernels(dtype, wide)
-            bias_c = cupy.ascontiguousarray(bias.reshape(-1))
-            old_cell_c = cupy.ascontiguousarray(old_cell)
-            fwd(grid, block, (gates, bias_c, old_cell_c, new_h, new_cell,
-                              np.int64(n), np.int32(state)))
+            get_kernels(dtype, wide).fwd(grid, block, (
+                gates, cupy.ascontiguousarray(bias.reshape(-1)), cupy.ascontiguousarray(old_cell),
+                new_h, new_cell, np.int64(n), np.int32(state)))
     return new_h, new_cell, LLTMSaved("cupy", X, gates, new_cell, weights, tuple(bias.shape))
 
 
-def backward(grad_h, grad_cell, saved, needed=(True,) * 5):
+def backward(grad_h, grad_cell, saved, needed=(True,) * 5, gemm=gemm):
     cupy = _cupy()
     gates, new_cell, X, weights = saved.gates, saved.new_cell, saved.X, saved.weights
     batch, state = new_cell.shape
     dtype = new_cell.dtype
+    need_h, need_x, need_w, need_b, need_c = needed
     with cupy.cuda.Device(new_cell.device.id):
         d_gates = cupy.empty((batch, 3 * state), dtype)
         d_old_cell = cupy.empty((batch, state), dtype)
         n = batch * state
         if n:
             grid, block, wide = launch_config(n)
-            _, bwd = get_kernels(dtype, wide)
             # A missing gradient is zero: the kernel is told so and reads another valid pointer.
             gh = new_cell if grad_h is None else cupy.ascontiguousarray(grad_h)
             gc = new_cell if grad_cell is None else cupy.ascontiguousarray(grad_cell)
-            bwd(grid, block, (gh, gc, gates, new_cell, d_gates, d_old_cell,
-                              np.int32(grad_h is not None), np.int32(grad_cell is not None),
-                              np.int64(n), np.int32(state)))
-        need_h, need_x, need_w, need_b, need_c = needed
-        d_old_h = cupy.matmul(d_gates, weights[:, :state]) if need_h else None
-        d_input = cupy.matmul(d_gates, weights[:, state:]) if need_x else None
-        d_weights = d_bias = None
+            get_kernels(dtype, wide).bwd(grid, block, (
+                gh, gc, gates, new_cell, d_gates, d_old_cell, np.int32(grad_h is not None),
+                np.int32(grad_cell is not None), np.int64(n), np.int32(state)))
+        d_old_h = d_input = d_weights = d_bias = None
+        if need_h:
+            d_old_h = gemm(d_gates, weights[:, :state], cupy.empty((batch, state), dtype))
+        if need_x:
+            d_input = gemm(d_gates, weights[:, state:],
+                           cupy.empty((batch, X.shape[1] - state), dtype))
         if need_w:
-            d_weights = cupy.matmul(d_gates.T, X) if batch else cupy.zeros(weights.shape, dtype)
+            d_weights = gemm(d_gates.T, X, cupy.empty(weights.shape, dtype))
         if need_b:
             d_bias = _d_bias(d_gates, saved.bias_shape)
     return LLTMGrads(d_old_h, d_input, d_weights, d_bias, d_old_cell if need_c else None)
 
 
-def _gemm_accumulate(cupy, a, b_t, out):
-    """out += a @ b_t.T without a temporary (cuBLAS, beta = 1) for float32/float64."""
-    if out.dtype == np.float16:  # cublas.gemm has no half path; CuPy's matmul accumulates in fp32
-        out += cupy.matmul(a, b_t.T)
-    else:
-        from cupy import cublas
-
-        cublas.gemm("N", "T", a, b_t, out=out, alpha=1.0, beta=1.0)
-
-
-def forward_sequence(inputs, weights, bias, h0, c0):
+def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm):
     cupy = _cupy()
     steps, batch, features = inputs.shape
     state = h0.shape[1]
@@ -105,21 +175,20 @@ def forward_sequence(inputs, weights, bias, h0, c0):
     with cupy.cuda.Device(inputs.device.id):
         x = cupy.ascontiguousarray(inputs).reshape(steps * batch, features)
         gates = cupy.empty((steps, batch, 3 * state), dtype)
-        flat = gates.reshape(steps * batch, 3 * state)
-        if steps * batch:
-            cupy.matmul(x, weights[:, state:].T, out=flat)  # every step's input projection
-        hs = cupy.empty((steps + 1, batch, state), dtype)
+        # every step's input projection in one GEMM
+        gemm(x, weights[:, state:].T, gates.reshape(steps * batch, 3 * state))
+        hs = cupy.empty((steps + 1, batch, state), dtype)   # [h0, h_1, ..., h_T]
         hs[0] = h0
         cells = cupy.empty((steps, batch, state), dtype)
         n = batch * state
         if steps and n:
-            w_h = cupy.ascontiguousarray(weights[:, :state])
+            w_h_t = weights[:, :state].T
             bias_c = cupy.ascontiguousarray(bias.reshape(-1))
             c = cupy.ascontiguousarray(c0)
             grid, block, wide = launch_config(n)
-            fwd, _ = get_kernels(dtype, wide)
+            fwd = get_kernels(dtype, wide).fwd
             for t in range(steps):
-                _gemm_accumulate(cupy, hs[t], w_h, gates[t])
+                gemm(hs[t], w_h_t, gates[t], accumulate=True)
                 fwd(grid, block, (gates[t], bias_c, c, hs[t + 1], cells[t],
                                   np.int64(n), np.int32(state)))
                 c = cells[t]
@@ -129,7 +198,7 @@ def forward_sequence(inputs, weights, bias, h0, c0):
     return hs[1:], h_n, c_n, saved
 
 
-def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5):
+def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, gemm=gemm):
     cupy = _cupy()
     x, hs, gates, cells, weights = saved.inputs, saved.hs, saved.gates, saved.cells, saved.weights
     steps, batch, state = cells.shape
@@ -144,10 +213,10 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
         d_gates = cupy.empty((steps, batch, 3 * state), dtype)
         n = batch * state
         d_c = None if grad_c_n is None else cupy.ascontiguousarray(grad_c_n)
+        w_h = weights[:, :state]
         if steps and n:
-            w_h = cupy.ascontiguousarray(weights[:, :state])
             grid, block, wide = launch_config(n)
-            _, bwd = get_kernels(dtype, wide)
+            bwd = get_kernels(dtype, wide).bwd
             buffers = (cupy.empty((batch, state), dtype), cupy.empty((batch, state), dtype))
             for i, t in enumerate(range(steps - 1, -1, -1)):
                 out_c = buffers[i % 2]      # never the buffer read as grad_cell (restrict)
@@ -156,8 +225,8 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
                                   np.int64(n), np.int32(state)))
                 d_c = out_c
                 if t:
-                    _gemm_accumulate(cupy, d_gates[t], w_h.T, grad_h[t - 1])
-            d_h0 = cupy.matmul(d_gates[0], w_h)
+                    gemm(d_gates[t], w_h, grad_h[t - 1], accumulate=True)
+            d_h0 = gemm(d_gates[0], w_h, cupy.empty((batch, state), dtype))
             d_c0 = d_c.copy()
         elif steps:
             d_h0 = cupy.zeros((batch, state), dtype)
@@ -169,13 +238,15 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
         flat = d_gates.reshape(steps * batch, 3 * state)
         d_weights = d_bias = d_inputs = None
         if need_w:
-            d_weights = cupy.zeros(weights.shape, dtype)
-            if steps * batch:
-                d_weights[:, :state] = cupy.matmul(flat.T, hs[:-1].reshape(steps * batch, state))
-                d_weights[:, state:] = cupy.matmul(flat.T, x)
+            # both halves written in place by their GEMMs (zeros when there are no rows)
+            d_weights = cupy.empty(weights.shape, dtype)
+            gemm(flat.T, hs[:-1].reshape(steps * batch, state), d_weights[:, :state])
+            gemm(flat.T, x, d_weights[:, state:])
         if need_b:
             d_bias = _d_bias(flat, saved.bias_shape)
         if need_x:
-            d_inputs = cupy.matmul(flat, weights[:, state:]).reshape(steps, batch, features)
+            d_inputs = gemm(flat, weights[:, state:],
+                            cupy.empty((steps * batch, features), dtype)).reshape(
+                                steps, batch, features)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)

@@ -9,15 +9,25 @@ from __future__ import annotations
 import functools
 import threading
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "CUDA_TYPE", "INDEX_TYPE", "source_path", "source",
+__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "Kernels", "CUDA_TYPE", "INDEX_TYPE", "source_path", "source",
            "name_expression", "get_kernels", "launch_config", "needs_wide_index", "compile_offline",
            "ARCHITECTURES"]
 
 SOURCE_NAME = "lltm.cu"
-KERNEL_NAMES = ("lltm_fwd_kernel", "lltm_bwd_kernel")
+KERNEL_NAMES = ("lltm_fwd_kernel", "lltm_bwd_kernel", "lltm_concat_kernel")
+
+
+class Kernels(NamedTuple):
+    """The compiled kernels of one (device, dtype, index width), in KERNEL_NAMES order."""
+
+    fwd: Any
+    bwd: Any
+    concat: Any
+
 #: C++ type of each supported NumPy dtype in cuda_src/lltm.cu.
 CUDA_TYPE = {np.dtype(np.float16): "lltm_half", np.dtype(np.float32): "float",
              np.dtype(np.float64): "double"}
@@ -64,7 +74,8 @@ def _all_names(dtype):
 
 
 def get_kernels(dtype, wide: bool = False):
-    """Return (fwd, bwd) ``cupy.RawKernel`` for ``dtype`` on the current device, compiling once.
+    """Return the :class:`Kernels` (``cupy.RawKernel``) for ``dtype`` on the current device,
+    compiling once.
 
     wide: the 64-bit index instantiation (``launch_config`` says when it is needed).
     """
@@ -81,7 +92,8 @@ def get_kernels(dtype, wide: bool = False):
                 module = cupy.RawModule(code=source(), options=RAWMODULE_OPTIONS,
                                         name_expressions=names)
                 fns = [module.get_function(n) for n in names]
-                kernels = {False: tuple(fns[:2]), True: tuple(fns[2:])}
+                count = len(KERNEL_NAMES)
+                kernels = {False: Kernels(*fns[:count]), True: Kernels(*fns[count:])}
                 _cache[key] = kernels
     return kernels[wide]
 

@@ -51,7 +51,6 @@ def emulated_cupy(monkeypatch, host_lib):
 
     fake = emu.make_module()
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setitem(sys.modules, "cupy.cublas", fake.cublas)
     monkeypatch.setattr(lltm_cupy._cupy, "get_kernels", emu.host_get_kernels(host_lib))
     # One "SM": at most 8 blocks of 256 threads, so B * S above 2048 takes several grid strides.
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 1)

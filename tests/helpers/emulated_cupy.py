@@ -1,17 +1,31 @@
-"""A stand-in for the parts of CuPy that lltm_cupy's GPU backend uses, built on NumPy, with the
-kernels of cuda_src/lltm.cu compiled as host C++.
+"""A stand-in for the parts of CuPy that lltm_cupy uses, built on NumPy, with the kernels of
+cuda_src/lltm.cu compiled as host C++.
 
 It lets the GPU backend's Python (launch arguments, contiguity, grid sizes, the sequence loops,
-cuBLAS accumulation, float16 handling) run in every CI run, on a machine without a GPU. It is
-strict where CuPy is: kernel array arguments must be C-contiguous and of the kernel's dtype,
-no array the kernel writes may overlap another argument (every pointer is __restrict__),
-scalar arguments must be the exact NumPy types the kernel signature needs (a Python int would
-reach a RawKernel as a 64-bit long long), ``cublas.gemm`` takes float32/float64 only, and
-``matmul`` accumulates float16 products in float32 as cuBLAS does. What it cannot show: real
-concurrency, streams, and the NVRTC-compiled code itself (the NVRTC tests cover compilation).
+the cuBLAS calls, float16 handling) and the torch layer's CUDA path (DLPack in, memory from
+torch's allocator, torch views out, torch's GEMM under graph capture) run in every CI run, on a
+machine without a GPU. "Device memory" is host memory: a pointer is a host address.
+
+It is strict where CuPy and cuBLAS are:
+
+- kernel array arguments must be C-contiguous and of the kernel's dtype, no array the kernel
+  writes may overlap another argument (every pointer is __restrict__), and scalar arguments must
+  be the exact NumPy types the signature needs (a Python int reaches a RawKernel as long long);
+- ``cuda.cublas.gemmEx`` has cuBLAS's column-major semantics over raw pointers, leading
+  dimensions and transpose flags, rejects what cuBLAS rejects (a leading dimension below the
+  stored rows, mixed or unsupported data types, a compute type that does not fit them), reads
+  alpha and beta from host pointers, computes float16 in float32, and raises as CuPy does when
+  called while a stream is being captured (``capturing`` below);
+- every allocation goes through the current allocator: ``cuda.using_allocator`` as in CuPy,
+  else "CuPy's pool" (counted in ``pool_allocations``).
+
+``log`` records the device work in order, one entry per launch: "kernel:<name>", "gemm",
+"copy", "fill", "elementwise", "reduce"; ``allocations`` the byte size of every allocation.
+What it cannot show: real concurrency, streams, and the NVRTC-compiled code itself.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import types
 
@@ -20,19 +34,151 @@ import numpy as np
 from .host_kernels import SUFFIX, ptr
 
 
+class _State:
+    def __init__(self):
+        self.log = []
+        self.allocations = []
+        self.pool_allocations = 0
+        self.allocator = None
+        self.capturing = False
+
+    def reset(self):
+        self.log.clear()
+        self.allocations.clear()
+        self.pool_allocations = 0
+
+
+_state = _State()
+
+
+class BaseMemory:
+    def __init__(self, ptr, size, device_id=0):
+        self.ptr, self.size, self.device_id = ptr, size, device_id
+
+
+class _PoolMemory(BaseMemory):
+    """Memory from "CuPy's pool": a NumPy buffer."""
+
+    def __init__(self, size):
+        self.buffer = np.empty(max(size, 1), np.uint8)
+        super().__init__(self.buffer.ctypes.data, size)
+
+
+class UnownedMemory(BaseMemory):
+    def __init__(self, ptr, size, owner, device_id=-1):
+        if device_id < 0 and ptr == 0:
+            raise RuntimeError("UnownedMemory requires explicit device ID for a null pointer.")
+        super().__init__(ptr, size, max(device_id, 0))
+        self._owner = owner
+
+
+class DLPackMemory(BaseMemory):
+    def __init__(self, array):
+        super().__init__(array.ctypes.data, array.nbytes)
+        self.array = array
+
+
+class MemoryPointer:
+    def __init__(self, mem, offset):
+        self.mem, self.ptr, self.device_id = mem, mem.ptr + offset, mem.device_id
+
+
+@contextlib.contextmanager
+def using_allocator(allocator=None):
+    previous = _state.allocator
+    _state.allocator = allocator
+    try:
+        yield
+    finally:
+        _state.allocator = previous
+
+
+def _alloc(nbytes):
+    _state.allocations.append(nbytes)
+    if _state.allocator is None:
+        _state.pool_allocations += 1
+        return MemoryPointer(_PoolMemory(nbytes), 0)
+    memptr = _state.allocator(nbytes)
+    assert isinstance(memptr, MemoryPointer), "an allocator must return a MemoryPointer"
+    assert memptr.mem.size >= nbytes
+    return memptr
+
+
+def _host_view(address, count, dtype):
+    """A NumPy array over ``count`` elements of host memory at ``address``."""
+    dtype = np.dtype(dtype)
+    if count == 0:
+        return np.empty(0, dtype)
+    buf = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
+    return np.frombuffer(buf, dtype, count)
+
+
 class ndarray(np.ndarray):
-    """A NumPy array posing as a CuPy array on device 0."""
+    """A NumPy array posing as a CuPy array on device 0, over memory from ``_alloc``."""
+
+    def __array_finalize__(self, obj):
+        self._memory = getattr(obj, "_memory", None)
 
     @property
     def device(self):
         return _Device(0)
 
+    @property
+    def data(self):
+        if self._memory is None:  # made by NumPy outside this module: give it device memory
+            raise AssertionError("array without emulated device memory")
+        return MemoryPointer(self._memory, self.ctypes.data - self._memory.ptr)
+
     def get(self):
         return np.array(self)
 
+    # Device work that NumPy would do silently: logged, and allocating through _alloc.
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        args = [np.asarray(x) if isinstance(x, ndarray) else x for x in inputs]
+        _state.log.append("elementwise" if method == "__call__" else "reduce")
+        if out is not None:
+            getattr(ufunc, method)(*args, out=tuple(np.asarray(o) for o in out), **kwargs)
+            return out[0] if len(out) == 1 else out
+        return _adopt(getattr(ufunc, method)(*args, **kwargs))
 
-def _wrap(a):
-    return np.asarray(a).view(ndarray)
+    def __setitem__(self, key, value):
+        _state.log.append("copy")
+        np.asarray(self)[key] = np.asarray(value)
+
+    def copy(self, order="C"):
+        _state.log.append("copy")
+        return _adopt(np.asarray(self))
+
+    def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
+        _state.log.append("copy")
+        return _adopt(np.asarray(self).astype(dtype))
+
+    def fill(self, value):
+        _state.log.append("fill")
+        np.asarray(self).fill(value)
+
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False):
+        return np.add.reduce(self, axis=axis, dtype=dtype, out=out, keepdims=keepdims)
+
+
+def _empty(shape, dtype, order="C"):
+    dtype = np.dtype(dtype)
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    count = int(np.prod(shape, dtype=np.int64))
+    memptr = _alloc(count * dtype.itemsize)
+    base = _host_view(memptr.ptr, count, dtype)
+    a = base.reshape(shape, order=order).view(ndarray)
+    a._memory = memptr.mem
+    a._memptr = memptr  # keeps the allocation (and its owner) alive with every view
+    return a
+
+
+def _adopt(result):
+    """Device memory for a result NumPy computed: allocate, copy in (no log: the op was logged)."""
+    result = np.asarray(result)
+    out = _empty(result.shape, result.dtype)
+    np.asarray(out)[...] = result
+    return out
 
 
 class _Device:
@@ -50,59 +196,165 @@ class _Device:
         pass
 
 
+def _empty_like_shape(a):
+    return _empty(np.shape(a), np.asarray(a).dtype)
+
+
+def _zeros(shape, dtype=np.float64):
+    out = _empty(shape, dtype)
+    out.fill(0)
+    return out
+
+
+def _array(obj, dtype=None, order="K", copy=True):
+    _state.log.append("copy")
+    return _adopt(np.array(np.asarray(obj), dtype=dtype, order="C"))
+
+
+def _ascontiguousarray(a, dtype=None):
+    if isinstance(a, ndarray) and a.flags.c_contiguous and (dtype is None or a.dtype == dtype):
+        return a
+    return _array(a, dtype=dtype)
+
+
+def _asfortranarray(a):
+    _state.log.append("copy")
+    out = _empty(np.shape(a), np.asarray(a).dtype, order="F")
+    np.asarray(out)[...] = np.asarray(a)
+    return out
+
+
+def _concatenate(arrays, axis=0):
+    result = np.concatenate([np.asarray(a) for a in arrays], axis=axis)
+    _state.log.extend(["copy"] * len(arrays))   # CuPy copies each input into its slice
+    return _adopt(result)
+
+
+class _DLPackCapsule:
+    def __init__(self, capsule):
+        self.capsule = capsule
+
+    def __dlpack__(self, **kwargs):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU: the emulator's "device" memory is host memory
+
+
+def _from_dlpack(obj):
+    host = np.from_dlpack(_DLPackCapsule(obj) if not hasattr(obj, "__dlpack__") else obj)
+    a = host.view(ndarray)
+    a._memory = DLPackMemory(host)
+    return a
+
+
+# ------------------------------------------------------------------------------------ cuBLAS
+
+class CUBLASError(RuntimeError):
+    pass
+
+
+_CUBLAS_CONSTANTS = dict(CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_GEMM_DEFAULT=-1,
+                         CUBLAS_COMPUTE_32F=68, CUBLAS_COMPUTE_64F=70)
+_RUNTIME_CONSTANTS = dict(CUDA_R_32F=0, CUDA_R_64F=1, CUDA_R_16F=2, CUDA_R_16BF=14)
+_DATA_TYPES = {0: np.float32, 1: np.float64, 2: np.float16}
+_COMPUTE_OF = {np.float32: (68, np.float32), np.float16: (68, np.float32),
+               np.float64: (70, np.float64)}
+
+
+def _colmajor(address, rows, cols, ld, dtype):
+    """The column-major (rows, cols) matrix at ``address`` with leading dimension ``ld``."""
+    dtype = np.dtype(dtype)
+    if rows == 0 or cols == 0:
+        return np.empty((rows, cols), dtype)
+    base = _host_view(address, (cols - 1) * ld + rows, dtype)
+    return np.lib.stride_tricks.as_strided(base, (rows, cols), (dtype.itemsize, ld * dtype.itemsize))
+
+
+def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
+             Ctype, ldc, computeType, algo):
+    """cublasGemmEx: C = alpha * op(A) @ op(B) + beta * C, column-major, from raw pointers."""
+    if _state.capturing:
+        raise NotImplementedError("calling cuBLAS API during stream capture is currently "
+                                  "unsupported")
+    if transa not in (0, 1) or transb not in (0, 1) or min(m, n, k) < 0:
+        raise CUBLASError("CUBLAS_STATUS_INVALID_VALUE: transpose flag or size")
+    a_rows = m if transa == 0 else k
+    b_rows = k if transb == 0 else n
+    if lda < max(1, a_rows) or ldb < max(1, b_rows) or ldc < max(1, m):
+        raise CUBLASError(f"CUBLAS_STATUS_INVALID_VALUE: leading dimension (lda={lda} for "
+                          f"{a_rows} rows, ldb={ldb} for {b_rows}, ldc={ldc} for {m})")
+    if not (Atype == Btype == Ctype) or Atype not in _DATA_TYPES:
+        raise CUBLASError("CUBLAS_STATUS_NOT_SUPPORTED: data types")
+    dtype = _DATA_TYPES[Atype]
+    compute, scalar = _COMPUTE_OF[dtype]
+    if computeType != compute:
+        raise CUBLASError("CUBLAS_STATUS_NOT_SUPPORTED: compute type for these data types")
+    _state.log.append("gemm")
+    if m == 0 or n == 0:
+        return
+    a = _colmajor(A, a_rows, k if transa == 0 else m, lda, dtype)
+    b = _colmajor(B, b_rows, n if transb == 0 else k, ldb, dtype)
+    c = _colmajor(C, m, n, ldc, dtype)
+    for operand in (a, b):
+        assert not np.shares_memory(operand, c), "gemmEx: C overlaps an input"
+    op_a = (a if transa == 0 else a.T).astype(scalar)
+    op_b = (b if transb == 0 else b.T).astype(scalar)
+    alpha_v = _host_view(alpha, 1, scalar)[0]
+    beta_v = _host_view(beta, 1, scalar)[0]
+    result = alpha_v * (op_a @ op_b)
+    if beta_v != 0:  # cuBLAS does not read C when beta == 0 (it may hold NaN)
+        result = result + beta_v * c.astype(scalar)
+    c[...] = result.astype(dtype)
+
+
 def _matmul(a, b, out=None):
+    _state.log.append("gemm")
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype == np.float16:  # cuBLAS accumulates half products in float32
         result = np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
     else:
         result = np.matmul(a, b)
     if out is None:
-        return _wrap(result)
-    out[...] = result
+        return _adopt(result)
+    np.asarray(out)[...] = result
     return out
-
-
-def _gemm(transa, transb, a, b, out=None, alpha=1.0, beta=0.0):
-    """cupy.cublas.gemm: out = alpha * op(a) @ op(b) + beta * out (float32/float64 only)."""
-    a, b = np.asarray(a), np.asarray(b)
-    if a.dtype.char not in "fd" or b.dtype != a.dtype:
-        raise TypeError("invalid dtype")
-    op_a = a.T if transa == "T" else a
-    op_b = b.T if transb == "T" else b
-    result = alpha * np.matmul(op_a, op_b)
-    if out is None:
-        return _wrap(result)
-    assert out.flags.c_contiguous or out.flags.f_contiguous, "cublas.gemm needs a contiguous out"
-    assert out.shape == result.shape and out.dtype == a.dtype
-    out[...] = result + beta * np.asarray(out)
-    return out
-
-
-def _array_fn(fn):
-    def wrapped(*args, **kwargs):
-        return _wrap(fn(*args, **kwargs))
-    wrapped.__name__ = fn.__name__
-    return wrapped
 
 
 def make_module() -> types.ModuleType:
+    _state.__init__()
     cupy = types.ModuleType("cupy")
     cupy.__doc__ = __doc__
     cupy.ndarray = ndarray
-    for name in ("asarray", "array", "empty", "zeros", "ones", "zeros_like", "ones_like",
-                 "empty_like", "ascontiguousarray", "asfortranarray", "concatenate"):
-        setattr(cupy, name, _array_fn(getattr(np, name)))
+    cupy.empty = _empty
+    cupy.zeros = _zeros
+    cupy.empty_like = _empty_like_shape
+    cupy.zeros_like = lambda a: _zeros(np.shape(a), np.asarray(a).dtype)
+    cupy.ones_like = lambda a: _adopt(np.ones_like(np.asarray(a)))
+    cupy.ones = lambda shape, dtype=np.float64: _adopt(np.ones(shape, dtype))
+    cupy.array = _array
+    cupy.asarray = lambda a, dtype=None: a if isinstance(a, ndarray) else _array(a, dtype)
+    cupy.ascontiguousarray = _ascontiguousarray
+    cupy.asfortranarray = _asfortranarray
+    cupy.concatenate = _concatenate
+    cupy.from_dlpack = _from_dlpack
     cupy.matmul = _matmul
     cupy.shares_memory = np.shares_memory
     cupy.float16, cupy.float32, cupy.float64 = np.float16, np.float32, np.float64
-    cupy.cuda = types.SimpleNamespace(Device=_Device, is_available=lambda: True)
-    cupy.cublas = types.ModuleType("cupy.cublas")
-    cupy.cublas.gemm = _gemm
+    cublas = types.SimpleNamespace(gemmEx=_gemm_ex, **_CUBLAS_CONSTANTS)
+    cupy.cuda = types.SimpleNamespace(
+        Device=_Device, is_available=lambda: True, cublas=cublas,
+        runtime=types.SimpleNamespace(**_RUNTIME_CONSTANTS),
+        device=types.SimpleNamespace(get_cublas_handle=lambda: 1),
+        using_allocator=using_allocator, UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
+        BaseMemory=BaseMemory)
+    cupy.emulator = _state
     return cupy
 
 
 def host_get_kernels(lib):
     """A replacement for lltm_cupy._kernels.get_kernels that launches the host-compiled kernels."""
+    from lltm_cupy._kernels import Kernels
 
     def check(args, dtype, kinds, outputs):
         assert len(args) == len(kinds), f"kernel takes {len(kinds)} arguments, got {len(args)}"
@@ -115,7 +367,7 @@ def host_get_kernels(lib):
         converted = []
         for a, kind in zip(args, kinds):
             if kind == "array":
-                assert isinstance(a, np.ndarray) and a.dtype == dtype, \
+                assert isinstance(a, ndarray) and a.dtype == dtype, \
                     f"kernel array argument of dtype {getattr(a, 'dtype', type(a))}, expected {dtype}"
                 converted.append(ptr(a))
             elif kind == "int32":
@@ -126,21 +378,23 @@ def host_get_kernels(lib):
                 converted.append(ctypes.c_longlong(int(a)))
         return converted
 
+    def kernel(fn, name, kinds, outputs, dtype):
+        def launch(grid, block, args):
+            assert grid[0] > 0 and block[0] > 0, "a launch with an empty grid is an error"
+            _state.log.append(f"kernel:{name}")
+            fn(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]),
+               *check(args, dtype, kinds, outputs=outputs))
+        return launch
+
     def get_kernels(dtype, wide=False):
         dtype = np.dtype(dtype)
         suffix = SUFFIX[dtype] + ("_wide" if wide else "")
-        fwd_c = getattr(lib, f"lltm_fwd_{suffix}")
-        bwd_c = getattr(lib, f"lltm_bwd_{suffix}")
-
-        def fwd(grid, block, args):
-            fwd_c(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]),
-                  *check(args, dtype, ["array"] * 5 + ["int64", "int32"], outputs=(0, 3, 4)))
-
-        def bwd(grid, block, args):
-            bwd_c(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]),
-                  *check(args, dtype, ["array"] * 6 + ["int32", "int32", "int64", "int32"],
-                         outputs=(4, 5)))
-
-        return fwd, bwd
+        return Kernels(
+            kernel(getattr(lib, f"lltm_fwd_{suffix}"), "fwd",
+                   ["array"] * 5 + ["int64", "int32"], (0, 3, 4), dtype),
+            kernel(getattr(lib, f"lltm_bwd_{suffix}"), "bwd",
+                   ["array"] * 6 + ["int32", "int32", "int64", "int32"], (4, 5), dtype),
+            kernel(getattr(lib, f"lltm_concat_{suffix}"), "concat",
+                   ["array"] * 3 + ["int64", "int32", "int32"], (2,), dtype))
 
     return get_kernels

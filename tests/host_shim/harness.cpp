@@ -19,6 +19,13 @@
       lltm_bwd_kernel<T, I>(grad_h, grad_cell, gates, new_cell, d_gates, d_old_cell, has_grad_h,  \
                          has_grad_cell, n, state_size);                                        \
     });                                                                                        \
+  }                                                                                            \
+  extern "C" void lltm_concat_##SUFFIX(unsigned grid, unsigned block, const T* old_h,          \
+                                       const T* input, T* X, long long n, int state_size,      \
+                                       int features) {                                         \
+    shim_launch(grid, block, [&] {                                                             \
+      lltm_concat_kernel<T, I>(old_h, input, X, n, state_size, features);                      \
+    });                                                                                        \
   }
 
 LLTM_HOST_ENTRY_POINTS(double, unsigned int, f64)
