@@ -242,20 +242,20 @@ def _FloorCell(ref):
     import torch
 
     from . import _numpy
-    from . import torch as lt
+    from .torch._interop import torch_mm
 
     class Floor(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, w, b, h, c):
             new_h, new_cell, ctx.lltm_saved = _numpy.forward(
                 x.numpy(), w.detach().numpy(), b.detach().numpy(), h.numpy(), c.numpy(),
-                mm=lt._torch_mm)
+                mm=torch_mm)
             return torch.from_numpy(new_h), torch.from_numpy(new_cell)
 
         @staticmethod
         def backward(ctx, grad_h, grad_cell):
             g = _numpy.backward(grad_h.numpy(), grad_cell.numpy(), ctx.lltm_saved,
-                                (False, False, True, True, False), mm=lt._torch_mm)
+                                (False, False, True, True, False), mm=torch_mm)
             return None, torch.from_numpy(g.d_weights), torch.from_numpy(g.d_bias), None, None
 
     return _function_cell(ref, Floor)
@@ -314,11 +314,13 @@ def _make_runners(cfg: Config, impls, quiet):
                 lstm = torch.nn.LSTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
                 runners[name] = _TorchRunner(lstm, cfg, (x, h, c))
             elif name == "cell-op":
+                from .torch._ops import _lltm_forward_op
+
                 class CustomOpCell(lt.LLTMCell):
                     """LLTMCell through the custom operator even in eager mode."""
 
                     def forward(self, input, state=None):
-                        new_h, new_cell, _, _ = lt._lltm_forward_op(*self._args(input, state))
+                        new_h, new_cell, _, _ = _lltm_forward_op(*self._args(input, state))
                         return new_h, new_cell
 
                 cell = CustomOpCell(cfg.features, cfg.state, device=device, dtype=dtype)
@@ -570,7 +572,7 @@ def cpu_blas_report(cfg: Config, runs=100) -> dict:
     would measure their contention). Returns medians in seconds and the GEMM share in percent.
     """
     from . import _numpy
-    from .torch import _torch_mm
+    from .torch._interop import torch_mm as _torch_mm
 
     dtype = np.float64 if cfg.double else np.float32
     B, F, S = cfg.size

@@ -1,0 +1,207 @@
+"""How the torch layer calls a backend: argument checks, zero-copy conversions, device, stream,
+memory and GEMM.
+
+CPU tensors run the NumPy backend on ``Tensor.numpy()`` views, with the GEMMs through torch's
+BLAS (one BLAS thread pool per process). CUDA tensors run the CuPy backend:
+
+- **in**: DLPack, zero-copy (``__dlpack__(stream=-1)``: no stream handshake is needed, every
+  kernel runs on the stream torch is on, and none is recorded, so the import is legal while a
+  CUDA graph is being captured);
+- **stream and device**: CuPy runs on torch's current stream of the tensors' device, read on
+  every call, never cached;
+- **memory**: every byte CuPy allocates inside a call (outputs, saved values, temporaries, CuPy's
+  own scratch) comes from torch's caching allocator on that stream, through a CuPy allocator
+  installed for the call only (``cupy.cuda.using_allocator``; the user's own CuPy code keeps
+  CuPy's pool). torch sees and accounts for all of it, ``empty_cache`` and memory snapshots
+  cover it, and during CUDA-graph capture it comes from the graph's private pool;
+- **out**: the arrays the backend returns live in those torch allocations, and come back as
+  ordinary torch tensors over them (not DLPack wrappers), so ``record_stream`` works on them;
+- **GEMM**: cuBLAS through CuPy, except while the stream is being captured into a CUDA graph,
+  where CuPy refuses to call cuBLAS: then torch's GEMM, on the same stream, on torch views of
+  the same memory.
+
+Autocast is switched off inside a call: the backend's GEMMs must run in the dtype the cell
+computes in (``lltm_cupy.torch`` casts the arguments first, as autocast would).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import _numpy
+from .._checks import check_shapes
+
+__all__ = ["check", "backend_call", "torch_mm", "torch_gemm", "uses_cupy", "DTYPES"]
+
+NAMES = ("input", "weights", "bias", "old_h", "old_cell")
+DTYPES = {"cpu": (torch.float32, torch.float64),
+          "cuda": (torch.float16, torch.float32, torch.float64)}
+_TORCH_DTYPE = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
+                np.dtype(np.float64): torch.float64}
+
+
+def check(tensors, names=NAMES, check_shapes=check_shapes) -> None:
+    """Torch-level checks, before any conversion or kernel: type, device, dtype, shapes."""
+    for name, t in zip(names, tensors):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"lltm_cupy.torch: {name} must be a torch.Tensor, got {type(t).__qualname__}")
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        listing = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
+        raise ValueError(f"lltm_cupy.torch: all tensors must be on one device, got {listing}")
+    device = tensors[0].device
+    if device.type not in DTYPES:
+        raise ValueError(f"lltm_cupy.torch: tensors on {device} are not supported (CPU or CUDA only)")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{n}={t.dtype}" for n, t in zip(names, tensors))
+        raise TypeError(f"lltm_cupy.torch: all tensors must have the same dtype, got {listing}")
+    dtype = tensors[0].dtype
+    if dtype not in DTYPES[device.type]:
+        allowed = ", ".join(str(d) for d in DTYPES[device.type])
+        hint = (" (bfloat16 is not supported: CuPy has no bfloat16)" if dtype == torch.bfloat16
+                else " (float16 runs on CUDA only)" if dtype == torch.float16 else "")
+        raise TypeError(f"lltm_cupy.torch: unsupported dtype {dtype} on {device.type}; expected one "
+                        f"of {allowed}{hint}")
+    check_shapes(*tensors)
+
+
+def uses_cupy(device: torch.device) -> bool:
+    """Whether tensors on ``device`` run the CuPy backend (the tests' emulated CUDA path
+    replaces this)."""
+    return device.type == "cuda"
+
+
+# ------------------------------------------------------------------------------------ CPU
+
+def torch_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b by torch's BLAS, on NumPy arrays, without copies."""
+    return torch.mm(torch.from_numpy(a), torch.from_numpy(b)).numpy()
+
+
+def _array_cpu(t: Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+# ----------------------------------------------------------------------------------- CUDA
+
+class _StreamRef:
+    """A CUDA stream handle offered through the CUDA stream protocol (any torch version)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+@contextlib.contextmanager
+def _stream(device: torch.device):
+    """CuPy's current stream = torch's current stream on ``device`` (read now, not cached)."""
+    import cupy
+
+    with cupy.cuda.Stream.from_external(
+            _StreamRef(torch.cuda.current_stream(device).cuda_stream)) as stream:
+        yield stream
+
+
+def _device_index(device: torch.device) -> int:
+    return 0 if device.index is None else device.index
+
+
+def _torch_allocator(device: torch.device):
+    """A CuPy allocator whose every allocation is a torch tensor on ``device`` (torch's caching
+    allocator, torch's current stream); the tensor is the memory's owner."""
+    import cupy
+
+    index = _device_index(device)
+    memory, pointer = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer
+
+    def allocate(nbytes: int):
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return pointer(memory(buffer.data_ptr(), nbytes, buffer, index), 0)
+
+    return allocate
+
+
+def _array_cuda(t: Tensor):
+    """A CuPy view of ``t`` through DLPack (a contiguous export: the well-trodden path)."""
+    import cupy
+
+    t = t.detach()
+    return cupy.from_dlpack((t if t.is_contiguous() else t.contiguous()).__dlpack__(stream=-1))
+
+
+def _tensor_cuda(a) -> Tensor:
+    """The torch tensor over CuPy array ``a``'s memory, no copy.
+
+    Memory from :func:`_torch_allocator` comes back as a view of the torch allocation that owns
+    it: an ordinary torch tensor. Anything else (an imported tensor's memory) through DLPack.
+    """
+    mem = a.data.mem
+    owner = getattr(mem, "_owner", None)
+    dtype = _TORCH_DTYPE[a.dtype]
+    if isinstance(owner, Tensor) and owner.dtype == torch.uint8:
+        storage = owner.untyped_storage()
+        item = a.itemsize
+        offset = a.data.ptr - storage.data_ptr()
+        if a.size == 0:
+            return torch.empty(a.shape, dtype=dtype, device=owner.device)
+        return torch.empty(0, dtype=dtype, device=owner.device).set_(
+            storage, offset // item, a.shape, tuple(s // item for s in a.strides))
+    return torch.from_dlpack(a.__dlpack__(stream=-1))
+
+
+def torch_gemm(a, b, out, accumulate: bool = False):
+    """The CuPy backend's ``gemm`` done by torch (``out = a @ b`` or ``out += a @ b``) on torch
+    views of the same memory, on torch's current stream: what runs while a graph is captured."""
+    ta, tb, tout = _tensor_cuda(a), _tensor_cuda(b), _tensor_cuda(out)
+    if accumulate:
+        tout.addmm_(ta, tb)
+    else:
+        torch.mm(ta, tb, out=tout)
+    return out
+
+
+class Call:
+    """What one backend call from the torch layer uses: the backend module, its GEMM keyword,
+    and the two conversions (tensor -> array, array -> tensor)."""
+
+    __slots__ = ("backend", "kw", "array", "tensor")
+
+    def __init__(self, backend, kw, array, tensor):
+        self.backend, self.kw, self.array, self.tensor = backend, kw, array, tensor
+
+    def optional(self, t):
+        return None if t is None else self.array(t)
+
+
+_CPU_CALL = Call(_numpy, {"mm": torch_mm}, _array_cpu, torch.from_numpy)
+
+
+def _no_autocast(device_type: str):
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def backend_call(device: torch.device):
+    """The context of one backend call for tensors on ``device``; yields a :class:`Call`."""
+    with _no_autocast(device.type):
+        if not uses_cupy(device):
+            yield _CPU_CALL
+            return
+        import cupy
+
+        from .. import _cupy
+
+        with cupy.cuda.Device(_device_index(device)), _stream(device) as stream, \
+                cupy.cuda.using_allocator(_torch_allocator(device)):
+            gemm = torch_gemm if stream.is_capturing() else _cupy.gemm
+            yield Call(_cupy, {"gemm": gemm}, _array_cuda, _tensor_cuda)

@@ -1,0 +1,322 @@
+"""The differentiable operations: ``lltm`` and ``lltm_sequence``.
+
+Two paths give the same results:
+
+- eager calls go through :class:`LLTMFunction` / :class:`LLTMSequenceFunction`, plain
+  ``torch.autograd.Function`` s (the cheapest per call);
+- under ``torch.compile`` the same work runs as the custom operators ``lltm_cupy::lltm_forward``,
+  ``lltm_cupy::lltm_backward`` and their sequence twins (``torch.library.custom_op`` with fake and
+  autograd registrations), which the compiler treats as opaque: no graph break, and CUDA graphs
+  (``mode="reduce-overhead"``) capture them like torch's own kernels.
+
+Under ``torch.autocast`` the arguments are first cast (differentiably, so gradients reach the
+parameters in their own dtype) to the dtype the cell computes in: float16 under CUDA float16
+autocast; float32 under CUDA bfloat16 autocast (no bfloat16 kernels yet) and under CPU autocast
+(NumPy has no bfloat16). float64 tensors are left alone, as autocast leaves them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _interop
+from .._checks import check_sequence_shapes
+from .._types import LLTMSaved, LLTMSequenceSaved
+
+__all__ = ["lltm", "LLTMFunction", "lltm_sequence", "LLTMSequenceFunction", "autocast_dtype"]
+
+_SEQ_NAMES = ("inputs", "weights", "bias", "h0", "c0")
+
+
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype the cell computes in under the autocast state of ``device_type``, or None when
+    autocast is off there."""
+    if device_type not in _interop.DTYPES or not torch.is_autocast_enabled(device_type):
+        return None
+    if device_type == "cuda" and torch.get_autocast_dtype("cuda") == torch.float16:
+        return torch.float16
+    return torch.float32
+
+
+def _autocast(tensors):
+    if not all(isinstance(t, Tensor) for t in tensors):
+        return tensors  # the checks name the culprit
+    dtype = autocast_dtype(tensors[0].device.type)
+    if dtype is None:
+        return tensors
+    return tuple(t if t.dtype == torch.float64 or not t.is_floating_point() else t.to(dtype)
+                 for t in tensors)
+
+
+# LLTMGrads order (d_old_h, d_input, d_weights, d_bias, d_old_cell) <-> forward argument order
+# (input, weights, bias, old_h, old_cell).
+def _to_argument_order(g):
+    return g[1], g[2], g[3], g[0], g[4]
+
+
+def _to_grads_order(needs):
+    return needs[3], needs[0], needs[1], needs[2], needs[4]
+
+
+def _refuse_double_backward() -> None:
+    # The engine runs backward with grad mode on exactly when create_graph=True. Our backward is
+    # not differentiable; returning its result would silently give zero second derivatives.
+    if torch.is_grad_enabled():
+        raise RuntimeError("lltm_cupy.torch: double backward (create_graph=True) is not supported: "
+                           "the LLTM backward kernels are not differentiable")
+
+
+# ---------------------------------------------------------------------------------------------
+# One step, eager: a plain autograd.Function
+
+class LLTMFunction(torch.autograd.Function):
+    """One LLTM step with autograd; ``apply(input, weights, bias, old_h, old_cell)``.
+
+    Prefer :func:`lltm`, which checks the arguments first, handles autocast and also works
+    under torch.compile.
+    """
+
+    @staticmethod
+    def forward(ctx, input, weights, bias, old_h, old_cell):
+        device = input.device
+        with _interop.backend_call(device) as call:
+            new_h, new_cell, saved = call.backend.forward(
+                *(call.array(t) for t in (input, weights, bias, old_h, old_cell)), **call.kw)
+            new_h, new_cell_t = call.tensor(new_h), call.tensor(new_cell)
+        ctx.lltm_saved = saved
+        ctx.device = device
+        # Saved through autograd so that an in-place change of the weights, or of the returned
+        # new_cell (which backward reads), raises instead of giving wrong gradients.
+        ctx.save_for_backward(weights, new_cell_t)
+        ctx.set_materialize_grads(False)
+        return new_h, new_cell_t
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_cell):
+        _refuse_double_backward()
+        ctx.saved_tensors  # noqa: B018 -- the version check
+        if grad_h is None and grad_cell is None:
+            return (None,) * 5
+        with _interop.backend_call(ctx.device) as call:
+            grads = call.backend.backward(call.optional(grad_h), call.optional(grad_cell),
+                                          ctx.lltm_saved, _to_grads_order(ctx.needs_input_grad),
+                                          **call.kw)
+            return tuple(None if g is None else call.tensor(g) for g in _to_argument_order(grads))
+
+
+# ---------------------------------------------------------------------------------------------
+# One step, compiled: custom operators
+
+def _backend_name(device: torch.device) -> str:
+    return "cupy" if _interop.uses_cupy(device) else "numpy"
+
+
+@torch.library.custom_op("lltm_cupy::lltm_forward", mutates_args=())
+def _lltm_forward_op(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
+                     old_cell: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (new_h, new_cell, X, gates): the outputs plus what the backward op needs."""
+    with _interop.backend_call(input.device) as call:
+        new_h, new_cell, saved = call.backend.forward(
+            *(call.array(t) for t in (input, weights, bias, old_h, old_cell)), **call.kw)
+        return tuple(call.tensor(a) for a in (new_h, new_cell, saved.X, saved.gates))
+
+
+def _empty_gates(like: Tensor, batch: int, state: int, *steps: int) -> Tensor:
+    """An empty tensor shaped like the backend's saved gate values: gate-major (..., 3, B, S)
+    from the NumPy backend (CPU), (..., B, 3S) from the CuPy backend (CUDA)."""
+    if not _interop.uses_cupy(like.device):
+        return like.new_empty(*steps, 3, batch, state)
+    return like.new_empty(*steps, batch, 3 * state)
+
+
+@_lltm_forward_op.register_fake
+def _(input, weights, bias, old_h, old_cell):
+    batch, features = input.shape
+    state = old_h.shape[1]
+    return (input.new_empty(batch, state), input.new_empty(batch, state),
+            input.new_empty(batch, state + features), _empty_gates(input, batch, state))
+
+
+@torch.library.custom_op("lltm_cupy::lltm_backward", mutates_args=())
+def _lltm_backward_op(grad_h: Optional[Tensor], grad_cell: Optional[Tensor], X: Tensor,
+                      gates: Tensor, new_cell: Tensor, weights: Tensor,
+                      bias_2d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (d_old_h, d_input, d_weights, d_bias, d_old_cell)."""
+    with _interop.backend_call(X.device) as call:
+        state = new_cell.shape[1]
+        saved = LLTMSaved(_backend_name(X.device),
+                          *(call.array(t.contiguous()) for t in (X, gates, new_cell, weights)),
+                          (1, 3 * state) if bias_2d else (3 * state,))
+        grads = call.backend.backward(call.optional(grad_h), call.optional(grad_cell), saved,
+                                      (True,) * 5, **call.kw)
+        return tuple(call.tensor(g) for g in grads)
+
+
+@_lltm_backward_op.register_fake
+def _(grad_h, grad_cell, X, gates, new_cell, weights, bias_2d):
+    batch, state = new_cell.shape
+    features = X.shape[1] - state
+    return (X.new_empty(batch, state), X.new_empty(batch, features), weights.new_empty(weights.shape),
+            weights.new_empty((1, 3 * state) if bias_2d else (3 * state,)),
+            X.new_empty(batch, state))
+
+
+def _setup_context(ctx, inputs, output):
+    _, weights, bias, _, _ = inputs
+    _, new_cell, X, gates = output
+    ctx.save_for_backward(X, gates, new_cell, weights)
+    ctx.bias_2d = bias.dim() == 2
+
+
+def _backward_op_autograd(ctx, grad_h, grad_cell, _grad_X, _grad_gates):
+    _refuse_double_backward()
+    X, gates, new_cell, weights = ctx.saved_tensors
+    grads = _lltm_backward_op(grad_h, grad_cell, X, gates, new_cell, weights, ctx.bias_2d)
+    return _to_argument_order(grads)
+
+
+_lltm_forward_op.register_autograd(_backward_op_autograd, setup_context=_setup_context)
+
+
+def lltm(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
+         old_cell: Tensor) -> tuple[Tensor, Tensor]:
+    """One differentiable LLTM step. Returns ``(new_h, new_cell)``, each (batch, state).
+
+    input: (batch, features)
+    weights: (3 * state, state + features); the first ``state`` columns act on old_h
+    bias: (3 * state,) or (1, 3 * state)
+    old_h: (batch, state)
+    old_cell: (batch, state)
+
+    One device (CPU or CUDA) and one dtype (float32, float64; float16 on CUDA) for all; under
+    ``torch.autocast`` the arguments are cast first (see the module docstring). Bad input raises
+    TypeError/ValueError before any kernel runs.
+    """
+    tensors = _autocast((input, weights, bias, old_h, old_cell))
+    _interop.check(tensors)
+    if torch.compiler.is_compiling():
+        new_h, new_cell, _, _ = _lltm_forward_op(*tensors)
+        return new_h, new_cell
+    return LLTMFunction.apply(*tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole sequences
+
+class LLTMSequenceFunction(torch.autograd.Function):
+    """A whole sequence with autograd; ``apply(inputs, weights, bias, h0, c0)``.
+
+    Returns ``(outputs, h_n, c_n)``. Prefer :func:`lltm_sequence`.
+    """
+
+    @staticmethod
+    def forward(ctx, inputs, weights, bias, h0, c0):
+        device = inputs.device
+        with _interop.backend_call(device) as call:
+            outputs, h_n, c_n, saved = call.backend.forward_sequence(
+                *(call.array(t) for t in (inputs, weights, bias, h0, c0)), **call.kw)
+            outputs, h_n, c_n = (call.tensor(a) for a in (outputs, h_n, c_n))
+        ctx.lltm_saved = saved
+        ctx.device = device
+        # The saved hidden states are the outputs' memory, and the saved inputs may be the
+        # caller's: saved through autograd so that an in-place change raises at backward.
+        ctx.save_for_backward(inputs, weights, outputs)
+        ctx.set_materialize_grads(False)
+        return outputs, h_n, c_n
+
+    @staticmethod
+    def backward(ctx, grad_outputs, grad_h_n, grad_c_n):
+        _refuse_double_backward()
+        ctx.saved_tensors  # noqa: B018 -- the version check
+        with _interop.backend_call(ctx.device) as call:
+            grads = call.backend.backward_sequence(
+                call.optional(grad_outputs), call.optional(grad_h_n), call.optional(grad_c_n),
+                ctx.lltm_saved, tuple(ctx.needs_input_grad), **call.kw)
+            return tuple(None if g is None else call.tensor(g) for g in grads)
+
+
+@torch.library.custom_op("lltm_cupy::lltm_sequence_forward", mutates_args=())
+def _sequence_forward_op(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor,
+                         c0: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (hs, h_n, c_n, gates, cells); the outputs are hs[1:]."""
+    with _interop.backend_call(inputs.device) as call:
+        _, h_n, c_n, saved = call.backend.forward_sequence(
+            *(call.array(t) for t in (inputs, weights, bias, h0, c0)), **call.kw)
+        return tuple(call.tensor(a) for a in (saved.hs, h_n, c_n, saved.gates, saved.cells))
+
+
+@_sequence_forward_op.register_fake
+def _(inputs, weights, bias, h0, c0):
+    steps, batch, _ = inputs.shape
+    state = h0.shape[1]
+    return (inputs.new_empty(steps + 1, batch, state), inputs.new_empty(batch, state),
+            inputs.new_empty(batch, state), _empty_gates(inputs, batch, state, steps),
+            inputs.new_empty(steps, batch, state))
+
+
+@torch.library.custom_op("lltm_cupy::lltm_sequence_backward", mutates_args=())
+def _sequence_backward_op(grad_outputs: Optional[Tensor], grad_h_n: Optional[Tensor],
+                          grad_c_n: Optional[Tensor], inputs: Tensor, hs: Tensor, gates: Tensor,
+                          cells: Tensor, weights: Tensor,
+                          bias_2d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (d_inputs, d_weights, d_bias, d_h0, d_c0)."""
+    with _interop.backend_call(inputs.device) as call:
+        steps, batch, features = inputs.shape
+        state = hs.shape[2]
+        saved = LLTMSequenceSaved(
+            _backend_name(inputs.device),
+            call.array(inputs.contiguous()).reshape(steps * batch, features),
+            *(call.array(t.contiguous()) for t in (hs, gates, cells, weights)),
+            (1, 3 * state) if bias_2d else (3 * state,))
+        grads = call.backend.backward_sequence(
+            call.optional(grad_outputs), call.optional(grad_h_n), call.optional(grad_c_n), saved,
+            (True,) * 5, **call.kw)
+        return tuple(call.tensor(g) for g in grads)
+
+
+@_sequence_backward_op.register_fake
+def _(grad_outputs, grad_h_n, grad_c_n, inputs, hs, gates, cells, weights, bias_2d):
+    state = hs.shape[2]
+    return (inputs.new_empty(inputs.shape), weights.new_empty(weights.shape),
+            weights.new_empty((1, 3 * state) if bias_2d else (3 * state,)),
+            hs.new_empty(hs.shape[1:]), hs.new_empty(hs.shape[1:]))
+
+
+def _sequence_setup_context(ctx, inputs, output):
+    x, weights, bias, _, _ = inputs
+    hs, _, _, gates, cells = output
+    ctx.save_for_backward(x, hs, gates, cells, weights)
+    ctx.bias_2d = bias.dim() == 2
+
+
+def _sequence_backward_autograd(ctx, grad_hs, grad_h_n, grad_c_n, _grad_gates, _grad_cells):
+    _refuse_double_backward()
+    x, hs, gates, cells, weights = ctx.saved_tensors
+    grad_outputs = None if grad_hs is None else grad_hs[1:]
+    return _sequence_backward_op(grad_outputs, grad_h_n, grad_c_n, x, hs, gates, cells, weights,
+                                 ctx.bias_2d)
+
+
+_sequence_forward_op.register_autograd(_sequence_backward_autograd,
+                                       setup_context=_sequence_setup_context)
+
+
+def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor,
+                  c0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The cell over a whole sequence, differentiable. Returns ``(outputs, h_n, c_n)``.
+
+    inputs: (steps, batch, features)
+    weights: (3 * state, state + features); bias: (3 * state,) or (1, 3 * state)
+    h0, c0: (batch, state)
+
+    outputs: (steps, batch, state), the hidden state after every step; h_n, c_n: (batch, state).
+    Same device, dtype and autocast rules as :func:`lltm`.
+    """
+    tensors = _autocast((inputs, weights, bias, h0, c0))
+    _interop.check(tensors, _SEQ_NAMES, check_sequence_shapes)
+    if torch.compiler.is_compiling():
+        hs, h_n, c_n, _, _ = _sequence_forward_op(*tensors)
+        return hs[1:], h_n, c_n
+    return LLTMSequenceFunction.apply(*tensors)
