@@ -57,6 +57,28 @@ def emulated_cupy(monkeypatch, host_lib):
     return fake
 
 
+@pytest.fixture
+def emulated_cuda_torch(emulated_cupy, monkeypatch):
+    """lltm_cupy.torch's CUDA path run on CPU tensors: DLPack in, the torch allocator, torch
+    views out and the CuPy backend, on the emulated CuPy. ``emulator.capturing = True`` makes
+    the stream report a CUDA-graph capture (and cuBLAS refuse, as CuPy does)."""
+    import contextlib
+
+    from lltm_cupy.torch import _interop
+
+    class Stream:
+        def is_capturing(self):
+            return emulated_cupy.emulator.capturing
+
+    @contextlib.contextmanager
+    def stream(device):
+        yield Stream()
+
+    monkeypatch.setattr(_interop, "uses_cupy", lambda device: True)
+    monkeypatch.setattr(_interop, "_stream", stream)
+    return emulated_cupy
+
+
 def dtypes_for(xp):
     return (np.float32, np.float64) + ((np.float16,) if xp is not np else ())
 

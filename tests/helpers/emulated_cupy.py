@@ -132,6 +132,11 @@ class ndarray(np.ndarray):
     def get(self):
         return np.array(self)
 
+    def __dlpack__(self, *, stream=None, **kwargs):
+        # CuPy takes a consumer stream (-1: no synchronisation); host memory has none.
+        assert stream is None or stream == -1 or stream > 0, f"invalid DLPack stream {stream}"
+        return np.asarray(self).__dlpack__(**kwargs)
+
     # Device work that NumPy would do silently: logged, and allocating through _alloc.
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
         args = [np.asarray(x) if isinstance(x, ndarray) else x for x in inputs]
@@ -243,7 +248,9 @@ class _DLPackCapsule:
 
 def _from_dlpack(obj):
     host = np.from_dlpack(_DLPackCapsule(obj) if not hasattr(obj, "__dlpack__") else obj)
-    a = host.view(ndarray)
+    assert host.flags.c_contiguous, "the torch layer exports contiguous tensors"
+    # NumPy marks DLPack imports read-only; device memory imported by CuPy is writable.
+    a = _host_view(host.ctypes.data, host.size, host.dtype).reshape(host.shape).view(ndarray)
     a._memory = DLPackMemory(host)
     return a
 

@@ -1,0 +1,116 @@
+"""lltm_cupy.torch's CUDA path, run in CI without a GPU: CPU tensors routed through DLPack, the
+torch allocator, torch views and the CuPy backend on the emulated CuPy (conftest's
+``emulated_cuda_torch``). What it shows: the results, where every byte comes from, what the
+results are made of, the device work per step, and the GEMM swap under CUDA-graph capture.
+The same properties on a real GPU: tests/test_gpu_training.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+
+import lltm_cupy.torch as lt  # noqa: E402
+from conftest import make_case  # noqa: E402
+from test_launch_budget import BACKWARD, FORWARD  # noqa: E402
+
+NAMES = ("input", "weights", "bias", "old_h", "old_cell")
+
+
+def _tensors(case, names=NAMES):
+    return [torch.tensor(case[n], requires_grad=True) for n in names]
+
+
+def _run(fn, args, grads):
+    outs = fn(*args)
+    torch.autograd.backward(outs[:2], grads)
+    return [o.detach() for o in outs[:2]] + [a.grad for a in args]
+
+
+def _reference(case):
+    args = _tensors(case)
+    return _run(lt.lltm_reference, args, [torch.tensor(case[n]) for n in ("grad_h", "grad_cell")])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("capturing", [False, True], ids=["cublas", "captured-torch-gemm"])
+def test_cell_matches_reference(emulated_cuda_torch, compiled, capturing):
+    emulated_cuda_torch.emulator.capturing = capturing
+    case = make_case(5, 7, 9, np.float64, seed=71)
+    fn = torch.compile(lt.lltm, backend="aot_eager", fullgraph=True) if compiled else lt.lltm
+    got = _run(fn, _tensors(case), [torch.tensor(case[n]) for n in ("grad_h", "grad_cell")])
+    for name, a, b in zip(("new_h", "new_cell", *NAMES), got, _reference(case)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    if capturing:   # cuBLAS through CuPy would have raised; torch's GEMM did the products
+        assert "gemm" not in emulated_cuda_torch.emulator.log
+
+
+@pytest.mark.parametrize("capturing", [False, True], ids=["cublas", "captured-torch-gemm"])
+def test_sequence_matches_stepped_reference(emulated_cuda_torch, capturing):
+    emulated_cuda_torch.emulator.capturing = capturing
+    rng = np.random.default_rng(5)
+    T, B, F, S = 4, 3, 5, 6
+    xs = torch.tensor(rng.standard_normal((T, B, F)), requires_grad=True)
+    model = lt.LLTM(F, S, dtype=torch.float64)
+    ref = lt.ReferenceLLTMCell(F, S, dtype=torch.float64)
+    ref.load_state_dict(model.state_dict())
+    out, (h_n, c_n) = model(xs)
+    (out.sum() + 2 * c_n.sum()).backward()
+    xr = xs.detach().clone().requires_grad_()
+    state, outs = None, []
+    for x in xr:
+        state = ref(x, state)
+        outs.append(state[0])
+    (torch.stack(outs).sum() + 2 * state[1].sum()).backward()
+    torch.testing.assert_close(out, torch.stack(outs), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_memory_comes_from_torch_and_results_are_torch_allocations(emulated_cuda_torch,
+                                                                   monkeypatch):
+    emu = emulated_cuda_torch.emulator
+    from lltm_cupy.torch import _interop
+
+    made = []
+    real = _interop._torch_allocator
+
+    def recording_allocator(device):
+        allocate = real(device)
+
+        def wrapped(nbytes):
+            memptr = allocate(nbytes)
+            made.append(memptr.mem._owner.untyped_storage().data_ptr())
+            return memptr
+        return wrapped
+
+    monkeypatch.setattr(_interop, "_torch_allocator", recording_allocator)
+    monkeypatch.setattr(torch, "from_dlpack",
+                        lambda *a, **k: pytest.fail("a result came back through DLPack"))
+    case = make_case(4, 3, 5, np.float32, seed=73)
+    args = _tensors(case)
+    emu.reset()
+    h, c = lt.lltm(*args)
+    (h.sum() + c.pow(2).sum()).backward()
+    assert emu.pool_allocations == 0, "CuPy's own pool was used"
+    assert len(made) == len(emu.allocations) > 0
+    for t in (h, c, *(a.grad for a in args)):
+        # each result is a view of one of the allocations torch made for us, sized exactly
+        assert t.untyped_storage().data_ptr() in made
+        assert t.untyped_storage().nbytes() >= t.numel() * t.element_size()
+
+
+def test_torch_layer_adds_no_device_work(emulated_cuda_torch):
+    """Through the torch layer, a step costs what the array API's does (no conversion copies)."""
+    emu = emulated_cuda_torch.emulator
+    case = make_case(16, 32, 128, np.float32, seed=79)
+    args = _tensors(case)
+    grads = [torch.tensor(case[n]) for n in ("grad_h", "grad_cell")]
+    emu.reset()
+    h, c = lt.lltm(*args)
+    assert emu.log == FORWARD
+    emu.reset()
+    torch.autograd.backward((h, c), grads)
+    assert emu.log == BACKWARD
