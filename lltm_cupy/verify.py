@@ -154,18 +154,22 @@ def _torch_devices(skipped: list):
     return devices
 
 
-def torch_gradchecks(case=None, skipped=None):
-    """Run torch.autograd.gradcheck of lltm_cupy.torch.lltm per available device and dtype.
+def torch_gradchecks(case=None, skipped=None, fn=None):
+    """Run torch.autograd.gradcheck of ``fn`` (default lltm_cupy.torch.lltm) per available device
+    and dtype.
 
-    Returns [(label, passed, message)]. float64 with gradcheck's default tolerances; float32 with
+    Returns [(label, passed, message)]; a failing check is a False with gradcheck's message. float64 with gradcheck's default tolerances; float32 with
     eps=1e-3 and atol=rtol=1e-2 (finite differences in single precision are only good to about
     that); float16 is not finite-difference checked (11-bit mantissa) but compared against the
     reference by :func:`compare_backends`.
     """
     import torch
+    # torch.autograd.gradcheck is the function; its module holds the exception.
+    from torch.autograd.gradcheck import GradcheckError
 
     from . import torch as lt
 
+    fn = lt.lltm if fn is None else fn
     case = random_case() if case is None else case
     skipped = [] if skipped is None else skipped
     results = []
@@ -176,9 +180,9 @@ def torch_gradchecks(case=None, skipped=None):
                     for n in FORWARD_NAMES]
             label = f"torch {device} {str(dtype).replace('torch.', '')}"
             try:
-                ok = torch.autograd.gradcheck(lt.lltm, args, **opts)
+                ok = torch.autograd.gradcheck(fn, args, **opts)
                 results.append((label, bool(ok), "gradcheck passed"))
-            except torch.autograd.gradcheck.GradcheckError as exc:
+            except GradcheckError as exc:
                 results.append((label, False, str(exc).splitlines()[0]))
     return results
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -81,3 +83,23 @@ def test_profile_step_prints_a_profile_of_our_functions():
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "us per step under the profiler" in proc.stdout
         assert "lltm_cupy/_numpy.py" in proc.stdout, proc.stdout  # our backend is in the profile
+
+
+def test_a_failing_gradcheck_is_reported_as_a_failure():
+    """A wrong gradient is a FAIL with gradcheck's message, not a crash of the script."""
+    torch = pytest.importorskip("torch")
+    from lltm_cupy import verify
+    from lltm_cupy.torch import lltm
+
+    class Wrong(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            return lltm(*(a.detach() for a in args))
+
+        @staticmethod
+        def backward(ctx, grad_h, grad_c):
+            return (None, None, None, None, torch.ones_like(grad_c))  # d_old_cell: wrong
+
+    results = verify.torch_gradchecks(fn=Wrong.apply)
+    assert results and all(not ok for _, ok, _ in results), results
+    assert all("Jacobian mismatch" in message for _, _, message in results), results
