@@ -7,6 +7,11 @@ Implementations (names used by ``--impl``):
 - ``cell``: our :class:`lltm_cupy.torch.LLTMCell`;
 - ``array``: our array API (NumPy on the CPU, CuPy on the GPU), called directly;
 - ``lstm``: ``torch.nn.LSTMCell`` of the same hidden size (different math, comparable work);
+- ``cell-graph`` / ``reference-graph`` (CUDA only): our cell / the reference with forward and
+  backward each captured in a CUDA graph (``torch.cuda.make_graphed_callables``) and replayed:
+  what a training loop that captures its step pays, with no host cost per kernel;
+- ``compiled-ro`` (CUDA only): the reference under ``torch.compile(mode="reduce-overhead")``
+  (inductor's kernels replayed from CUDA graphs);
 - ``cell-op``: our cell called through the ``lltm_cupy::lltm_forward`` custom operator in eager
   mode (the path torch.compile uses), to measure its per-call cost against ``cell``'s plain
   ``autograd.Function`` (not run unless named in ``--impl``);
@@ -40,6 +45,7 @@ __all__ = ["Config", "IMPLS", "PHASES", "CPU_SIZES", "GPU_SIZES", "run_size", "f
 
 IMPLS = ("reference", "compiled", "cell", "array", "lstm")
 EXTRA_IMPLS = ("cell-op", "cell-floor", "function-floor")
+GRAPH_IMPLS = ("cell-graph", "reference-graph", "compiled-ro")
 PHASES = ("forward", "backward", "fwd+bwd")
 CPU_SIZES = ((16, 32, 128), (64, 256, 512), (256, 512, 1024))
 GPU_SIZES = CPU_SIZES + ((1024, 1024, 1024), (4096, 1024, 1024))
@@ -277,6 +283,32 @@ def _EmptyCell(ref):
     return _function_cell(ref, Empty)
 
 
+def _graphed(module, x, h, c):
+    """``module`` with forward and backward captured in CUDA graphs (make_graphed_callables),
+    called as ``graphed(x, (h, c))`` like a cell."""
+    import torch
+
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = module
+
+        def forward(self, x, h, c):
+            return self.cell(x, (h, c))
+
+    graphed = torch.cuda.make_graphed_callables(Flat(), (x, h, c))
+
+    class Cell(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.graphed = graphed
+
+        def forward(self, x, state):
+            return self.graphed(x, *state)
+
+    return Cell()
+
+
 def _make_runners(cfg: Config, impls, quiet):
     import torch
 
@@ -313,6 +345,22 @@ def _make_runners(cfg: Config, impls, quiet):
             elif name == "lstm":
                 lstm = torch.nn.LSTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
                 runners[name] = _TorchRunner(lstm, cfg, (x, h, c))
+            elif name in GRAPH_IMPLS:
+                if not cfg.cuda:
+                    raise ValueError(f"{name} needs CUDA (--cuda)")
+                cls = lt.ReferenceLLTMCell if name != "cell-graph" else lt.LLTMCell
+                module = cls(cfg.features, cfg.state, device=device, dtype=dtype)
+                module.load_state_dict(ref.state_dict())
+                if name == "compiled-ro":
+                    _log(quiet, "  compiling the reference with mode='reduce-overhead' ...")
+                    module = torch.compile(module, mode="reduce-overhead", dynamic=False)
+                else:
+                    _log(quiet, f"  capturing {name} in CUDA graphs ...")
+                    module = _graphed(module, x, h, c)
+                runner = _TorchRunner(module, cfg, (x, h, c))
+                for _ in range(3):  # compile / record now, not in the timed loop
+                    runner.backward(runner.forward())
+                runners[name] = runner
             elif name == "cell-op":
                 from .torch._ops import _lltm_forward_op
 
@@ -335,7 +383,8 @@ def _make_runners(cfg: Config, impls, quiet):
                     raise ValueError("function-floor measures the CPU, parameter-gradient case only")
                 runners[name] = _TorchRunner(_EmptyCell(ref), cfg, (x, h, c))
             else:
-                raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
+                raise ValueError(f"unknown implementation {name!r}; choose from "
+                                 f"{IMPLS + EXTRA_IMPLS + GRAPH_IMPLS}")
         except ValueError:
             raise
         except Exception as exc:  # e.g. torch.compile without a working compiler

@@ -44,8 +44,10 @@ def main(argv=None) -> int:
     p.add_argument("-d", "--double", action="store_true", help="float64 instead of float32")
     p.add_argument("--sizes", type=parse_sizes, default=None, help="BxFxS[,BxFxS...] sweep")
     p.add_argument("--impl", default=None,
-                   help=f"comma-separated subset of {','.join(bm.IMPLS + bm.EXTRA_IMPLS)} "
-                        f"(default: all but {', '.join(bm.EXTRA_IMPLS)}; lstm on GPU only); "
+                   help=f"comma-separated subset of "
+                        f"{','.join(bm.IMPLS + bm.GRAPH_IMPLS + bm.EXTRA_IMPLS)} "
+                        f"(default: all but {', '.join(bm.EXTRA_IMPLS)}; lstm and the CUDA-graph "
+                        f"rows {', '.join(bm.GRAPH_IMPLS)} on GPU only); "
                         f"with --sequence, of "
                         f"{','.join(bm.SEQUENCE_IMPLS)}")
     p.add_argument("--warmup", type=int, default=10)
@@ -71,9 +73,10 @@ def main(argv=None) -> int:
     else:
         default = bm.SEQUENCE_SIZES if args.sequence else bm.GPU_SIZES if args.cuda else bm.CPU_SIZES
         sizes = args.sizes or list(default)
-    known = bm.SEQUENCE_IMPLS if args.sequence else bm.IMPLS + bm.EXTRA_IMPLS
+    known = bm.SEQUENCE_IMPLS if args.sequence else bm.IMPLS + bm.GRAPH_IMPLS + bm.EXTRA_IMPLS
+    gpu_only = ("lstm",) + bm.GRAPH_IMPLS
     impls = args.impl.split(",") if args.impl else [
-        i for i in known if (i != "lstm" or args.cuda) and i not in bm.EXTRA_IMPLS]
+        i for i in known if (i not in gpu_only or args.cuda) and i not in bm.EXTRA_IMPLS]
     unknown = set(impls) - set(known)
     if unknown:
         p.error(f"unknown --impl {','.join(sorted(unknown))}; choose from {','.join(known)}")
