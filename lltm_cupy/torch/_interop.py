@@ -170,7 +170,8 @@ def torch_gemm(a, b, out, accumulate: bool = False):
 
 class Call:
     """What one backend call from the torch layer uses: the backend module, its GEMM keyword,
-    and the two conversions (tensor -> array, array -> tensor)."""
+    and the two conversions (tensor -> array, array -> tensor). Also a do-nothing context
+    manager, so that the common CPU case costs no generator."""
 
     __slots__ = ("backend", "kw", "array", "tensor")
 
@@ -180,21 +181,30 @@ class Call:
     def optional(self, t):
         return None if t is None else self.array(t)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
 
 _CPU_CALL = Call(_numpy, {"mm": torch_mm}, _array_cpu, torch.from_numpy)
 
 
-def _no_autocast(device_type: str):
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+def backend_call(device: torch.device):
+    """The context of one backend call for tensors on ``device``; ``with`` it gives a
+    :class:`Call`. Autocast is off inside (see the module docstring)."""
+    cupy_path = uses_cupy(device)
+    if not cupy_path and not torch.is_autocast_enabled(device.type):
+        return _CPU_CALL
+    return _call(device, cupy_path)
 
 
 @contextlib.contextmanager
-def backend_call(device: torch.device):
-    """The context of one backend call for tensors on ``device``; yields a :class:`Call`."""
-    with _no_autocast(device.type):
-        if not uses_cupy(device):
+def _call(device: torch.device, cupy_path: bool):
+    with (torch.autocast(device.type, enabled=False)
+          if torch.is_autocast_enabled(device.type) else contextlib.nullcontext()):
+        if not cupy_path:
             yield _CPU_CALL
             return
         import cupy

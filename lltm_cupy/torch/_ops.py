@@ -41,11 +41,10 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
 
 
 def _autocast(tensors):
-    if not all(isinstance(t, Tensor) for t in tensors):
-        return tensors  # the checks name the culprit
-    dtype = autocast_dtype(tensors[0].device.type)
-    if dtype is None:
-        return tensors
+    device = getattr(tensors[0], "device", None)
+    dtype = None if device is None else autocast_dtype(device.type)
+    if dtype is None or not all(isinstance(t, Tensor) for t in tensors):
+        return tensors  # (the checks name a non-tensor argument)
     return tuple(t if t.dtype == torch.float64 or not t.is_floating_point() else t.to(dtype)
                  for t in tensors)
 
