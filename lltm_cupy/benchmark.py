@@ -519,7 +519,8 @@ def gpu_kernel_report(cfg: Config, runs=50) -> dict:
     grad = cupy.ones((B, S), dtype)
     n = B * S
     grid, block, wide = _kernels.launch_config(n)
-    fwd, bwd = _kernels.get_kernels(dtype, wide)
+    kernels = _kernels.get_kernels(dtype, wide)
+    fwd, bwd = kernels.fwd, kernels.bwd
     cupy.matmul(X, W.T, out=gates)
 
     def timed(fn):
