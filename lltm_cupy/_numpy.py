@@ -4,20 +4,20 @@ The arithmetic runs in the input dtype (float32 stays float32). Arguments were c
 ``lltm_cupy._checks``. At the sizes recurrent cells run at, the cost on the CPU is the number of
 NumPy calls rather than arithmetic, so this backend is written for few, cheap passes:
 
-- the gate values live gate-major, as (3, batch, state) = [input_gate, output_gate,
-  candidate_cell], so that every element-wise call runs on contiguous memory: a NumPy ufunc on a
-  column slice of a (batch, 3 * state) array costs 2-3 us more per call at the tutorial's size;
-  the layout change happens once per step, folded into the bias add (forward) and into one copy
-  of the gate gradients back to (batch, 3 * state) for the GEMMs (backward);
-- the forward saves the activations in place of the pre-activations (still X plus 4 * B * S
-  values), so the backward needs no exponential;
-- sigmoid(z) = (1 + tanh(z / 2)) / 2, which never overflows (NumPy emits no warning for any
-  finite input) and needs no branch;
-- the derivatives are the tutorial's: sigmoid' = s (1 - s), tanh' = 1 - tanh^2, and
-  elu'(z) = min(elu(z) + 1, 1) (= exp(z) for z <= 0, 1 for z > 0; 1 at z == 0 as in PyTorch).
+- the gate values live gate-major, as (3, batch, state), so that every element-wise call runs
+  on contiguous memory: a NumPy ufunc on a column slice of a (batch, 3 * state) array costs
+  2-3 us more per call at the tutorial's size; the layout change happens once per step, folded
+  into the bias add (forward) and into one copy of the gate gradients back to
+  (batch, 3 * state) for the GEMMs (backward);
+- every activation and derivative is evaluated in a form that keeps relative accuracy for every
+  finite input on both sides, never overflows and needs no branch (``_activate`` lists them);
+  the tutorial's sigmoid = (1 + tanh(z / 2)) / 2, s (1 - s) and 1 - tanh^2 are accurate only to
+  about one unit in the last place of 1, i.e. not at all relative to a saturated gate's tiny
+  value or derivative;
+- the forward computes what the backward multiplies by and saves those four products
+  (4, batch, state) instead of the activations, so the backward is five multiplications and an
+  addition: X plus 5 * B * S values are kept (new_cell among them, the output itself).
 
-Where an activation saturates these are accurate to about one unit in the last place of 1 in
-absolute terms (not relative); the CUDA kernels use forms that stay relatively accurate there.
 The GEMMs go through ``mm`` (default ``numpy.matmul``): the torch layer passes torch's GEMM so
 that a process runs one BLAS thread pool, not two that fight over the cores.
 """
@@ -49,61 +49,85 @@ def _project(x, w, bias, mm, steps, batch):
     return out
 
 
-def _activate(acts, old_cell, new_h, new_cell) -> None:
-    """Element-wise forward of one step, in place: acts (3, B, S) holds the pre-activations on
-    entry and [input_gate, output_gate, candidate_cell] on exit; writes new_h and new_cell."""
-    io = acts[:2]                           # sigmoid(z) = (1 + tanh(z / 2)) / 2
-    io *= 0.5
-    np.tanh(io, out=io)
-    io *= 0.5
-    io += 0.5
+def _d_tanh(c, out):
+    """tanh'(c) = (1 / cosh(c))^2 into ``out``: relatively accurate where 1 - tanh(c)^2 cancels
+    (|tanh c| near 1). cosh overflows to inf for |c| > ~710 (float64) / ~89 (float32), where the
+    exact value underflows to 0 anyway (1 / inf = 0); NumPy's overflow warning is silenced for
+    that one call. The square comes after the reciprocal, so it can only underflow (silently)."""
+    with np.errstate(over="ignore"):
+        np.cosh(c, out=out)
+    np.reciprocal(out, out=out)
+    np.square(out, out=out)
 
-    zc = acts[2]                            # elu(z) = max(z, 0) + expm1(min(z, 0))
-    neg = np.minimum(zc, 0)
-    np.expm1(neg, out=neg)
-    np.maximum(zc, 0, out=zc)
-    zc += neg
 
-    np.multiply(zc, acts[0], out=new_cell)
+def _activate(z, old_cell, new_h, new_cell, factors) -> None:
+    """Element-wise forward of one step. z (3, B, S): the gate pre-activations (not modified).
+    Writes new_h, new_cell (B, S) and ``factors`` (4, B, S), what the backward multiplies by:
+
+        factors = [candidate_cell * sigmoid'(z_i),  tanh(c) * sigmoid'(z_o),
+                   input_gate * elu'(z_c),          output_gate * tanh'(c)]
+
+    Forms that keep relative accuracy for every finite input, on both sides, and never overflow,
+    from p = exp(min(z, 0)) and q = exp(-max(z, 0)) (both in (0, 1], one of them exactly 1):
+
+        sigmoid(z) = p / (p + q)           sigmoid'(z) = sigmoid(z) * q / (p + q)
+        elu(z) = max(expm1(min(z, 0)), z)  elu'(z) = p  (expm1(z) > z for z < 0)
+        tanh'(c) = (1 / cosh(c))^2
+
+    (the tutorial's (1 + tanh(z / 2)) / 2, s (1 - s) and 1 - tanh^2 are accurate only to about
+    one unit in the last place of 1, which is no relative accuracy at all once a gate saturates).
+    Values multiplied by the same factor sit side by side, so that one NumPy call does two gates.
+    """
+    # one scratch block: q (2 gates), p (3 gates), tanh'(new_cell), 1 / (p + q) (2 gates),
+    # [candidate_cell, tanh(new_cell)]: q and p side by side for one exp, [elu', tanh'] too
+    zero = z.dtype.type(0)
+    scratch = np.empty((10, *new_cell.shape), z.dtype)
+    qp, q, p, inv, gt = scratch[:5], scratch[:2], scratch[2:5], scratch[6:8], scratch[8:]
+    np.maximum(z[:2], zero, out=q)
+    np.negative(q, out=q)
+    np.minimum(z, zero, out=p)
+    g = gt[0]
+    np.expm1(p[2], out=g)
+    np.maximum(g, z[2], out=g)              # candidate_cell = elu(z_c)
+    np.exp(qp, out=qp)                      # q = exp(-max(z, 0)), p = exp(min(z, 0))
+    np.add(p[:2], q, out=inv)
+    np.reciprocal(inv, out=inv)             # 1 / (p + q)
+    io = p[:2]
+    io *= inv                               # [input_gate, output_gate]
+    d_sig = q
+    d_sig *= inv
+    d_sig *= io                             # sigmoid' of gates 0, 1
+
+    np.multiply(g, io[0], out=new_cell)     # new_cell = old_cell + candidate_cell * input_gate
     new_cell += old_cell
-    np.tanh(new_cell, out=new_h)
-    new_h *= acts[1]
+    np.tanh(new_cell, out=gt[1])
+    np.multiply(gt[1], io[1], out=new_h)    # new_h = tanh(new_cell) * output_gate
+
+    _d_tanh(new_cell, out=scratch[5])
+    np.multiply(gt, d_sig, out=factors[:2])
+    np.multiply(io, scratch[4:6], out=factors[2:])     # [p[2], tanh'(c)] = [elu'(z_c), tanh'(c)]
 
 
-def _d_gates(grad_h, grad_cell, acts, new_cell, d_gates):
-    """Element-wise backward of one step: writes d_gates (3, B, S), returns d_new_cell (B, S).
+def _d_gates(grad_h, grad_cell, factors, d_gates):
+    """Element-wise backward of one step from the forward's ``factors`` (4, B, S): writes
+    d_gates (3, B, S) and returns d_new_cell (B, S); grad_h / grad_cell may be None (zero).
 
-    acts are the saved activations (3, B, S); grad_h / grad_cell may be None (zero)."""
-    input_gate, output_gate, candidate_cell = acts
+        d_new_cell = output_gate * tanh'(c) * grad_h + grad_cell     (= d_old_cell)
+        d_z_i = candidate_cell * sigmoid'(z_i) * d_new_cell
+        d_z_o = tanh(c) * sigmoid'(z_o) * grad_h
+        d_z_c = input_gate * elu'(z_c) * d_new_cell
+    """
     d_i, d_o, d_c = d_gates
-
-    # sigmoid' = s (1 - s) for both sigmoid gates at once, into the d_gates slots
-    d_io = d_gates[:2]
-    np.square(acts[:2], out=d_io)
-    np.subtract(acts[:2], d_io, out=d_io)
-    # elu' = min(elu + 1, 1)
-    np.add(candidate_cell, 1, out=d_c)
-    np.minimum(d_c, 1, out=d_c)
-
     if grad_h is not None:
-        tanh_c = np.tanh(new_cell)
-        # d_new_cell = (1 - tanh(c)^2) * output_gate * grad_h + grad_cell
-        d_new_cell = np.square(tanh_c)
-        np.subtract(1, d_new_cell, out=d_new_cell)
-        d_new_cell *= output_gate
-        d_new_cell *= grad_h
+        d_new_cell = factors[3] * grad_h
         if grad_cell is not None:
             d_new_cell += grad_cell
-        # d_output_gate = tanh(c) * grad_h
-        tanh_c *= grad_h
-        d_o *= tanh_c
+        np.multiply(factors[1], grad_h, out=d_o)
     else:
-        d_new_cell = np.zeros_like(new_cell) if grad_cell is None else np.array(grad_cell)
+        d_new_cell = np.zeros_like(factors[3]) if grad_cell is None else np.array(grad_cell)
         d_o[...] = 0
-    d_i *= candidate_cell                   # d_input_gate = candidate_cell * d_new_cell
-    d_i *= d_new_cell
-    d_c *= input_gate                       # d_candidate_cell = input_gate * d_new_cell
-    d_c *= d_new_cell
+    np.multiply(factors[0], d_new_cell, out=d_i)
+    np.multiply(factors[2], d_new_cell, out=d_c)
     return d_new_cell
 
 
@@ -116,19 +140,20 @@ def _gate_major_to_rows(d_gates, out) -> None:
 def forward(input, weights, bias, old_h, old_cell, mm=np.matmul):
     batch, state = old_h.shape
     X = np.concatenate((old_h, input), axis=1)
-    acts = _project(X, weights, bias, mm, 1, batch)[0]
-    new_h = np.empty((batch, state), acts.dtype)
-    new_cell = np.empty((batch, state), acts.dtype)
-    _activate(acts, old_cell, new_h, new_cell)
-    return new_h, new_cell, LLTMSaved("numpy", X, acts, new_cell, weights, tuple(bias.shape))
+    z = _project(X, weights, bias, mm, 1, batch)[0]
+    new_h = np.empty((batch, state), z.dtype)
+    new_cell = np.empty((batch, state), z.dtype)
+    factors = np.empty((4, batch, state), z.dtype)
+    _activate(z, old_cell, new_h, new_cell, factors)
+    return new_h, new_cell, LLTMSaved("numpy", X, factors, new_cell, weights, tuple(bias.shape))
 
 
 def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
-    acts, new_cell, X, weights = saved.gates, saved.new_cell, saved.X, saved.weights
+    factors, new_cell, X, weights = saved.gates, saved.new_cell, saved.X, saved.weights
     batch, state = new_cell.shape
     dtype = new_cell.dtype
     d_acts = np.empty((3, batch, state), dtype)
-    d_new_cell = _d_gates(grad_h, grad_cell, acts, new_cell, d_acts)
+    d_new_cell = _d_gates(grad_h, grad_cell, factors, d_acts)
     d_gates = np.empty((batch, 3 * state), dtype)
     _gate_major_to_rows(d_acts, d_gates)
     need_h, need_x, need_w, need_b, need_c = needed
@@ -150,22 +175,24 @@ def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul):
     hs = np.empty((steps + 1, batch, state), gates.dtype)   # [h0, h_1, ..., h_T]
     hs[0] = h0
     cells = np.empty((steps, batch, state), gates.dtype)
+    factors = np.empty((steps, 4, batch, state), gates.dtype)   # what the backward keeps
     # h @ W_h.T with W_h.T copied to C order once: 1.3-1.9x faster per step than on the view.
     w_h_t = np.ascontiguousarray(weights[:, :state].T)
     c = c0
     for t in range(steps):
         # the recurrent GEMM, added into the step's gates (its (B, 3, S) rows moved whole)
         gates[t] += mm(hs[t], w_h_t).reshape(batch, 3, state).transpose(1, 0, 2)
-        _activate(gates[t], c, hs[t + 1], cells[t])
+        _activate(gates[t], c, hs[t + 1], cells[t], factors[t])
         c = cells[t]
     h_n = hs[steps].copy()
     c_n = c.copy()
-    saved = LLTMSequenceSaved("numpy", x, hs, gates, cells, weights, tuple(bias.shape))
+    saved = LLTMSequenceSaved("numpy", x, hs, factors, cells, weights, tuple(bias.shape))
     return hs[1:], h_n, c_n, saved
 
 
 def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, mm=np.matmul):
-    x, hs, gates, cells, weights = saved.inputs, saved.hs, saved.gates, saved.cells, saved.weights
+    x, hs, factors, cells, weights = (saved.inputs, saved.hs, saved.gates, saved.cells,
+                                      saved.weights)
     steps, batch, state = cells.shape
     features = x.shape[1]
     dtype = cells.dtype
@@ -180,7 +207,7 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
     w_h = np.ascontiguousarray(weights[:, :state])
     d_c = grad_c_n
     for t in range(steps - 1, -1, -1):
-        d_c = _d_gates(grad_h[t], d_c, gates[t], cells[t], d_acts)
+        d_c = _d_gates(grad_h[t], d_c, factors[t], d_acts)
         d_gates = flat[t * batch: (t + 1) * batch]
         _gate_major_to_rows(d_acts, d_gates)
         if t:

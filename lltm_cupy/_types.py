@@ -21,13 +21,15 @@ class LLTMGrads(NamedTuple):
 class LLTMSaved:
     """What :func:`lltm_cupy.backward` needs from a forward call. Pass it back untouched.
 
-    Holds ``X = [old_h, input]`` (batch, state + features), three gate values per element and
-    ``new_cell`` (batch, state): X plus 4 * batch * state values. The gate values are what the
-    backend's backward reads: on the GPU the pre-activations with the bias added, (batch,
-    3 * state) as the GEMM wrote them (the kernel recomputes the activations); on the CPU the
-    activations [input_gate, output_gate, candidate_cell], gate-major (3, batch, state) (fewer
-    and contiguous NumPy passes). It also keeps a reference to ``weights`` (not a copy): do not
-    modify the weights in place between forward and backward.
+    Holds ``X = [old_h, input]`` (batch, state + features), the backend's gate values and
+    ``new_cell`` (batch, state, the forward's output itself). The gate values are what the
+    backend's backward reads: on the GPU the three pre-activations with the bias added, (batch,
+    3 * state) as the GEMM wrote them (the kernel recomputes every activation and derivative from
+    them): X plus 4 * batch * state values in all; on the CPU the four products the backward
+    multiplies by, gate-major (4, batch, state) (see ``lltm_cupy._numpy._activate``; four cheap
+    contiguous NumPy passes in the backward instead of sixteen): X plus 5 * batch * state values.
+    It also keeps a reference to ``weights`` (not a copy): do not modify the weights in place
+    between forward and backward.
     """
 
     backend: str  # "numpy" or "cupy"
@@ -64,8 +66,8 @@ class LLTMSequenceSaved:
 
     Holds the inputs reshaped to (T * B, F) (a view of the caller's array when it is
     contiguous), the hidden states ``hs`` (T + 1, B, S) = [h0, outputs...], and per step the
-    backend's gate values (as in :class:`LLTMSaved`: (T, B, 3S) on the GPU, (T, 3, B, S) on the
-    CPU) and new_cell (T, B, S): 4 * B * S values per step besides
+    backend's gate values (as in :class:`LLTMSaved`: (T, B, 3S) on the GPU, (T, 4, B, S) on the
+    CPU) and new_cell (T, B, S): 4 * B * S (GPU) or 5 * B * S (CPU) values per step besides
     the inputs and hidden states. Keeps references to the weights and, where contiguous, the
     inputs: do not modify them in place between forward and backward.
     """

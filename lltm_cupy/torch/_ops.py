@@ -123,10 +123,11 @@ def _lltm_forward_op(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor
 
 
 def _empty_gates(like: Tensor, batch: int, state: int, *steps: int) -> Tensor:
-    """An empty tensor shaped like the backend's saved gate values: gate-major (..., 3, B, S)
-    from the NumPy backend (CPU), (..., B, 3S) from the CuPy backend (CUDA)."""
+    """An empty tensor shaped like the backend's saved gate values: the four backward factors
+    (..., 4, B, S) from the NumPy backend (CPU), the pre-activations (..., B, 3S) from the CuPy
+    backend (CUDA)."""
     if not _interop.uses_cupy(like.device):
-        return like.new_empty(*steps, 3, batch, state)
+        return like.new_empty(*steps, 4, batch, state)
     return like.new_empty(*steps, batch, 3 * state)
 
 
