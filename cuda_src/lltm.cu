@@ -182,10 +182,12 @@ __global__ void lltm_bwd_kernel(const T* __restrict__ grad_h, const T* __restric
     const A d_output_gate = lltm_tanh(c) * gh;
     const A d_new_cell = d_tanh * (output_gate * gh) + gc;
 
+    // Bounded factors first (sigmoid' <= 1/4, input_gate and elu' <= 1), so that no product
+    // overflows before the last multiplication unless the result itself does.
     d_old_cell[i] = tr::store(d_new_cell);
-    d_gates[row] = tr::store(candidate_cell * d_new_cell * d_sig_i);
+    d_gates[row] = tr::store(candidate_cell * d_sig_i * d_new_cell);
     d_gates[row + S] = tr::store(d_output_gate * d_sig_o);
-    d_gates[row + 2 * S] = tr::store(input_gate * d_new_cell * lltm_d_elu(zc));
+    d_gates[row + 2 * S] = tr::store(input_gate * lltm_d_elu(zc) * d_new_cell);
   }
 }
 

@@ -15,7 +15,8 @@ import lltm_cupy
 
 __all__ = ["FORWARD_NAMES", "GRAD_OF", "TOLERANCE", "normalised_error", "random_case",
            "numeric_gradients", "finite_difference_errors", "available_backends", "format_table",
-           "torch_gradchecks", "compare_backends", "gpu_unavailable_reason", "to_numpy"]
+           "torch_gradchecks", "compare_backends", "elementwise_accuracy", "gpu_unavailable_reason",
+           "to_numpy"]
 
 FORWARD_NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 #: LLTMGrads field -> the forward argument it is the gradient of.
@@ -216,6 +217,72 @@ def _run_torch(fn, device, case, dtype):
     out = {"new_h": h, "new_cell": c}
     out.update({field: args[FORWARD_NAMES.index(name)].grad for field, name in GRAD_OF.items()})
     return out
+
+
+def _max_relative_error(got, ref) -> float:
+    """max |got - ref| / |ref| over the elements where ref != 0 (0 if there are none)."""
+    got, ref = to_numpy(got).astype(np.float64), np.asarray(ref, np.float64)
+    mask = ref != 0
+    return float((np.abs(got - ref)[mask] / np.abs(ref[mask])).max()) if mask.any() else 0.0
+
+
+def _elementwise_ulps(xp, case, dtype) -> dict:
+    """Largest error in ulps (lltm_cupy.exact) of the element-wise outputs the array API returns
+    (new_h, new_cell, d_old_cell), from the backend's own rounded pre-activations."""
+    from . import _numpy, exact
+
+    args = [xp.asarray(case[n], dtype=dtype) for n in FORWARD_NAMES]
+    new_h, new_cell, saved = lltm_cupy.forward(*args)
+    gh, gc = (xp.asarray(case[g], dtype=dtype) for g in ("grad_h", "grad_cell"))
+    d_old_cell = lltm_cupy.backward(gh, gc, saved, needed=(False,) * 4 + (True,)).d_old_cell
+    batch, state = new_cell.shape
+    if xp is np:  # the NumPy backend saves products, not z: its projection again, bit for bit
+        X = np.concatenate((args[3], args[0]), axis=1)
+        z = _numpy._project(X, args[1], args[2], np.matmul, 1, batch)[0]
+    else:
+        z = to_numpy(saved.gates).reshape(batch, 3, state).transpose(1, 0, 2)
+    flat = {"z_i": z[0], "z_o": z[1], "z_c": z[2], "old_cell": args[4], "grad_h": gh,
+            "grad_cell": gc}
+    flat = {k: to_numpy(v).reshape(-1) for k, v in flat.items()}
+    zeros = np.zeros_like(flat["z_i"])
+    out = {"new_h": to_numpy(new_h).reshape(-1), "new_cell": to_numpy(new_cell).reshape(-1),
+           "d_old_cell": to_numpy(d_old_cell).reshape(-1), "d_input_gate": zeros,
+           "d_output_gate": zeros, "d_candidate": zeros}
+    worst = exact.max_errors(flat, out, dtype)
+    return {k: worst[k][0] for k in ("new_h", "new_cell", "d_old_cell")}
+
+
+def elementwise_accuracy(case=None, skipped=None):
+    """Every array backend and dtype against the exact reference, and against the torch one.
+
+    Returns [(label, dtype, {new_h, new_cell, d_old_cell: ulps, "max_rel_vs_torch": x}, ok)],
+    ok when the ulps are within lltm_cupy.exact.ULP_BOUND. The relative error is the largest
+    |ours - reference| / |reference| over all seven outputs, the GEMM outputs included (where a
+    sum cancels it measures the float32 GEMM, not a bug).
+    """
+    from . import exact
+
+    case = random_case(16, 32, 128) if case is None else case
+    skipped = [] if skipped is None else skipped
+    backends = [("numpy", np, (np.float32, np.float64))]
+    reason = gpu_unavailable_reason()
+    if reason:
+        skipped.append(("cupy", reason))
+    else:
+        import cupy
+        backends.append(("cupy", cupy, (np.float16, np.float32, np.float64)))
+    rows = []
+    for label, xp, dtypes in backends:
+        for dtype in dtypes:
+            rounded = {k: np.asarray(v, dtype=dtype).astype(np.float64) for k, v in case.items()}
+            ulps = _elementwise_ulps(xp, rounded, dtype)
+            ref = _torch_reference(rounded)
+            got = _run_arrays(xp, rounded, dtype)
+            rel = max(_max_relative_error(got[k], ref[k]) for k in ref)
+            bound = exact.ULP_BOUND[np.dtype(dtype)]
+            ok = all(ulps[k] <= bound[k] for k in ulps)
+            rows.append((label, np.dtype(dtype).name, {**ulps, "max_rel_vs_torch": rel}, ok))
+    return rows
 
 
 def compare_backends(case=None, skipped=None):

@@ -3,7 +3,11 @@
 against the pure-torch reference LLTM in float64; print a table; exit 1 on any mismatch.
 
 Errors are max |ours - reference| / max(1, max |reference|) per output, against the per-dtype
-tolerances of lltm_cupy.verify.TOLERANCE. Needs torch. Usage: python scripts/check.py [-h]
+tolerances of lltm_cupy.verify.TOLERANCE. A second table gives, per array backend and dtype,
+the largest error in ulps of the element-wise outputs against the exact reference
+(lltm_cupy.exact, mpmath; bounds lltm_cupy.exact.ULP_BOUND) and the largest relative error
+against the torch reference. Needs torch (and mpmath, which comes with it).
+Usage: python scripts/check.py [-h]
 """
 from __future__ import annotations
 
@@ -44,6 +48,23 @@ def main(argv=None) -> int:
     for name, why in skipped:
         print(f"skipped {name}: {why}")
     failed = [f"{label} {dtype}" for label, dtype, _, ok in rows if not ok]
+
+    print("\nElement-wise outputs against the exact reference (ulps; bound in parentheses), "
+          "and the largest relative error of any output against the torch reference:")
+    from lltm_cupy import exact
+
+    ulp_cols = ("new_h", "new_cell", "d_old_cell")
+    head = f"{'backend':<12}{'dtype':<9}" + "".join(f"{c:>16}" for c in ulp_cols) + \
+        f"{'rel vs torch':>15}  result"
+    print(head)
+    print("-" * len(head))
+    for label, dtype, errors, ok in verify.elementwise_accuracy(case, []):
+        bound = exact.ULP_BOUND[__import__("numpy").dtype(dtype)]
+        print(f"{label:<12}{dtype:<9}"
+              + "".join(f"{errors[c]:>9.2f} ({bound[c]:>3g})" for c in ulp_cols)
+              + f"{errors['max_rel_vs_torch']:>15.2e}  {'ok' if ok else 'FAIL'}")
+        if not ok:
+            failed.append(f"{label} {dtype} (ulps)")
     print(("FAILED: " + ", ".join(failed)) if failed else "all backends match the torch reference",
           f"(B={args.batch_size}, F={args.features}, S={args.state_size})")
     return 1 if failed else 0
