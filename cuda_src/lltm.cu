@@ -25,11 +25,57 @@
 // elu'(0) = 1, as PyTorch's autograd gives (the tutorial's d_elu gives 0 there).
 
 // ---------------------------------------------------------------------------------------------
-// Scalar types. `acc` is the type the arithmetic runs in; float16 is stored as raw bits and
-// converted with PTX instructions, so no cuda_fp16.h is needed.
+// Scalar types. `acc` is the type the arithmetic runs in; float16 and bfloat16 are stored as raw
+// bits and converted here, so no cuda_fp16.h / cuda_bf16.h is needed.
 struct lltm_half {
   unsigned short bits;
 };
+
+// bfloat16: the upper 16 bits of a float32. Widening is exact (bits << 16); narrowing rounds to
+// nearest, ties to even, in integer arithmetic (the same on every architecture: sm_75 has no
+// cvt.rn.bf16.f32, and this is what that instruction computes), NaN stays a (quiet) NaN with its
+// sign, +-inf stays +-inf, and finite values above the largest bfloat16 round to +-inf.
+struct lltm_bf16 {
+  unsigned short bits;
+};
+
+#ifdef LLTM_HOST_SHIM
+__device__ __forceinline__ unsigned int lltm_float_bits(float f) {
+  unsigned int u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+__device__ __forceinline__ float lltm_bits_float(unsigned int u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+#else
+__device__ __forceinline__ unsigned int lltm_float_bits(float f) {
+  unsigned int u;
+  asm("mov.b32 %0, %1;" : "=r"(u) : "f"(f));
+  return u;
+}
+__device__ __forceinline__ float lltm_bits_float(unsigned int u) {
+  float f;
+  asm("mov.b32 %0, %1;" : "=f"(f) : "r"(u));
+  return f;
+}
+#endif
+
+__device__ __forceinline__ float lltm_bf16_to_float(lltm_bf16 h) {
+  return lltm_bits_float(((unsigned int)h.bits) << 16);
+}
+__device__ __forceinline__ lltm_bf16 lltm_float_to_bf16(float f) {
+  const unsigned int u = lltm_float_bits(f);
+  lltm_bf16 h;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {          // NaN: keep sign and payload top, set quiet bit
+    h.bits = (unsigned short)((u >> 16) | 0x0040u);
+  } else {                                        // round to nearest even (inf stays inf)
+    h.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  return h;
+}
 
 #ifdef LLTM_HOST_SHIM
 // Host build of the tests: the shim converts the bits in C++.
@@ -76,6 +122,13 @@ struct lltm_traits<lltm_half> {
   typedef float acc;
   static __device__ __forceinline__ float load(lltm_half x) { return lltm_half_to_float(x); }
   static __device__ __forceinline__ lltm_half store(float x) { return lltm_float_to_half(x); }
+};
+
+template <>
+struct lltm_traits<lltm_bf16> {
+  typedef float acc;
+  static __device__ __forceinline__ float load(lltm_bf16 x) { return lltm_bf16_to_float(x); }
+  static __device__ __forceinline__ lltm_bf16 store(float x) { return lltm_float_to_bf16(x); }
 };
 
 // Math overloads, spelled out per type so that no float-only function reaches a double.
@@ -204,5 +257,17 @@ __global__ void lltm_concat_kernel(const T* __restrict__ old_h, const T* __restr
     const I b = i / K;
     const I k = i - b * K;
     X[i] = k < S ? old_h[b * S + k] : input[b * (K - S) + (k - S)];
+  }
+}
+
+// x += y (B * S elements), in the arithmetic type: the one element-wise addition of the
+// sequence backward (the final state's gradient into the last step's), bfloat16 included.
+template <typename T, typename I>
+__global__ void lltm_add_kernel(T* __restrict__ x, const T* __restrict__ y,
+                                long long n_elements) {
+  typedef lltm_traits<T> tr;
+  const I n = (I)n_elements;
+  for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (I)blockDim.x * gridDim.x) {
+    x[i] = tr::store(tr::load(x[i]) + tr::load(y[i]));
   }
 }

@@ -13,12 +13,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "Kernels", "CUDA_TYPE", "INDEX_TYPE", "source_path", "source",
+__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "Kernels", "BFLOAT16", "CUDA_TYPE", "INDEX_TYPE", "source_path", "source",
            "name_expression", "get_kernels", "launch_config", "needs_wide_index", "compile_offline",
            "ARCHITECTURES"]
 
 SOURCE_NAME = "lltm.cu"
-KERNEL_NAMES = ("lltm_fwd_kernel", "lltm_bwd_kernel", "lltm_concat_kernel")
+KERNEL_NAMES = ("lltm_fwd_kernel", "lltm_bwd_kernel", "lltm_concat_kernel", "lltm_add_kernel")
 
 
 class Kernels(NamedTuple):
@@ -27,10 +27,14 @@ class Kernels(NamedTuple):
     fwd: Any
     bwd: Any
     concat: Any
+    add: Any
 
-#: C++ type of each supported NumPy dtype in cuda_src/lltm.cu.
+#: bfloat16 has no NumPy or CuPy dtype: the GPU backend holds bfloat16 values as their raw bits
+#: in uint16 arrays (what the torch layer hands it), and this dtype means "bfloat16" to it.
+BFLOAT16 = np.dtype(np.uint16)
+#: C++ type of each supported dtype in cuda_src/lltm.cu.
 CUDA_TYPE = {np.dtype(np.float16): "lltm_half", np.dtype(np.float32): "float",
-             np.dtype(np.float64): "double"}
+             np.dtype(np.float64): "double", BFLOAT16: "lltm_bf16"}
 #: Extra NVRTC options given to cupy.RawModule (CuPy itself adds -ftz=true and --std=c++17).
 RAWMODULE_OPTIONS: tuple = ()
 #: What CuPy passes to NVRTC besides RAWMODULE_OPTIONS; compile_offline uses the same.

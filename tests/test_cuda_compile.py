@@ -10,14 +10,18 @@ import pytest
 from lltm_cupy import _kernels
 
 
+DTYPES = [np.float16, np.float32, np.float64, _kernels.BFLOAT16]
+
+
 @pytest.mark.parametrize("arch", _kernels.ARCHITECTURES)
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float16", "float32", "float64", "bfloat16"])
 def test_nvrtc_compiles(dtype, arch):
     cubin = _kernels.compile_offline(dtype, arch, output="cubin")
     assert cubin[:4] == b"\x7fELF", "NVRTC did not return an ELF cubin"
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, _kernels.BFLOAT16],
+                         ids=["float16", "float32", "bfloat16"])
 def test_single_precision_kernels_use_no_double_arithmetic(dtype):
     """float/half kernels compute in float: a double instruction means an accidental promotion."""
     ptx = _kernels.compile_offline(dtype, 80, output="ptx").decode()

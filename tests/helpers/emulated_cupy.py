@@ -402,6 +402,8 @@ def host_get_kernels(lib):
             kernel(getattr(lib, f"lltm_bwd_{suffix}"), "bwd",
                    ["array"] * 6 + ["int32", "int32", "int64", "int32"], (4, 5), dtype),
             kernel(getattr(lib, f"lltm_concat_{suffix}"), "concat",
-                   ["array"] * 3 + ["int64", "int32", "int32"], (2,), dtype))
+                   ["array"] * 3 + ["int64", "int32", "int32"], (2,), dtype),
+            kernel(getattr(lib, f"lltm_add_{suffix}"), "add", ["array"] * 2 + ["int64"], (0,),
+                   dtype))
 
     return get_kernels

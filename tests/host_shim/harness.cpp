@@ -26,6 +26,10 @@
     shim_launch(grid, block, [&] {                                                             \
       lltm_concat_kernel<T, I>(old_h, input, X, n, state_size, features);                      \
     });                                                                                        \
+  }                                                                                            \
+  extern "C" void lltm_add_##SUFFIX(unsigned grid, unsigned block, T* x, const T* y,           \
+                                    long long n) {                                             \
+    shim_launch(grid, block, [&] { lltm_add_kernel<T, I>(x, y, n); });                         \
   }
 
 LLTM_HOST_ENTRY_POINTS(double, unsigned int, f64)
@@ -34,3 +38,16 @@ LLTM_HOST_ENTRY_POINTS(lltm_half, unsigned int, f16)
 LLTM_HOST_ENTRY_POINTS(double, unsigned long long, f64_wide)
 LLTM_HOST_ENTRY_POINTS(float, unsigned long long, f32_wide)
 LLTM_HOST_ENTRY_POINTS(lltm_half, unsigned long long, f16_wide)
+LLTM_HOST_ENTRY_POINTS(lltm_bf16, unsigned int, bf16)
+LLTM_HOST_ENTRY_POINTS(lltm_bf16, unsigned long long, bf16_wide)
+
+// The bfloat16 conversions of lltm.cu, for the exhaustive conversion test; floats cross as their
+// bits (a float passed through Python would have its signaling NaNs quieted).
+extern "C" unsigned int lltm_bf16_to_float32_bits(unsigned short bits) {
+  lltm_bf16 h;
+  h.bits = bits;
+  return lltm_float_bits(lltm_bf16_to_float(h));
+}
+extern "C" unsigned short lltm_float32_bits_to_bf16(unsigned int u) {
+  return lltm_float_to_bf16(lltm_bits_float(u)).bits;
+}
