@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._kernels import get_kernels, launch_config
+from ._kernels import BFLOAT16, get_kernels, launch_config
 from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
 
 __all__ = ["forward", "backward", "forward_sequence", "backward_sequence", "gemm"]
@@ -71,7 +71,8 @@ def gemm(a, b, out, accumulate=False):
     with no copy and no temporary.
 
     a: (m, k); b: (k, n); out: (m, n) with a unit column stride; one dtype for all three.
-    float16 is computed in float32 (and rounded once), float32 in float32, float64 in float64.
+    float16 and bfloat16 (uint16 bits, ``_kernels.BFLOAT16``) are computed in float32 and rounded
+    once, float32 in float32, float64 in float64.
     """
     import cupy
 
@@ -85,7 +86,7 @@ def gemm(a, b, out, accumulate=False):
         return out
     cublas, runtime = cupy.cuda.cublas, cupy.cuda.runtime
     cuda_type = {np.float16: runtime.CUDA_R_16F, np.float32: runtime.CUDA_R_32F,
-                 np.float64: runtime.CUDA_R_64F}[out.dtype.type]
+                 np.float64: runtime.CUDA_R_64F, BFLOAT16.type: runtime.CUDA_R_16BF}[out.dtype.type]
     compute, scalar = ((cublas.CUBLAS_COMPUTE_64F, np.float64) if out.dtype == np.float64
                        else (cublas.CUBLAS_COMPUTE_32F, np.float32))
     assert out.strides[1] == out.itemsize or n == 1, "gemm: out needs a unit column stride"
@@ -105,8 +106,18 @@ def gemm(a, b, out, accumulate=False):
     return out
 
 
-def _d_bias(d_gates, bias_shape):
-    """Sum of d_gates (rows, 3S) over its rows, shaped like the bias; float16 sums in float32."""
+#: 1.0 in bfloat16 bits
+_BF16_ONE = 0x3F80
+
+
+def _d_bias(cupy, d_gates, bias_shape, gemm):
+    """Sum of d_gates (rows, 3S) over its rows, shaped like the bias; float16 sums in float32 and
+    rounds once; bfloat16 (which CuPy cannot add) as the GEMM ones (1, rows) @ d_gates, float32
+    accumulation, rounded once."""
+    if d_gates.dtype == BFLOAT16:
+        ones = cupy.full((1, d_gates.shape[0]), _BF16_ONE, BFLOAT16)
+        out = cupy.empty((1, d_gates.shape[1]), BFLOAT16)
+        return gemm(ones, d_gates, out).reshape(bias_shape)
     if d_gates.dtype == np.float16:
         return d_gates.sum(axis=0, dtype=np.float32).astype(np.float16).reshape(bias_shape)
     return d_gates.sum(axis=0).reshape(bias_shape)
@@ -163,7 +174,7 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5, gemm=gemm):
         if need_w:
             d_weights = gemm(d_gates.T, X, cupy.empty(weights.shape, dtype))
         if need_b:
-            d_bias = _d_bias(d_gates, saved.bias_shape)
+            d_bias = _d_bias(cupy, d_gates, saved.bias_shape, gemm)
     return LLTMGrads(d_old_h, d_input, d_weights, d_bias, d_old_cell if need_c else None)
 
 
@@ -208,8 +219,11 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
         # grad_h of every step; the recurrent GEMM of step t accumulates into step t - 1's.
         grad_h = (cupy.zeros((steps, batch, state), dtype) if grad_outputs is None
                   else cupy.array(grad_outputs, dtype=dtype, order="C"))
-        if steps and grad_h_n is not None:
-            grad_h[steps - 1] += grad_h_n
+        if steps and grad_h_n is not None and batch:
+            # the add kernel rather than CuPy's +=: it adds bfloat16 bits as numbers
+            grid, block, wide = launch_config(batch * state)
+            get_kernels(dtype, wide).add(grid, block, (
+                grad_h[steps - 1], cupy.ascontiguousarray(grad_h_n), np.int64(batch * state)))
         d_gates = cupy.empty((steps, batch, 3 * state), dtype)
         n = batch * state
         d_c = None if grad_c_n is None else cupy.ascontiguousarray(grad_c_n)
@@ -243,7 +257,7 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
             gemm(flat.T, hs[:-1].reshape(steps * batch, state), d_weights[:, :state])
             gemm(flat.T, x, d_weights[:, state:])
         if need_b:
-            d_bias = _d_bias(flat, saved.bias_shape)
+            d_bias = _d_bias(cupy, flat, saved.bias_shape, gemm)
         if need_x:
             d_inputs = gemm(flat, weights[:, state:],
                             cupy.empty((steps * batch, features), dtype)).reshape(

@@ -140,3 +140,217 @@ def test_host_add_kernel_in_bfloat16(host_lib):
                            ctypes.c_longlong(1000))
     want = to_bits(from_bits(to_bits(x)).astype(np.float32) + from_bits(yb).astype(np.float32))
     assert np.array_equal(xb, want)  # float32 sum of the two, rounded once
+
+
+# ------------------------------------------------------------------------- the GPU backend
+
+def _bf16_case(batch, features, state, seed):
+    """A case rounded to bfloat16: (bits for the backend, the same values in float64)."""
+    case64 = make_case(batch, features, state, np.float64, seed=seed)
+    bits = {k: to_bits(v) for k, v in case64.items()}
+    return bits, {k: from_bits(v) for k, v in bits.items()}
+
+
+@pytest.mark.parametrize("batch,features,state", [(3, 5, 7), (16, 32, 128), (0, 2, 3)])
+def test_cupy_backend_in_bfloat16_on_the_emulator(emulated_cupy, batch, features, state):
+    """The GPU backend's bfloat16 path (uint16 bits, gemmEx with CUDA_R_16BF, the bias gradient
+    as a GEMM) against the float64 reference on the same rounded inputs."""
+    from lltm_cupy import _cupy
+
+    bits, case = _bf16_case(batch, features, state, seed=11)
+    arrays = [emulated_cupy.asarray(bits[n]) for n in ("input", "weights", "bias", "old_h",
+                                                       "old_cell")]
+    new_h, new_cell, saved = _cupy.forward(*arrays)
+    assert new_h.dtype == np.uint16 and saved.gates.dtype == np.uint16
+    grads = _cupy.backward(emulated_cupy.asarray(bits["grad_h"]),
+                           emulated_cupy.asarray(bits["grad_cell"]), saved)
+    ref_h, ref_c, ref_grads = reference_results(case)
+    for name, got, want in zip(("new_h", "new_cell", "d_old_h", "d_input", "d_weights", "d_bias",
+                                "d_old_cell"), (new_h, new_cell, *grads), (ref_h, ref_c, *ref_grads)):
+        assert got.dtype == np.uint16, name
+        err = _normalised(from_bits(got), want) if np.size(want) else 0.0
+        assert err <= BF16_TOLERANCE, f"{name}: {err:.3e}"
+
+
+def test_cupy_sequence_in_bfloat16_on_the_emulator(emulated_cupy):
+    from lltm_cupy import _cupy, reference
+
+    rng = np.random.default_rng(5)
+    T, B, F, S = 5, 4, 3, 6
+    xs = to_bits(rng.standard_normal((T, B, F)))
+    w = to_bits(rng.uniform(-1, 1, (3 * S, S + F)) / 3)
+    b = to_bits(rng.uniform(-1, 1, 3 * S))
+    h0, c0 = (to_bits(rng.standard_normal((B, S))) for _ in range(2))
+    g_out, g_h, g_c = (to_bits(rng.standard_normal(s)) for s in ((T, B, S), (B, S), (B, S)))
+    e = emulated_cupy.asarray
+    outputs, h_n, c_n, saved = _cupy.forward_sequence(e(xs), e(w), e(b), e(h0), e(c0))
+    grads = _cupy.backward_sequence(e(g_out), e(g_h), e(g_c), saved)
+    # the float64 reference, stepped, on the rounded values
+    W, bias = from_bits(w), from_bits(b)
+    h, c, hs, caches = from_bits(h0), from_bits(c0), [], []
+    for t in range(T):
+        out = reference.lltm_forward(from_bits(xs[t]), W, bias, h, c)
+        hs.append(out[0])
+        caches.append((h, from_bits(xs[t]), out))
+        h, c = out[0], out[1]
+    assert _normalised(from_bits(outputs), np.stack(hs)) <= BF16_TOLERANCE
+    assert _normalised(from_bits(c_n), c) <= BF16_TOLERANCE
+    dh, dc = from_bits(g_h), from_bits(g_c)
+    d_w = np.zeros_like(W)
+    d_b = np.zeros_like(bias)
+    d_x = []
+    for t in range(T - 1, -1, -1):
+        h_prev, x_t, out = caches[t]
+        d_old_h, d_input, dw, db, d_old_c = reference.lltm_backward(
+            dh + from_bits(g_out[t]), dc, *out[1:], W)
+        d_w += dw
+        d_b += db
+        d_x.append(d_input)
+        dh, dc = d_old_h, d_old_c
+    for name, got, want in (("d_inputs", grads.d_inputs, np.stack(d_x[::-1])),
+                            ("d_weights", grads.d_weights, d_w), ("d_bias", grads.d_bias, d_b),
+                            ("d_h0", grads.d_h0, dh), ("d_c0", grads.d_c0, dc)):
+        err = _normalised(from_bits(got), want)
+        assert err <= BF16_TOLERANCE, f"{name}: {err:.3e}"
+
+
+# ------------------------------------------------------------------------------ torch layer
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+
+
+def test_torch_cuda_path_in_bfloat16_on_the_emulator(emulated_cuda_torch):
+    """bfloat16 tensors through the torch layer's CUDA path (int16 views through DLPack, uint16
+    in the backend, bfloat16 tensors out over torch's own allocations)."""
+    import lltm_cupy.torch as lt
+
+    bits, case = _bf16_case(4, 3, 5, seed=13)
+    names = ("input", "weights", "bias", "old_h", "old_cell")
+    args = [torch.tensor(case[n]).bfloat16().requires_grad_() for n in names]
+    h, c = lt.lltm(*args)
+    assert h.dtype == c.dtype == torch.bfloat16
+    torch.autograd.backward((h, c), (torch.tensor(case["grad_h"]).bfloat16(),
+                                     torch.tensor(case["grad_cell"]).bfloat16()))
+    ref_h, ref_c, ref_grads = reference_results(case)
+    ref_by_arg = dict(zip(("old_h", "input", "weights", "bias", "old_cell"), ref_grads))
+    assert _normalised(h.double().detach().numpy(), ref_h) <= BF16_TOLERANCE
+    assert _normalised(c.double().detach().numpy(), ref_c) <= BF16_TOLERANCE
+    for name, a in zip(names, args):
+        assert a.grad.dtype == torch.bfloat16, name
+        assert _normalised(a.grad.double().numpy(), ref_by_arg[name]) <= BF16_TOLERANCE, name
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["cell", "sequence"])
+def test_bfloat16_on_the_cpu_computes_in_float32(sequence):
+    """bfloat16 CPU tensors: computed in float32 by the NumPy backend, results rounded to
+    bfloat16, gradients reaching the bfloat16 leaves in bfloat16."""
+    import lltm_cupy.torch as lt
+
+    torch.manual_seed(3)
+    T, B, F, S = 3, 4, 5, 6
+    shape = (T, B, F) if sequence else (B, F)
+    args32 = [torch.randn(*shape), torch.randn(3 * S, S + F) / 3, torch.randn(3 * S),
+              torch.randn(B, S), torch.randn(B, S)]
+    args16 = [a.bfloat16().requires_grad_() for a in args32]
+    fn = lt.lltm_sequence if sequence else lt.lltm
+    outs = fn(*args16)
+    assert all(o.dtype == torch.bfloat16 for o in outs)
+    leaves = [a.detach().float().requires_grad_() for a in args16]
+    want = fn(*leaves)
+    for o, w in zip(outs, want):
+        assert torch.equal(o, w.bfloat16())          # float32 results, rounded once
+    sum(o.float().sum() for o in outs).backward()
+    sum(w.sum() for w in want).backward()
+    for a, w in zip(args16, leaves):
+        assert a.grad.dtype == torch.bfloat16
+        assert torch.equal(a.grad, w.grad.bfloat16())
+
+
+def test_cpu_autocast_bfloat16_runs_the_cell_in_float32():
+    import lltm_cupy.torch as lt
+
+    cell = lt.LLTMCell(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h, c = cell(torch.randn(2, 3).bfloat16())
+    assert h.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------ GPU tests
+
+from test_torch import needs_cuda  # noqa: E402
+
+
+@needs_cuda
+@pytest.mark.parametrize("size", [(16, 32, 128), (5, 3, 7)])
+def test_gpu_bfloat16_cell_matches_the_reference(size):
+    import lltm_cupy.torch as lt
+
+    B, F, S = size
+    bits, case = _bf16_case(B, F, S, seed=17)
+    names = ("input", "weights", "bias", "old_h", "old_cell")
+    args = [torch.tensor(case[n], device="cuda").bfloat16().requires_grad_() for n in names]
+    h, c = lt.lltm(*args)
+    torch.autograd.backward((h, c), tuple(torch.tensor(case[g], device="cuda").bfloat16()
+                                          for g in ("grad_h", "grad_cell")))
+    ref_h, ref_c, ref_grads = reference_results(case)
+    ref_by_arg = dict(zip(("old_h", "input", "weights", "bias", "old_cell"), ref_grads))
+    assert _normalised(h.double().cpu().detach().numpy(), ref_h) <= BF16_TOLERANCE
+    assert _normalised(c.double().cpu().detach().numpy(), ref_c) <= BF16_TOLERANCE
+    for name, a in zip(names, args):
+        assert a.grad.dtype == torch.bfloat16
+        assert _normalised(a.grad.double().cpu().numpy(), ref_by_arg[name]) <= BF16_TOLERANCE
+    # and against our own float32 results on the same rounded values
+    args32 = [a.detach().float().requires_grad_() for a in args]
+    h32, c32 = lt.lltm(*args32)
+    torch.testing.assert_close(h.float(), h32, rtol=2e-2, atol=2e-2)
+
+
+@needs_cuda
+def test_gpu_bfloat16_sequence_matches_float32():
+    import lltm_cupy.torch as lt
+
+    torch.manual_seed(0)
+    model = lt.LLTM(32, 64, device="cuda")
+    xs = torch.randn(8, 16, 32, device="cuda")
+    out32, (h32, c32) = model(xs)
+    (out32.sum() + c32.sum()).backward()
+    grads32 = [p.grad.clone() for p in model.parameters()]
+    model16 = lt.LLTM(32, 64, device="cuda", dtype=torch.bfloat16)
+    model16.load_state_dict(model.state_dict())
+    out, (h, c) = model16(xs.bfloat16())
+    assert out.dtype == torch.bfloat16
+    (out.float().sum() + c.float().sum()).backward()
+    assert _normalised(out.double().cpu().detach().numpy(), out32.double().cpu().detach().numpy()) <= BF16_TOLERANCE
+    for p, g in zip(model16.parameters(), grads32):
+        scale = g.abs().max().item()
+        assert (p.grad.float() - g).abs().max().item() <= 5e-2 * max(1.0, scale)
+
+
+@needs_cuda
+def test_gpu_autocast_bfloat16_trains_like_float32():
+    import lltm_cupy.torch as lt
+
+    losses = {}
+    for mode in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        cell = lt.LLTMCell(16, 32, device="cuda")
+        head = torch.nn.Linear(32, 4, device="cuda")
+        params = [*cell.parameters(), *head.parameters()]
+        opt = torch.optim.SGD(params, lr=0.1)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        xs = torch.randn(4, 32, 16, device="cuda", generator=g)
+        ys = torch.randint(0, 4, (32,), device="cuda", generator=g)
+        losses[mode] = []
+        for _ in range(20):
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "bfloat16"):
+                state = None
+                for x in xs:
+                    state = cell(x, state)
+                loss = torch.nn.functional.cross_entropy(head(state[0]).float(), ys)
+            loss.backward()
+            opt.step()
+            losses[mode].append(loss.item())
+    a, b = np.array(losses["float32"]), np.array(losses["bfloat16"])
+    assert np.isfinite(b).all() and b[-1] < b[0]
+    assert np.abs(a - b).max() <= 5e-2 * np.abs(a).max(), (a, b)

@@ -37,10 +37,13 @@ from .._checks import check_shapes
 __all__ = ["check", "backend_call", "torch_mm", "torch_gemm", "uses_cupy", "DTYPES"]
 
 NAMES = ("input", "weights", "bias", "old_h", "old_cell")
+#: What each backend computes in. bfloat16 CPU tensors are computed in float32 by the layer above
+#: (lltm_cupy.torch._ops), so they never reach the NumPy backend.
 DTYPES = {"cpu": (torch.float32, torch.float64),
-          "cuda": (torch.float16, torch.float32, torch.float64)}
+          "cuda": (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+#: CuPy dtype -> torch dtype; uint16 arrays are bfloat16 bits (lltm_cupy._kernels.BFLOAT16)
 _TORCH_DTYPE = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
-                np.dtype(np.float64): torch.float64}
+                np.dtype(np.float64): torch.float64, np.dtype(np.uint16): torch.bfloat16}
 
 
 def check(tensors, names=NAMES, check_shapes=check_shapes) -> None:
@@ -55,15 +58,15 @@ def check(tensors, names=NAMES, check_shapes=check_shapes) -> None:
     device = tensors[0].device
     if device.type not in DTYPES:
         raise ValueError(f"lltm_cupy.torch: tensors on {device} are not supported (CPU or CUDA only)")
+    kind = "cuda" if uses_cupy(device) else "cpu"
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
         listing = ", ".join(f"{n}={t.dtype}" for n, t in zip(names, tensors))
         raise TypeError(f"lltm_cupy.torch: all tensors must have the same dtype, got {listing}")
     dtype = tensors[0].dtype
-    if dtype not in DTYPES[device.type]:
-        allowed = ", ".join(str(d) for d in DTYPES[device.type])
-        hint = (" (bfloat16 is not supported: CuPy has no bfloat16)" if dtype == torch.bfloat16
-                else " (float16 runs on CUDA only)" if dtype == torch.float16 else "")
+    if dtype not in DTYPES[kind]:
+        allowed = ", ".join(str(d) for d in DTYPES[kind])
+        hint = " (float16 runs on CUDA only)" if dtype == torch.float16 else ""
         raise TypeError(f"lltm_cupy.torch: unsupported dtype {dtype} on {device.type}; expected one "
                         f"of {allowed}{hint}")
     check_shapes(*tensors)
@@ -130,11 +133,16 @@ def _torch_allocator(device: torch.device):
 
 
 def _array_cuda(t: Tensor):
-    """A CuPy view of ``t`` through DLPack (a contiguous export: the well-trodden path)."""
+    """A CuPy view of ``t`` through DLPack (a contiguous export: the well-trodden path). CuPy has
+    no bfloat16: a bfloat16 tensor crosses as its bits (an int16 view), and arrives as uint16,
+    which the CuPy backend reads as bfloat16."""
     import cupy
 
     t = t.detach()
-    return cupy.from_dlpack((t if t.is_contiguous() else t.contiguous()).__dlpack__(stream=-1))
+    t = t if t.is_contiguous() else t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return cupy.from_dlpack(t.view(torch.int16).__dlpack__(stream=-1)).view(cupy.uint16)
+    return cupy.from_dlpack(t.__dlpack__(stream=-1))
 
 
 def _tensor_cuda(a) -> Tensor:

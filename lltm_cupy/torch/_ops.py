@@ -10,9 +10,10 @@ Two paths give the same results:
   (``mode="reduce-overhead"``) capture them like torch's own kernels.
 
 Under ``torch.autocast`` the arguments are first cast (differentiably, so gradients reach the
-parameters in their own dtype) to the dtype the cell computes in: float16 under CUDA float16
-autocast; float32 under CUDA bfloat16 autocast (no bfloat16 kernels yet) and under CPU autocast
-(NumPy has no bfloat16). float64 tensors are left alone, as autocast leaves them.
+parameters in their own dtype) to the dtype the cell computes in: the autocast dtype on CUDA
+(float16 or bfloat16), float32 under CPU autocast (NumPy has no bfloat16). float64 tensors are
+left alone, as autocast leaves them. bfloat16 tensors on the CPU are computed in float32 and the
+results rounded to bfloat16.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     autocast is off there."""
     if device_type not in _interop.DTYPES or not torch.is_autocast_enabled(device_type):
         return None
-    if device_type == "cuda" and torch.get_autocast_dtype("cuda") == torch.float16:
-        return torch.float16
+    dtype = torch.get_autocast_dtype(device_type)
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        return dtype
     return torch.float32
 
 
@@ -47,6 +49,12 @@ def _autocast(tensors):
         return tensors  # (the checks name a non-tensor argument)
     return tuple(t if t.dtype == torch.float64 or not t.is_floating_point() else t.to(dtype)
                  for t in tensors)
+
+
+def _in_float32(tensors) -> bool:
+    """bfloat16 tensors all on a device the NumPy backend serves: computed in float32."""
+    return (all(isinstance(t, Tensor) and t.dtype == torch.bfloat16 for t in tensors)
+            and not _interop.uses_cupy(tensors[0].device))
 
 
 # LLTMGrads order (d_old_h, d_input, d_weights, d_bias, d_old_cell) <-> forward argument order
@@ -190,11 +198,15 @@ def lltm(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
     old_h: (batch, state)
     old_cell: (batch, state)
 
-    One device (CPU or CUDA) and one dtype (float32, float64; float16 on CUDA) for all; under
-    ``torch.autocast`` the arguments are cast first (see the module docstring). Bad input raises
-    TypeError/ValueError before any kernel runs.
+    One device (CPU or CUDA) and one dtype for all: float32, float64, bfloat16 (on the CPU
+    computed in float32 and rounded), float16 on CUDA; under ``torch.autocast`` the arguments are
+    cast first (see the module docstring). Bad input raises TypeError/ValueError before any
+    kernel runs.
     """
     tensors = _autocast((input, weights, bias, old_h, old_cell))
+    if _in_float32(tensors):
+        new_h, new_cell = lltm(*(t.float() for t in tensors))
+        return new_h.bfloat16(), new_cell.bfloat16()
     _interop.check(tensors)
     if torch.compiler.is_compiling():
         new_h, new_cell, _, _ = _lltm_forward_op(*tensors)
@@ -315,6 +327,8 @@ def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor,
     Same device, dtype and autocast rules as :func:`lltm`.
     """
     tensors = _autocast((inputs, weights, bias, h0, c0))
+    if _in_float32(tensors):
+        return tuple(t.bfloat16() for t in lltm_sequence(*(t.float() for t in tensors)))
     _interop.check(tensors, _SEQ_NAMES, check_sequence_shapes)
     if torch.compiler.is_compiling():
         hs, h_n, c_n, _, _ = _sequence_forward_op(*tensors)

@@ -211,6 +211,12 @@ def _zeros(shape, dtype=np.float64):
     return out
 
 
+def _full(shape, fill_value, dtype):
+    out = _empty(shape, dtype)
+    out.fill(fill_value)
+    return out
+
+
 def _array(obj, dtype=None, order="K", copy=True):
     _state.log.append("copy")
     return _adopt(np.array(np.asarray(obj), dtype=dtype, order="C"))
@@ -264,9 +270,24 @@ class CUBLASError(RuntimeError):
 _CUBLAS_CONSTANTS = dict(CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_GEMM_DEFAULT=-1,
                          CUBLAS_COMPUTE_32F=68, CUBLAS_COMPUTE_64F=70)
 _RUNTIME_CONSTANTS = dict(CUDA_R_32F=0, CUDA_R_64F=1, CUDA_R_16F=2, CUDA_R_16BF=14)
-_DATA_TYPES = {0: np.float32, 1: np.float64, 2: np.float16}
+#: cuBLAS data type -> the storage dtype here; bfloat16 (CUDA_R_16BF) is stored as uint16 bits
+_DATA_TYPES = {0: np.float32, 1: np.float64, 2: np.float16, 14: np.uint16}
 _COMPUTE_OF = {np.float32: (68, np.float32), np.float16: (68, np.float32),
-               np.float64: (70, np.float64)}
+               np.float64: (70, np.float64), np.uint16: (68, np.float32)}
+
+
+def _to_compute(a, dtype, scalar):
+    if dtype == np.uint16:  # bfloat16 bits: widening is a shift
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(scalar)
+    return a.astype(scalar)
+
+
+def _from_compute(x, dtype):
+    if dtype == np.uint16:  # round to nearest even, as cuBLAS does
+        import ml_dtypes
+
+        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    return x.astype(dtype)
 
 
 def _colmajor(address, rows, cols, ld, dtype):
@@ -305,14 +326,14 @@ def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ld
     c = _colmajor(C, m, n, ldc, dtype)
     for operand in (a, b):
         assert not np.shares_memory(operand, c), "gemmEx: C overlaps an input"
-    op_a = (a if transa == 0 else a.T).astype(scalar)
-    op_b = (b if transb == 0 else b.T).astype(scalar)
+    op_a = _to_compute(a if transa == 0 else a.T, dtype, scalar)
+    op_b = _to_compute(b if transb == 0 else b.T, dtype, scalar)
     alpha_v = _host_view(alpha, 1, scalar)[0]
     beta_v = _host_view(beta, 1, scalar)[0]
     result = alpha_v * (op_a @ op_b)
     if beta_v != 0:  # cuBLAS does not read C when beta == 0 (it may hold NaN)
-        result = result + beta_v * c.astype(scalar)
-    c[...] = result.astype(dtype)
+        result = result + beta_v * _to_compute(c, dtype, scalar)
+    c[...] = _from_compute(result, dtype)
 
 
 def _matmul(a, b, out=None):
@@ -335,6 +356,7 @@ def make_module() -> types.ModuleType:
     cupy.ndarray = ndarray
     cupy.empty = _empty
     cupy.zeros = _zeros
+    cupy.full = _full
     cupy.empty_like = _empty_like_shape
     cupy.zeros_like = lambda a: _zeros(np.shape(a), np.asarray(a).dtype)
     cupy.ones_like = lambda a: _adopt(np.ones_like(np.asarray(a)))
@@ -348,6 +370,7 @@ def make_module() -> types.ModuleType:
     cupy.matmul = _matmul
     cupy.shares_memory = np.shares_memory
     cupy.float16, cupy.float32, cupy.float64 = np.float16, np.float32, np.float64
+    cupy.int16, cupy.uint16 = np.int16, np.uint16
     cublas = types.SimpleNamespace(gemmEx=_gemm_ex, **_CUBLAS_CONSTANTS)
     cupy.cuda = types.SimpleNamespace(
         Device=_Device, is_available=lambda: True, cublas=cublas,
