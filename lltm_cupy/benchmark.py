@@ -58,6 +58,7 @@ class Config:
     state: int
     cuda: bool = False
     double: bool = False
+    bf16: bool = False   # bfloat16 (CUDA; the torch implementations only: no array API dtype)
     runs: int = 100
     warmup: int = 10
     all_grads: bool = False
@@ -66,6 +67,18 @@ class Config:
     @property
     def size(self):
         return (self.batch, self.features, self.state)
+
+    @property
+    def dtype_name(self) -> str:
+        return "bfloat16" if self.bf16 else "float64" if self.double else "float32"
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+
+_NO_BF16_ARRAYS = "the array API has no bfloat16 (NumPy and CuPy lack the dtype)"
 
 
 def machine_name(cuda: bool) -> str:
@@ -315,7 +328,7 @@ def _make_runners(cfg: Config, impls, quiet):
     from . import torch as lt
 
     device = "cuda" if cfg.cuda else "cpu"
-    dtype = torch.float64 if cfg.double else torch.float32
+    dtype = cfg.torch_dtype()
     torch.manual_seed(cfg.seed)
     ref = lt.ReferenceLLTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
     x = torch.randn(cfg.batch, cfg.features, device=device, dtype=dtype)
@@ -326,6 +339,9 @@ def _make_runners(cfg: Config, impls, quiet):
             t.requires_grad_()
     runners, skipped = {}, {}
     for name in impls:
+        if cfg.bf16 and name in ("array", "cell-floor", "function-floor"):
+            skipped[name] = _NO_BF16_ARRAYS
+            continue
         try:
             if name == "reference":
                 runners[name] = _TorchRunner(ref, cfg, (x, h, c))
@@ -447,7 +463,7 @@ def run_size(cfg: Config, impls=None, quiet=False) -> dict:
         results[name]["saved_bytes"] = runners[name].saved_bytes()
     return {"batch": cfg.batch, "features": cfg.features, "state": cfg.state,
             "device": "cuda" if cfg.cuda else "cpu",
-            "dtype": "float64" if cfg.double else "float32", "runs": cfg.runs,
+            "dtype": cfg.dtype_name, "runs": cfg.runs,
             "all_grads": cfg.all_grads, "separately_timed": [k for g in groups[1:] for k in g],
             "results": results, "skipped": skipped}
 
@@ -473,7 +489,8 @@ def format_table(record: dict, scale="us") -> str:
     lines = [f"(batch, features, state) = ({record['batch']}, {record['features']}, {record['state']})"
              f"{steps}, {record['dtype']} on {record['device']}, {record['runs']} runs; "
              f"times in {unit}, median / min"]
-    width = max(11, max(len(n) for n in res) + 2) if res else 11
+    names = [*res, *record.get("skipped", {})]
+    width = max(11, max(len(n) for n in names) + 2) if names else 11
     head = f"{'impl':<{width}}" + "".join(f"{p:>22}" for p in PHASES) + f"{'vs ' + baseline:>20}{'saved':>12}"
     lines += [head, "-" * len(head)]
     for name, r in res.items():
@@ -482,7 +499,7 @@ def format_table(record: dict, scale="us") -> str:
         ratio = f"{base / r['fwd+bwd']['median_s']:.2f}x" if base else "n/a"
         lines.append(f"{name:<{width}}{cells}{ratio:>20}{_fmt_bytes(r['saved_bytes']):>12}")
     for name, why in record["skipped"].items():
-        lines.append(f"{name:<11}not run: {why}")
+        lines.append(f"{name:<{width}}not run: {why}")
     if record.get("separately_timed"):
         lines.append(f"timed in a separate block (NumPy BLAS threads vs torch threads): "
                      f"{', '.join(record['separately_timed'])}")
@@ -853,7 +870,7 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False) -> dict:
 
     impls = list(impls or [i for i in SEQUENCE_IMPLS if i != "lstm" or cfg.cuda])
     device = "cuda" if cfg.cuda else "cpu"
-    dtype = torch.float64 if cfg.double else torch.float32
+    dtype = cfg.torch_dtype()
     torch.manual_seed(cfg.seed)
     seq = lt.LLTM(cfg.features, cfg.state, device=device, dtype=dtype)
     xs = torch.randn(steps, cfg.batch, cfg.features, device=device, dtype=dtype)
@@ -868,6 +885,8 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False) -> dict:
             cell = cls(cfg.features, cfg.state, device=device, dtype=dtype)
             cell.load_state_dict(seq.state_dict())
             runners[name] = _TorchSequenceRunner(cell, xs, h, c, "stepped")
+        elif name in ("array-sequence", "array-stepped") and cfg.bf16:
+            skipped[name] = _NO_BF16_ARRAYS
         elif name in ("array-sequence", "array-stepped"):
             runners[name] = _ArraySequenceRunner(cfg, (seq.weights, seq.bias), xs, h, c,
                                                  stepped=(name == "array-stepped"))
@@ -893,6 +912,6 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False) -> dict:
                          for p, v in samples[name].items()}
         results[name]["saved_bytes"] = runners[name].saved_bytes()
     return {"batch": cfg.batch, "features": cfg.features, "state": cfg.state, "steps": steps,
-            "device": device, "dtype": "float64" if cfg.double else "float32", "runs": cfg.runs,
+            "device": device, "dtype": cfg.dtype_name, "runs": cfg.runs,
             "all_grads": False, "separately_timed": [k for g in groups[1:] for k in g],
             "results": results, "skipped": skipped, "baseline": "cell-stepped"}

@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     p.add_argument("--scale", choices=("s", "ms", "us"), default="us")
     p.add_argument("-c", "--cuda", action="store_true", help="run on the GPU")
     p.add_argument("-d", "--double", action="store_true", help="float64 instead of float32")
+    p.add_argument("--bf16", action="store_true",
+                   help="bfloat16 instead of float32: the torch implementations (the array API "
+                        "has no bfloat16); on the CPU our cell computes in float32")
     p.add_argument("--sizes", type=parse_sizes, default=None, help="BxFxS[,BxFxS...] sweep")
     p.add_argument("--impl", default=None,
                    help=f"comma-separated subset of "
@@ -68,6 +71,8 @@ def main(argv=None) -> int:
     if args.cuda and not torch.cuda.is_available():
         print("--cuda given but torch finds no CUDA device", file=sys.stderr)
         return 2
+    if args.bf16 and args.double:
+        p.error("--bf16 and --double exclude each other")
     if any(v is not None for v in (args.batch_size, args.features, args.state_size)):
         sizes = [(args.batch_size or 16, args.features or 32, args.state_size or 128)]
     else:
@@ -88,8 +93,8 @@ def main(argv=None) -> int:
            "cpu_blas": {}, "mixed": {}}
     for i, size in enumerate(sizes, 1):
         runs = args.runs or max(30, min(1000, int(2e9 // (size[0] * size[2] * (size[1] + size[2])))))
-        cfg = bm.Config(*size, cuda=args.cuda, double=args.double, runs=runs, warmup=args.warmup,
-                        all_grads=args.all_grads)
+        cfg = bm.Config(*size, cuda=args.cuda, double=args.double, bf16=args.bf16, runs=runs,
+                        warmup=args.warmup, all_grads=args.all_grads)
         print(f"[{i}/{len(sizes)}] size {size}, {runs} runs", file=sys.stderr, flush=True) \
             if not args.quiet else None
         if args.sequence:
@@ -102,15 +107,15 @@ def main(argv=None) -> int:
         print(bm.format_table(record, args.scale), flush=True)
         if args.sequence:
             continue
-        if args.cuda and not args.no_kernels and size[0] * size[2] >= 1 << 20:
+        if args.cuda and not args.no_kernels and not args.bf16 and size[0] * size[2] >= 1 << 20:
             rep = bm.gpu_kernel_report(cfg)
             out["gpu_kernels"][str(size)] = rep
             print(bm.format_gpu_report(size, rep), flush=True)
-        if not args.cuda and not args.no_kernels:
+        if not args.cuda and not args.no_kernels and not args.bf16:
             rep = bm.cpu_blas_report(cfg, runs=max(20, runs // 4))
             out["cpu_blas"][str(size)] = rep
             print(bm.format_blas_report(size, rep, args.scale), flush=True)
-        if args.mixed and not args.cuda:
+        if args.mixed and not args.cuda and not args.bf16:
             rep = bm.mixed_model_report(cfg, runs=max(50, runs // 2), quiet=args.quiet)
             out["mixed"][str(size)] = rep
             print(bm.format_mixed(size, rep, args.scale), flush=True)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One command for whoever is lent a GPU for a few minutes: the GPU tests, then the benchmark at
 # the tutorial size (every implementation: eager, torch.compile default and reduce-overhead, our
-# cell and the reference captured in CUDA graphs, nn.LSTMCell), over whole sequences (against
+# cell and the reference captured in CUDA graphs, nn.LSTMCell), in bfloat16 (ours, the eager
+# reference and nn.LSTMCell, tutorial and large size), over whole sequences (against
 # stepped cells and cuDNN's nn.LSTM), at the large sizes (kernel bandwidth and GEMM share), and a
 # profile of the host time per step (what decides small sizes).
-# Writes text and JSON into DIR (default: $OUT if set, else ./gpu_check_results): 7 files.
+# Writes text and JSON into DIR (default: $OUT if set, else ./gpu_check_results): 8 files.
 # Needs python3 with torch (CUDA), cupy and pytest; installs nothing.
 #
 # The whole check finishes within 5 minutes, hard limits included: one deadline (BUDGET_S,
@@ -39,15 +40,18 @@ import torch, cupy, numpy
 print("torch", torch.__version__, "cupy", cupy.__version__, "numpy", numpy.__version__)
 print("GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")'
 step 130 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests
-step 70 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda -b 16 -f 32 -s 128 -r 200 \
+step 60 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda -b 16 -f 32 -s 128 -r 200 \
     --impl reference,compiled,compiled-ro,reference-graph,cell,cell-graph,array,lstm \
     --json "$out/benchmark_tutorial.json"
-step 30 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --sequence -r 10 \
+step 35 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --bf16 \
+    --sizes 16x32x128,4096x1024x1024 -r 30 --impl reference,cell,cell-graph,lstm \
+    --json "$out/benchmark_bf16.json"
+step 25 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --sequence -r 10 \
     --json "$out/benchmark_sequence.json"
-step 25 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda \
+step 20 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda \
     --sizes 1024x1024x1024,4096x1024x1024 -r 30 --impl reference,cell,cell-graph,array,lstm \
     --json "$out/benchmark_large.json"
-step 10 "$out/profile.txt" python3 scripts/profile_step.py --cuda --top 25
-step 10 "$out/profile.txt" python3 scripts/profile_step.py --cuda --sequence --top 25
+step 8 "$out/profile.txt" python3 scripts/profile_step.py --cuda --top 25
+step 8 "$out/profile.txt" python3 scripts/profile_step.py --cuda --sequence --top 25
 echo "gpu_check: exit status $status; $(( ${BUDGET_S:-290} - (deadline - $(date +%s)) )) s; results in $out"
 exit "$status"

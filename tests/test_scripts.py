@@ -104,3 +104,17 @@ def test_a_failing_gradcheck_is_reported_as_a_failure():
     results = verify.torch_gradchecks(fn=Wrong.apply)
     assert results and all(not ok for _, ok, _ in results), results
     assert all("Jacobian mismatch" in message for _, _, message in results), results
+
+
+def test_benchmark_in_bfloat16(tmp_path):
+    """--bf16: the torch implementations in bfloat16, the array API reported as not run."""
+    import json
+
+    out = tmp_path / "bench.json"
+    proc = script("benchmark.py", "--bf16", "-b", "4", "-f", "3", "-s", "5", "-r", "3",
+                  "--warmup", "1", "--impl", "reference,cell,array", "--quiet", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (record,) = json.loads(out.read_text())["sizes"]
+    assert record["dtype"] == "bfloat16"
+    assert set(record["results"]) == {"reference", "cell"}
+    assert "no bfloat16" in record["skipped"]["array"]
