@@ -354,3 +354,14 @@ def test_gpu_autocast_bfloat16_trains_like_float32():
     a, b = np.array(losses["float32"]), np.array(losses["bfloat16"])
     assert np.isfinite(b).all() and b[-1] < b[0]
     assert np.abs(a - b).max() <= 5e-2 * np.abs(a).max(), (a, b)
+
+
+def test_the_array_api_still_refuses_uint16_and_bfloat16_arrays():
+    """The backend's bfloat16 storage (uint16) is internal: the public array API refuses it, and
+    ml_dtypes' bfloat16 arrays, with its TypeError."""
+    import lltm_cupy
+
+    for dtype in (np.uint16, BF16):
+        args = [np.zeros(s, dtype) for s in ((2, 3), (12, 7), (12,), (2, 4), (2, 4))]
+        with pytest.raises(TypeError, match="dtype"):
+            lltm_cupy.forward(*args)
