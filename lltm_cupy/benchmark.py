@@ -41,7 +41,8 @@ import time
 import numpy as np
 
 __all__ = ["Config", "IMPLS", "PHASES", "CPU_SIZES", "GPU_SIZES", "run_size", "format_table",
-           "gpu_kernel_report", "cpu_blas_report", "mixed_model_report", "machine_name"]
+           "gpu_kernel_report", "cpu_blas_report", "mixed_model_report", "machine_name",
+           "plot_speedups"]
 
 IMPLS = ("reference", "compiled", "cell", "array", "lstm")
 EXTRA_IMPLS = ("cell-op", "cell-floor", "function-floor")
@@ -915,3 +916,50 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False) -> dict:
             "device": device, "dtype": cfg.dtype_name, "runs": cfg.runs,
             "all_grads": False, "separately_timed": [k for g in groups[1:] for k in g],
             "results": results, "skipped": skipped, "baseline": "cell-stepped"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Plot
+
+def plot_speedups(records: list, path, machine: str = "") -> tuple:
+    """The fwd+bwd speed-up of every implementation over the run's baseline (the eager reference;
+    for sequences our cell stepped from Python), per size, as grouped bars in one PNG. Needs
+    matplotlib (the examples extra). Returns the image size in pixels (width, height)."""
+    from ._extras import pyplot
+
+    plt = pyplot()
+    impls = []
+    for r in records:
+        impls += [n for n in r["results"] if n not in impls]
+    labels = [f"({r['batch']}, {r['features']}, {r['state']})"
+              + (f"\nT = {r['steps']}" if "steps" in r else "") for r in records]
+    baseline = records[0].get("baseline", "reference")
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 + 1.1 * len(records) * max(1, len(impls)) / 3),
+                                    3.8), dpi=100)
+    width = 0.8 / max(1, len(impls))
+    top = 1.0
+    for k, name in enumerate(impls):
+        xs, ys = [], []
+        for i, r in enumerate(records):
+            res = r["results"]
+            if name in res and baseline in res:
+                xs.append(i - 0.4 + width * (k + 0.5))
+                ys.append(res[baseline]["fwd+bwd"]["median_s"] / res[name]["fwd+bwd"]["median_s"])
+        top = max([top, *ys])
+        bars = ax.bar(xs, ys, width, label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
+    ax.axhline(1.0, color="0.3", lw=0.8, ls="--")
+    ax.set_xticks(range(len(records)), labels, fontsize=8)
+    ax.set_xlabel("(batch, features, state)")
+    ax.set_ylabel(f"speed-up over {baseline}\n(fwd+bwd median; above 1 is faster)")
+    first = records[0]
+    ax.set_title(f"lltm_cupy benchmark, {first['dtype']} on {first['device']}"
+                 + (f"\n{machine}" if machine else ""), fontsize=9)
+    ax.set_ylim(0, top * 1.35)   # room for the legend above the bars
+    ax.legend(fontsize=7, ncol=min(3, max(1, len(impls))), loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    size = tuple(int(v) for v in fig.get_size_inches() * fig.dpi)
+    plt.close(fig)
+    return size

@@ -63,11 +63,21 @@ def main(argv=None) -> int:
     p.add_argument("--no-kernels", action="store_true",
                    help="skip the GPU kernel bandwidth report (GPU) or the BLAS share report (CPU)")
     p.add_argument("--json", metavar="FILE", help="write all results as JSON")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="the speed-ups as a bar chart (needs matplotlib: pip install '.[examples]')")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     args = p.parse_args(argv)
 
     import torch
 
+    if args.plot:
+        from lltm_cupy._extras import MissingExtra, require
+
+        try:
+            require("matplotlib")
+        except MissingExtra as exc:
+            print(f"benchmark.py --plot: {exc}", file=sys.stderr)
+            return 2
     if args.cuda and not torch.cuda.is_available():
         print("--cuda given but torch finds no CUDA device", file=sys.stderr)
         return 2
@@ -122,6 +132,9 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"\nwrote {args.json}")
+    if args.plot:
+        width, height = bm.plot_speedups(out["sizes"], args.plot, machine)
+        print(f"wrote {args.plot} ({width}x{height} pixels)")
     return 0
 
 

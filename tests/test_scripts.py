@@ -118,3 +118,61 @@ def test_benchmark_in_bfloat16(tmp_path):
     assert record["dtype"] == "bfloat16"
     assert set(record["results"]) == {"reference", "cell"}
     assert "no bfloat16" in record["skipped"]["array"]
+
+
+def _png_size(path):
+    import struct
+
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_train_digits_one_short_epoch(tmp_path):
+    pytest.importorskip("sklearn", reason="the examples extra is not installed")
+    pytest.importorskip("matplotlib", reason="the examples extra is not installed")
+    import json
+
+    out, png = tmp_path / "digits.json", tmp_path / "digits.png"
+    proc = script("train_digits.py", "--epochs", "1", "--state-size", "16", "--batch-size", "64",
+                  "--no-progress", "--json", str(out), "--plot", str(png))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("LLTM (ours)", "LLTM (tutorial, stepped)", "nn.LSTM"):
+        assert name in proc.stdout
+    assert "test accuracy" in proc.stdout and "largest relative gap" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["steps_per_epoch"] == -(-1437 // 64) and data["test_samples"] == 360
+    for r in data["models"].values():
+        assert len(r["loss"]) == data["steps_per_epoch"] and len(r["test_accuracy"]) == 1
+        assert 0.1 < r["test_accuracy"][0] <= 1.0 and r["loss"][-1] < r["loss"][0]
+    assert data["first_epoch_loss_gap"] <= data["loss_gap_tolerance"]
+    width, height = _png_size(png)
+    assert f"wrote {png} ({width}x{height} pixels)" in proc.stdout
+    assert (width, height) == (900, 360)
+
+
+def test_train_digits_without_the_extra_says_which_to_install():
+    """scikit-learn hidden from the script: exit status 2 and the extra's name."""
+    code = f"""
+import sys, runpy
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "sklearn":
+            raise ImportError("blocked for this test")
+sys.meta_path.insert(0, Block())
+sys.argv = ["train_digits.py", "--epochs", "1"]
+runpy.run_path({str(ROOT / "scripts" / "train_digits.py")!r}, run_name="__main__")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "pip install '.[examples]'" in proc.stderr and "sklearn" in proc.stderr
+
+
+def test_benchmark_plot(tmp_path):
+    pytest.importorskip("matplotlib", reason="the examples extra is not installed")
+    png = tmp_path / "speedups.png"
+    proc = script("benchmark.py", "-b", "4", "-f", "3", "-s", "5", "-r", "3", "--warmup", "1",
+                  "--impl", "reference,cell,array", "--no-kernels", "--quiet", "--plot", str(png))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    width, height = _png_size(png)
+    assert f"({width}x{height} pixels)" in proc.stdout and width >= 600 and height >= 380
