@@ -102,11 +102,17 @@ def _bounded(dtype, limit):
     return st.floats(-limit, limit, allow_nan=False, width=width)
 
 
-@pytest.mark.parametrize("backend,dtype", BACKENDS, ids=[f"{b}-{np.dtype(d).name}"
-                                                          for b, d in BACKENDS])
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                   HealthCheck.function_scoped_fixture])
-@given(data=st.data())
+def _property(test):
+    """A property-based test over BACKENDS: 150 examples of 8 elements per backend and dtype."""
+    test = given(data=st.data())(test)
+    test = settings(max_examples=150, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow,
+                                           HealthCheck.function_scoped_fixture])(test)
+    return pytest.mark.parametrize("backend,dtype", BACKENDS,
+                                   ids=[f"{b}-{np.dtype(d).name}" for b, d in BACKENDS])(test)
+
+
+@_property
 def test_elementwise_ulps_over_the_whole_float_range(host_lib, backend, dtype, data):
     """Pre-activations anywhere in the finite range; old_cell and the gradients too, as long as
     no exact result leaves the dtype's range (those elements are skipped by max_errors)."""
@@ -117,11 +123,7 @@ def test_elementwise_ulps_over_the_whole_float_range(host_lib, backend, dtype, d
     _assert_within_bounds(backend, dtype, rounded, out, "hypothesis")
 
 
-@pytest.mark.parametrize("backend,dtype", BACKENDS, ids=[f"{b}-{np.dtype(d).name}"
-                                                          for b, d in BACKENDS])
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                   HealthCheck.function_scoped_fixture])
-@given(data=st.data())
+@_property
 def test_elementwise_ulps_with_moderate_state(host_lib, backend, dtype, data):
     """Pre-activations over the whole range with old_cell and gradients within +-100, where
     most elements have every output in range (the search above skips many)."""
