@@ -84,9 +84,8 @@ def _activate(z, old_cell, new_h, new_cell, factors) -> None:
     zero = z.dtype.type(0)
     scratch = np.empty((8, *new_cell.shape), z.dtype)
     qp, q, p, inv = scratch[:5], scratch[:2], scratch[2:5], scratch[6:8]
-    np.maximum(z[:2], zero, out=q)
-    np.negative(q, out=q)
     np.minimum(z, zero, out=p)
+    np.subtract(p[:2], z[:2], out=q)        # min(z, 0) - z = -max(z, 0), exactly
     np.exp(qp, out=qp)                      # q = exp(-max(z, 0)), p = exp(min(z, 0))
     np.add(p[:2], q, out=inv)
     np.reciprocal(inv, out=inv)             # 1 / (p + q)
