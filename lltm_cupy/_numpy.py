@@ -78,14 +78,16 @@ def _activate(z, old_cell, new_h, new_cell, factors) -> None:
     one unit in the last place of 1, which is no relative accuracy at all once a gate saturates).
     Values multiplied by the same factor sit side by side, so that one NumPy call does two gates.
     """
-    # one scratch block: q (2 gates), p (3 gates), tanh'(new_cell), then 1 / (p + q) (2 gates)
-    # whose rows are reused for [candidate_cell, tanh(new_cell)]: q and p side by side for one
-    # exp, [elu', tanh'] too
+    # one scratch block: q (2 gates), p (3 gates), tanh'(new_cell), [candidate_cell,
+    # tanh(new_cell)], 1 / (p + q) (2 gates): q and p side by side for one exp, [elu', tanh'] too
     zero = z.dtype.type(0)
-    scratch = np.empty((8, *new_cell.shape), z.dtype)
-    qp, q, p, inv = scratch[:5], scratch[:2], scratch[2:5], scratch[6:8]
+    scratch = np.empty((10, *new_cell.shape), z.dtype)
+    qp, q, p, gt, inv = scratch[:5], scratch[:2], scratch[2:5], scratch[6:8], scratch[8:]
     np.minimum(z, zero, out=p)
     np.subtract(p[:2], z[:2], out=q)        # min(z, 0) - z = -max(z, 0), exactly
+    g = gt[0]
+    np.expm1(p[2], out=g)
+    np.maximum(g, z[2], out=g)              # candidate_cell = elu(z_c) (expm1(z) > z for z < 0)
     np.exp(qp, out=qp)                      # q = exp(-max(z, 0)), p = exp(min(z, 0))
     np.add(p[:2], q, out=inv)
     np.reciprocal(inv, out=inv)             # 1 / (p + q)
@@ -94,11 +96,6 @@ def _activate(z, old_cell, new_h, new_cell, factors) -> None:
     d_sig = q
     d_sig *= inv
     d_sig *= io                             # sigmoid' of gates 0, 1
-    gt = inv                                # [candidate_cell, tanh(new_cell)] from here on
-    g = gt[0]
-    np.minimum(z[2], zero, out=g)
-    np.expm1(g, out=g)
-    np.maximum(g, z[2], out=g)              # candidate_cell = elu(z_c)
 
     np.multiply(g, io[0], out=new_cell)     # new_cell = old_cell + candidate_cell * input_gate
     new_cell += old_cell
