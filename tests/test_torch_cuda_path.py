@@ -114,3 +114,22 @@ def test_torch_layer_adds_no_device_work(emulated_cuda_torch):
     emu.reset()
     torch.autograd.backward((h, c), grads)
     assert emu.log == BACKWARD
+
+
+def test_results_are_views_of_the_owning_torch_allocation_with_real_cupy_objects():
+    """The same mapping with CuPy's own classes (no GPU needed to build them over host memory):
+    UnownedMemory keeps the torch allocation as its owner, a strided CuPy view maps to a torch
+    view of that storage at the right offset, and uint16 arrays come back as bfloat16."""
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install .[test])")
+    from lltm_cupy.torch._interop import _tensor_cuda
+
+    owner = torch.empty(64, dtype=torch.uint8)
+    mem = cupy.cuda.UnownedMemory(owner.data_ptr(), owner.numel(), owner, 0)
+    a = cupy.ndarray((2, 3), cupy.float16, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    view = _tensor_cuda(a[1:, ::2])
+    assert view.untyped_storage().data_ptr() == owner.data_ptr()
+    assert (tuple(view.shape), view.stride(), view.storage_offset()) == ((1, 2), (3, 2), 3)
+    assert view.dtype == torch.float16
+    bits = cupy.ndarray((4,), cupy.uint16, memptr=cupy.cuda.MemoryPointer(mem, 12))
+    as_bf16 = _tensor_cuda(bits)
+    assert as_bf16.dtype == torch.bfloat16 and as_bf16.storage_offset() == 6
