@@ -10,9 +10,12 @@ Device work per call (the launch budget ``tests/test_launch_budget.py`` enforces
 
 - forward: one concatenation kernel (X = [old_h, input]), one GEMM, the fused kernel;
 - backward: the fused kernel, one GEMM per needed gradient of old_h, input and the weights, one
-  reduction for the bias;
+  reduction for the bias (in bfloat16, which CuPy cannot add, a GEMM against ones);
 - sequences: one GEMM for every step's input projection, then per step one GEMM plus the fused
-  kernel each way.
+  kernel each way (and the add kernel once for a final-state gradient).
+
+bfloat16 has no CuPy dtype: it arrives as uint16 arrays of its bits (``_kernels.BFLOAT16``),
+which the kernels, ``gemm`` and the bias gradient read as bfloat16.
 
 Every GEMM goes through ``gemm``: by default :func:`gemm` below (cuBLAS ``gemmEx`` through CuPy's
 binding, on any row-major view, without copies); the torch layer passes torch's GEMM while a
