@@ -18,8 +18,9 @@ def require(*modules):
         try:
             loaded.append(importlib.import_module(name))
         except ImportError as exc:
-            raise MissingExtra(f"{name} is not installed: it comes with the examples extra, "
-                               f"pip install '.[examples]' (scikit-learn, matplotlib, tqdm)") from exc
+            raise MissingExtra(
+                f"{name} is not installed: it comes with the examples extra, "
+                f"pip install '.[examples]' (scikit-learn, matplotlib, tqdm)") from exc
     return loaded
 
 

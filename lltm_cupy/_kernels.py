@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "Kernels", "BFLOAT16", "CUDA_TYPE", "INDEX_TYPE", "source_path", "source",
-           "name_expression", "get_kernels", "launch_config", "needs_wide_index", "compile_offline",
+__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "Kernels", "BFLOAT16", "CUDA_TYPE", "INDEX_TYPE",
+           "source_path", "source", "name_expression", "get_kernels", "launch_config", "needs_wide_index", "compile_offline",
            "ARCHITECTURES"]
 
 SOURCE_NAME = "lltm.cu"
@@ -28,6 +28,7 @@ class Kernels(NamedTuple):
     bwd: Any
     concat: Any
     add: Any
+
 
 #: bfloat16 has no NumPy or CuPy dtype: the GPU backend holds bfloat16 values as their raw bits
 #: in uint16 arrays (what the torch layer hands it), and this dtype means "bfloat16" to it.

@@ -159,8 +159,8 @@ def torch_gradchecks(case=None, skipped=None, fn=None):
     """Run torch.autograd.gradcheck of ``fn`` (default lltm_cupy.torch.lltm) per available device
     and dtype.
 
-    Returns [(label, passed, message)]; a failing check is a False with gradcheck's message. float64 with gradcheck's default tolerances; float32 with
-    eps=1e-3 and atol=rtol=1e-2 (finite differences in single precision are only good to about
+    Returns [(label, passed, message)]; a failing check is a False with gradcheck's message.
+    float64 with gradcheck's default tolerances; float32 with eps=1e-3 and atol=rtol=1e-2 (finite differences in single precision are only good to about
     that); float16 is not finite-difference checked (11-bit mantissa) but compared against the
     reference by :func:`compare_backends`.
     """
@@ -244,12 +244,10 @@ def _elementwise_ulps(xp, case, dtype) -> dict:
     flat = {"z_i": z[0], "z_o": z[1], "z_c": z[2], "old_cell": args[4], "grad_h": gh,
             "grad_cell": gc}
     flat = {k: to_numpy(v).reshape(-1) for k, v in flat.items()}
-    zeros = np.zeros_like(flat["z_i"])
-    out = {"new_h": to_numpy(new_h).reshape(-1), "new_cell": to_numpy(new_cell).reshape(-1),
-           "d_old_cell": to_numpy(d_old_cell).reshape(-1), "d_input_gate": zeros,
-           "d_output_gate": zeros, "d_candidate": zeros}
-    worst = exact.max_errors(flat, out, dtype)
-    return {k: worst[k][0] for k in ("new_h", "new_cell", "d_old_cell")}
+    out = {"new_h": new_h, "new_cell": new_cell, "d_old_cell": d_old_cell}
+    out = {k: to_numpy(v).reshape(-1) for k, v in out.items()}
+    worst = exact.max_errors(flat, out, dtype, names=tuple(out))
+    return {k: worst[k][0] for k in out}
 
 
 def elementwise_accuracy(case=None, skipped=None):

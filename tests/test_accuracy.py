@@ -152,7 +152,7 @@ def _exact_product(a, b):
 
 
 def _torch_mm():
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from lltm_cupy.torch._interop import torch_mm
 
     return torch_mm

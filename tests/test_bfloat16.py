@@ -9,7 +9,8 @@ import ctypes
 import numpy as np
 import pytest
 
-ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed (pip install .[test])")
+ml_dtypes = pytest.importorskip("ml_dtypes",
+                                reason="ml_dtypes is not installed (pip install .[test])")
 
 from lltm_cupy import _kernels  # noqa: E402
 from conftest import make_case, reference_results  # noqa: E402
@@ -165,8 +166,8 @@ def test_cupy_backend_in_bfloat16_on_the_emulator(emulated_cupy, batch, features
     grads = _cupy.backward(emulated_cupy.asarray(bits["grad_h"]),
                            emulated_cupy.asarray(bits["grad_cell"]), saved)
     ref_h, ref_c, ref_grads = reference_results(case)
-    for name, got, want in zip(("new_h", "new_cell", "d_old_h", "d_input", "d_weights", "d_bias",
-                                "d_old_cell"), (new_h, new_cell, *grads), (ref_h, ref_c, *ref_grads)):
+    names = ("new_h", "new_cell", "d_old_h", "d_input", "d_weights", "d_bias", "d_old_cell")
+    for name, got, want in zip(names, (new_h, new_cell, *grads), (ref_h, ref_c, *ref_grads)):
         assert got.dtype == np.uint16, name
         err = _normalised(from_bits(got), want) if np.size(want) else 0.0
         assert err <= BF16_TOLERANCE, f"{name}: {err:.3e}"
@@ -320,7 +321,8 @@ def test_gpu_bfloat16_sequence_matches_float32():
     out, (h, c) = model16(xs.bfloat16())
     assert out.dtype == torch.bfloat16
     (out.float().sum() + c.float().sum()).backward()
-    assert _normalised(out.double().cpu().detach().numpy(), out32.double().cpu().detach().numpy()) <= BF16_TOLERANCE
+    err = _normalised(out.double().cpu().detach().numpy(), out32.double().cpu().detach().numpy())
+    assert err <= BF16_TOLERANCE
     for p, g in zip(model16.parameters(), grads32):
         scale = g.abs().max().item()
         assert (p.grad.float() - g).abs().max().item() <= 5e-2 * max(1.0, scale)

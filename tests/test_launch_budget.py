@@ -36,7 +36,8 @@ def test_cell_step_budget(emulated_cupy, dtype):
     # new_h, new_cell, and for backward X (B, S+F) and the gates (B, 3S): nothing else
     B, F, S = 16, 32, 128
     item = np.dtype(dtype).itemsize
-    assert sorted(emu.allocations) == sorted(n * item for n in (B * (S + F), B * 3 * S, B * S, B * S))
+    expected = (B * (S + F), B * 3 * S, B * S, B * S)
+    assert sorted(emu.allocations) == sorted(n * item for n in expected)
     emu.reset()
     lltm_cupy.backward(gh, gc, saved)
     assert emu.log == BACKWARD

@@ -296,7 +296,8 @@ def _colmajor(address, rows, cols, ld, dtype):
     if rows == 0 or cols == 0:
         return np.empty((rows, cols), dtype)
     base = _host_view(address, (cols - 1) * ld + rows, dtype)
-    return np.lib.stride_tricks.as_strided(base, (rows, cols), (dtype.itemsize, ld * dtype.itemsize))
+    strides = (dtype.itemsize, ld * dtype.itemsize)
+    return np.lib.stride_tricks.as_strided(base, (rows, cols), strides)
 
 
 def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
