@@ -176,3 +176,30 @@ def test_benchmark_plot(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     width, height = _png_size(png)
     assert f"({width}x{height} pixels)" in proc.stdout and width >= 600 and height >= 380
+
+
+def _git_revision_available(rev: str) -> bool:
+    try:
+        return subprocess.run(["git", "rev-parse", "--verify", "--quiet", rev], cwd=ROOT,
+                              capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _git_revision_available("HEAD"),
+                    reason="ab_backend.py reads the earlier backend from git: no git checkout here")
+@pytest.mark.parametrize("extra", [(), ("--cell", "-d")], ids=["array", "cell-float64"])
+def test_ab_backend_times_both_backends(extra):
+    proc = script("ab_backend.py", "--base", "HEAD", "--seconds", "0.3", "-b", "3", "-f", "4",
+                  "-s", "5", *extra)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["HEAD", "working"], proc.stdout
+    assert all(int(r[-7]) >= 20 for r in rows), proc.stdout     # steps timed per backend
+    assert rows[0][-3:] == ["+0.0%"] * 3, proc.stdout
+
+
+def test_ab_backend_names_a_revision_it_cannot_read():
+    proc = script("ab_backend.py", "--base", "no-such-revision", "--seconds", "0.1")
+    assert proc.returncode != 0
+    assert "cannot read lltm_cupy/_numpy.py at 'no-such-revision'" in proc.stderr

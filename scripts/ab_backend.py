@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""A/B of the NumPy backend: the working tree's against an earlier revision's, in one process.
+
+A change to ``lltm_cupy/_numpy.py`` is judged by the step it costs, and on a shared machine only
+a comparison within one process means anything: this loads the backend of ``--base`` (a git
+revision) next to the current one and times the same step with each, swapped every 20 steps,
+timing every step on its own. It prints the 10th, 25th and 50th percentiles per backend and
+their ratios; the low percentiles are the least disturbed by other tenants.
+
+The step is the benchmark's: forward, then the backward of the parameters (weights and bias)
+with gradient one for new_h and new_cell, at (batch, features, state); with --cell the same
+through the torch layer's ``LLTMCell`` (backward of new_h.sum() + new_cell.sum()).
+
+Examples:
+    python scripts/ab_backend.py --base 554f7e2                 # array API, float32, 60 s
+    python scripts/ab_backend.py --base 554f7e2 --cell -d       # LLTMCell, float64
+    OPENBLAS_NUM_THREADS=1 python scripts/ab_backend.py --base HEAD~1 --seconds 20
+
+Needs git and a checkout. The earlier backend is imported as it was, with its ``from ._types``
+import pointed at today's ``lltm_cupy._types``: revisions whose backend used other saved types
+cannot be loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
+
+import numpy as np  # noqa: E402
+
+import lltm_cupy  # noqa: E402
+from lltm_cupy import _numpy  # noqa: E402
+
+BACKEND_PATH = "lltm_cupy/_numpy.py"
+
+
+def load_backend(revision: str) -> types.ModuleType:
+    """lltm_cupy/_numpy.py as of ``revision``, as a module of its own."""
+    try:
+        source = subprocess.run(["git", "show", f"{revision}:{BACKEND_PATH}"], cwd=ROOT,
+                                check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        raise SystemExit(f"ab_backend.py: cannot read {BACKEND_PATH} at {revision!r}: "
+                         f"{detail.strip()}")
+    module = types.ModuleType(f"lltm_cupy_numpy_at_{revision}")
+    module.__file__ = f"{revision}:{BACKEND_PATH}"
+    exec(compile(source.replace("from ._types import", "from lltm_cupy._types import"),
+                 module.__file__, "exec"), module.__dict__)
+    return module
+
+
+def array_step(size, dtype):
+    """The step through the array API, and a function that selects the backend it runs."""
+    batch, features, state = size
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(shape).astype(dtype) for shape in
+            ((batch, features), (3 * state, state + features), (3 * state,), (batch, state),
+             (batch, state))]
+    ones = np.ones((batch, state), dtype)
+    needed = (False, False, True, True, False)
+
+    def step():
+        saved = lltm_cupy.forward(*args)[2]
+        lltm_cupy.backward(ones, ones, saved, needed=needed)
+
+    original = lltm_cupy._backend
+
+    def use(backend):
+        lltm_cupy._backend = original if backend is None else (lambda name: backend)
+
+    return step, use
+
+
+def cell_step(size, dtype):
+    """The step through LLTMCell, and a function that selects the backend it runs."""
+    import torch
+
+    from lltm_cupy.torch import LLTMCell, _interop
+
+    batch, features, state = size
+    torch_dtype = torch.float64 if dtype == np.float64 else torch.float32
+    torch.manual_seed(0)
+    cell = LLTMCell(features, state).to(torch_dtype)
+    x, h, c = (torch.randn(batch, n, dtype=torch_dtype) for n in (features, state, state))
+
+    def step():
+        new_h, new_cell = cell(x, (h, c))
+        (new_h.sum() + new_cell.sum()).backward()
+
+    original = _interop._CPU_CALL.backend
+
+    def use(backend):
+        _interop._CPU_CALL.backend = original if backend is None else backend
+
+    return step, use
+
+
+def measure(step, use, backends: dict, seconds: float, chunk: int = 20) -> dict:
+    """Per-step times in microseconds for each backend, interleaved in chunks of ``chunk``;
+    ``use(backend)`` selects one, ``use(None)`` restores the library's own."""
+    times = {name: [] for name in backends}
+    clock = time.perf_counter_ns
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for name, backend in backends.items():
+            use(backend)
+            step()
+            step()
+            out = times[name]
+            for _ in range(chunk):
+                t0 = clock()
+                step()
+                out.append((clock() - t0) / 1e3)
+    use(None)
+    return times
+
+
+def report(times: dict, base: str, label: str) -> str:
+    pct = (10, 25, 50)
+    ref = {p: np.percentile(times[base], p) for p in pct}
+    lines = [label, f"{'backend':<18} {'steps':>7} " + " ".join(f"{'p' + str(p) + ' us':>9}"
+                                                             for p in pct)
+             + "  " + " ".join(f"{'vs p' + str(p):>8}" for p in pct)]
+    for name, values in times.items():
+        q = {p: np.percentile(values, p) for p in pct}
+        lines.append(f"{name:<18} {len(values):>7} " + " ".join(f"{q[p]:>9.1f}" for p in pct)
+                     + "  " + " ".join(f"{q[p] / ref[p] - 1:>+8.1%}" for p in pct))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--base", required=True, help="git revision of the backend to compare with")
+    p.add_argument("-b", "--batch-size", type=int, default=16)
+    p.add_argument("-f", "--features", type=int, default=32)
+    p.add_argument("-s", "--state-size", type=int, default=128)
+    p.add_argument("-d", "--double", action="store_true", help="float64 instead of float32")
+    p.add_argument("--cell", action="store_true", help="time LLTMCell instead of the array API")
+    p.add_argument("--seconds", type=float, default=60.0, help="measuring time (default: 60)")
+    args = p.parse_args(argv)
+    if args.seconds <= 0 or min(args.batch_size, args.features, args.state_size) < 1:
+        p.error("--seconds and the sizes must be positive")
+
+    size = (args.batch_size, args.features, args.state_size)
+    dtype = np.float64 if args.double else np.float32
+    backends = {args.base: load_backend(args.base), "working tree": _numpy}
+    step, use = (cell_step if args.cell else array_step)(size, dtype)
+    print(f"timing {'LLTMCell' if args.cell else 'the array API'} at {size}, "
+          f"{np.dtype(dtype).name}, for {args.seconds:g} s ...", file=sys.stderr, flush=True)
+    times = measure(step, use, backends, args.seconds)
+    print(report(times, args.base, f"forward + backward of the parameters, {size}, "
+                                   f"{np.dtype(dtype).name}, "
+                                   f"{'LLTMCell' if args.cell else 'array API'}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
