@@ -9,7 +9,10 @@ their ratios; the low percentiles are the least disturbed by other tenants.
 
 The step is the benchmark's: forward, then the backward of the parameters (weights and bias)
 with gradient one for new_h and new_cell, at (batch, features, state); with --cell the same
-through the torch layer's ``LLTMCell`` (backward of new_h.sum() + new_cell.sum()).
+through the torch layer's ``LLTMCell`` (backward of new_h.sum() + new_cell.sum()). Parameters
+are initialised as ``LLTMCell`` does (uniform in +-1/sqrt(state)), inputs and state from a
+standard normal; --randn draws the parameters from a standard normal too, which saturates the
+gates (pre-activations of about sqrt(state + features)).
 
 Examples:
     python scripts/ab_backend.py --base 554f7e2                 # array API, float32, 60 s
@@ -56,13 +59,24 @@ def load_backend(revision: str) -> types.ModuleType:
     return module
 
 
-def array_step(size, dtype):
+def _parameters(rng, size, randn: bool):
+    """weights (3S, S + F) and bias (3S,) as float64: LLTMCell's init, or standard normal."""
+    _, features, state = size
+    shapes = ((3 * state, state + features), (3 * state,))
+    if randn:
+        return [rng.standard_normal(shape) for shape in shapes]
+    bound = 1.0 / np.sqrt(state)
+    return [rng.uniform(-bound, bound, shape) for shape in shapes]
+
+
+def array_step(size, dtype, randn: bool):
     """The step through the array API, and a function that selects the backend it runs."""
     batch, features, state = size
     rng = np.random.default_rng(0)
-    args = [rng.standard_normal(shape).astype(dtype) for shape in
-            ((batch, features), (3 * state, state + features), (3 * state,), (batch, state),
-             (batch, state))]
+    weights, bias = _parameters(rng, size, randn)
+    args = [a.astype(dtype) for a in (rng.standard_normal((batch, features)), weights, bias,
+                                      rng.standard_normal((batch, state)),
+                                      rng.standard_normal((batch, state)))]
     ones = np.ones((batch, state), dtype)
     needed = (False, False, True, True, False)
 
@@ -78,7 +92,7 @@ def array_step(size, dtype):
     return step, use
 
 
-def cell_step(size, dtype):
+def cell_step(size, dtype, randn: bool):
     """The step through LLTMCell, and a function that selects the backend it runs."""
     import torch
 
@@ -88,6 +102,10 @@ def cell_step(size, dtype):
     torch_dtype = torch.float64 if dtype == np.float64 else torch.float32
     torch.manual_seed(0)
     cell = LLTMCell(features, state).to(torch_dtype)
+    if randn:
+        with torch.no_grad():
+            for parameter in cell.parameters():
+                parameter.normal_()
     x, h, c = (torch.randn(batch, n, dtype=torch_dtype) for n in (features, state, state))
 
     def step():
@@ -145,6 +163,9 @@ def main(argv=None) -> int:
     p.add_argument("-s", "--state-size", type=int, default=128)
     p.add_argument("-d", "--double", action="store_true", help="float64 instead of float32")
     p.add_argument("--cell", action="store_true", help="time LLTMCell instead of the array API")
+    p.add_argument("--randn", action="store_true",
+                   help="parameters from a standard normal (saturated gates) instead of "
+                        "LLTMCell's init")
     p.add_argument("--seconds", type=float, default=60.0, help="measuring time (default: 60)")
     args = p.parse_args(argv)
     if args.seconds <= 0 or min(args.batch_size, args.features, args.state_size) < 1:
@@ -153,13 +174,12 @@ def main(argv=None) -> int:
     size = (args.batch_size, args.features, args.state_size)
     dtype = np.float64 if args.double else np.float32
     backends = {args.base: load_backend(args.base), "working tree": _numpy}
-    step, use = (cell_step if args.cell else array_step)(size, dtype)
-    print(f"timing {'LLTMCell' if args.cell else 'the array API'} at {size}, "
-          f"{np.dtype(dtype).name}, for {args.seconds:g} s ...", file=sys.stderr, flush=True)
+    step, use = (cell_step if args.cell else array_step)(size, dtype, args.randn)
+    what = (f"{'LLTMCell' if args.cell else 'array API'}, {size}, {np.dtype(dtype).name}, "
+            f"{'randn' if args.randn else 'LLTMCell-init'} parameters")
+    print(f"timing the {what} for {args.seconds:g} s ...", file=sys.stderr, flush=True)
     times = measure(step, use, backends, args.seconds)
-    print(report(times, args.base, f"forward + backward of the parameters, {size}, "
-                                   f"{np.dtype(dtype).name}, "
-                                   f"{'LLTMCell' if args.cell else 'array API'}"))
+    print(report(times, args.base, f"forward + backward of the parameters: {what}"))
     return 0
 
 
