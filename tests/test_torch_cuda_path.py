@@ -18,8 +18,14 @@ from test_launch_budget import BACKWARD, FORWARD  # noqa: E402
 NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 
 
-def _tensors(case, names=NAMES):
-    return [torch.tensor(case[n], requires_grad=True) for n in names]
+#: dtype under test -> (rtol, atol) against the float64 reference on the same rounded values
+DTYPES = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5),
+          torch.float16: (2e-2, 2e-2), torch.bfloat16: (5e-2, 5e-2)}
+DTYPE_IDS = ["f64", "f32", "f16", "bf16"]
+
+
+def _tensors(case, names=NAMES, dtype=torch.float64):
+    return [torch.tensor(case[n]).to(dtype).requires_grad_() for n in names]
 
 
 def _run(fn, args, grads):
@@ -28,45 +34,105 @@ def _run(fn, args, grads):
     return [o.detach() for o in outs[:2]] + [a.grad for a in args]
 
 
-def _reference(case):
-    args = _tensors(case)
-    return _run(lt.lltm_reference, args, [torch.tensor(case[n]) for n in ("grad_h", "grad_cell")])
+def _reference(case, dtype):
+    """The pure-torch float64 reference on the case's values rounded to ``dtype``."""
+    args = [t.detach().double().requires_grad_() for t in _tensors(case, dtype=dtype)]
+    grads = [torch.tensor(case[n]).to(dtype).double() for n in ("grad_h", "grad_cell")]
+    return _run(lt.lltm_reference, args, grads)
 
 
+def _assert_close(got, want, dtype, name):
+    assert got.dtype == dtype, f"{name}: {got.dtype}, expected {dtype}"
+    rtol, atol = DTYPES[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("capturing", [False, True], ids=["cublas", "captured-torch-gemm"])
-def test_cell_matches_reference(emulated_cuda_torch, compiled, capturing):
+def test_cell_matches_reference(emulated_cuda_torch, compiled, capturing, dtype):
+    """Every dtype, eager and compiled, with cuBLAS and, under capture, with torch's GEMM on
+    torch views of the imported tensors (weights.T and slices of it: DLPack views)."""
     emulated_cuda_torch.emulator.capturing = capturing
     case = make_case(5, 7, 9, np.float64, seed=71)
     fn = torch.compile(lt.lltm, backend="aot_eager", fullgraph=True) if compiled else lt.lltm
-    got = _run(fn, _tensors(case), [torch.tensor(case[n]) for n in ("grad_h", "grad_cell")])
-    for name, a, b in zip(("new_h", "new_cell", *NAMES), got, _reference(case)):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    grads = [torch.tensor(case[n]).to(dtype) for n in ("grad_h", "grad_cell")]
+    got = _run(fn, _tensors(case, dtype=dtype), grads)
+    for name, a, b in zip(("new_h", "new_cell", *NAMES), got, _reference(case, dtype)):
+        _assert_close(a, b, dtype, name)
     if capturing:   # cuBLAS through CuPy would have raised; torch's GEMM did the products
         assert "gemm" not in emulated_cuda_torch.emulator.log
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("capturing", [False, True], ids=["cublas", "captured-torch-gemm"])
-def test_sequence_matches_stepped_reference(emulated_cuda_torch, capturing):
+def test_sequence_matches_stepped_reference(emulated_cuda_torch, capturing, dtype):
     emulated_cuda_torch.emulator.capturing = capturing
     rng = np.random.default_rng(5)
     T, B, F, S = 4, 3, 5, 6
-    xs = torch.tensor(rng.standard_normal((T, B, F)), requires_grad=True)
-    model = lt.LLTM(F, S, dtype=torch.float64)
+    xs = torch.tensor(rng.standard_normal((T, B, F))).to(dtype).requires_grad_()
+    model = lt.LLTM(F, S, dtype=dtype)
     ref = lt.ReferenceLLTMCell(F, S, dtype=torch.float64)
-    ref.load_state_dict(model.state_dict())
+    ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     out, (h_n, c_n) = model(xs)
-    (out.sum() + 2 * c_n.sum()).backward()
-    xr = xs.detach().clone().requires_grad_()
+    (out.float().sum() + 2 * c_n.float().sum()).backward()
+    xr = xs.detach().double().requires_grad_()
     state, outs = None, []
     for x in xr:
         state = ref(x, state)
         outs.append(state[0])
     (torch.stack(outs).sum() + 2 * state[1].sum()).backward()
-    torch.testing.assert_close(out, torch.stack(outs), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-12, atol=1e-12)
+    _assert_close(out.detach(), torch.stack(outs).detach(), dtype, "outputs")
+    _assert_close(c_n.detach(), state[1].detach(), dtype, "c_n")
+    _assert_close(xs.grad, xr.grad, dtype, "d_inputs")
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+        _assert_close(p.grad, q.grad, dtype, name)
+    if capturing:
+        assert "gemm" not in emulated_cuda_torch.emulator.log
+
+
+class _TrainModel(torch.nn.Module):
+    """Linear -> LLTMCell stepped 3 times, or LLTM -> Linear: a training step to capture."""
+
+    def __init__(self, sequence, dtype):
+        super().__init__()
+        self.sequence = sequence
+        self.inp = torch.nn.Linear(5, 6, dtype=dtype)
+        self.rnn = (lt.LLTM if sequence else lt.LLTMCell)(6, 8, dtype=dtype)
+        self.head = torch.nn.Linear(8, 3, dtype=dtype)
+
+    def forward(self, xs):
+        z = self.inp(xs)
+        if self.sequence:
+            return self.head(self.rnn(z)[1][0])
+        state = None
+        for x in z:
+            state = self.rnn(x, state)
+        return self.head(state[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("sequence", [False, True], ids=["cell", "sequence"])
+def test_captured_16_bit_training_step_equals_the_eager_one(emulated_cuda_torch, sequence,
+                                                            dtype):
+    """A whole training step (forward and backward) in float16 / bfloat16 with the stream
+    reported as capturing, against the same step run eagerly through cuBLAS: the same values
+    (both GEMMs accumulate in float32 and round once)."""
+    emu = emulated_cuda_torch.emulator
+    torch.manual_seed(0)
+    model = _TrainModel(sequence, dtype)
+    xs = torch.randn(3, 4, 5).to(dtype)
+    target = torch.randn(4, 3)
+    results = []
+    for capturing in (False, True):
+        emu.capturing = capturing
+        model.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(xs).float(), target)
+        loss.backward()
+        results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+    for eager, captured in zip(*results):
+        assert captured.dtype == eager.dtype
+        torch.testing.assert_close(captured.float(), eager.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_memory_comes_from_torch_and_results_are_torch_allocations(emulated_cuda_torch,
@@ -90,7 +156,7 @@ def test_memory_comes_from_torch_and_results_are_torch_allocations(emulated_cuda
     monkeypatch.setattr(torch, "from_dlpack",
                         lambda *a, **k: pytest.fail("a result came back through DLPack"))
     case = make_case(4, 3, 5, np.float32, seed=73)
-    args = _tensors(case)
+    args = _tensors(case, dtype=torch.float32)
     emu.reset()
     h, c = lt.lltm(*args)
     (h.sum() + c.pow(2).sum()).backward()
@@ -106,7 +172,7 @@ def test_torch_layer_adds_no_device_work(emulated_cuda_torch):
     """Through the torch layer, a step costs what the array API's does (no conversion copies)."""
     emu = emulated_cuda_torch.emulator
     case = make_case(16, 32, 128, np.float32, seed=79)
-    args = _tensors(case)
+    args = _tensors(case, dtype=torch.float32)
     grads = [torch.tensor(case[n]) for n in ("grad_h", "grad_cell")]
     emu.reset()
     h, c = lt.lltm(*args)

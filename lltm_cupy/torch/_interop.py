@@ -9,11 +9,14 @@ BLAS (one BLAS thread pool per process). CUDA tensors run the CuPy backend:
   CUDA graph is being captured);
 - **stream and device**: CuPy runs on torch's current stream of the tensors' device, read on
   every call, never cached;
-- **memory**: every byte CuPy allocates inside a call (outputs, saved values, temporaries, CuPy's
-  own scratch) comes from torch's caching allocator on that stream, through a CuPy allocator
-  installed for the call only (``cupy.cuda.using_allocator``; the user's own CuPy code keeps
-  CuPy's pool). torch sees and accounts for all of it, ``empty_cache`` and memory snapshots
-  cover it, and during CUDA-graph capture it comes from the graph's private pool;
+- **memory**: every array CuPy allocates inside a call (outputs, saved values, temporaries,
+  CuPy's own scratch) comes from torch's caching allocator on that stream, through a CuPy
+  allocator installed for the call only (``cupy.cuda.using_allocator``; the user's own CuPy code
+  keeps CuPy's pool). torch sees and accounts for all of it, ``empty_cache`` and memory
+  snapshots cover it, and during CUDA-graph capture it comes from the graph's private pool.
+  Not from torch: the workspace of CuPy's cuBLAS handle (one handle per thread and device,
+  created by CuPy with cuBLAS's default workspace, which CuPy 14 does not let us replace), and
+  the compiled kernel modules (see ``lltm_cupy.warmup``);
 - **out**: the arrays the backend returns live in those torch allocations, and come back as
   ordinary torch tensors over them (not DLPack wrappers), so ``record_stream`` works on them;
 - **GEMM**: cuBLAS through CuPy, except while the stream is being captured into a CUDA graph,
@@ -149,7 +152,9 @@ def _tensor_cuda(a) -> Tensor:
     """The torch tensor over CuPy array ``a``'s memory, no copy.
 
     Memory from :func:`_torch_allocator` comes back as a view of the torch allocation that owns
-    it: an ordinary torch tensor. Anything else (an imported tensor's memory) through DLPack.
+    it: an ordinary torch tensor. Anything else (an imported tensor's memory, or a view of it
+    such as ``weights.T``) through DLPack, in the dtype the array stands for (bfloat16 for the
+    uint16 bits of bfloat16).
     """
     mem = a.data.mem
     owner = getattr(mem, "_owner", None)
@@ -162,7 +167,10 @@ def _tensor_cuda(a) -> Tensor:
             return torch.empty(a.shape, dtype=dtype, device=owner.device)
         return torch.empty(0, dtype=dtype, device=owner.device).set_(
             storage, offset // item, a.shape, tuple(s // item for s in a.strides))
-    return torch.from_dlpack(a.__dlpack__(stream=-1))
+    t = torch.from_dlpack(a.__dlpack__(stream=-1))
+    # CuPy exports its uint16 storage of bfloat16 as unsigned integers, which torch imports as
+    # torch.uint16: reinterpret the bits (same element size, so any strides are kept).
+    return t.view(dtype) if t.dtype != dtype else t
 
 
 def torch_gemm(a, b, out, accumulate: bool = False):
