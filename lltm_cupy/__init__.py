@@ -4,6 +4,7 @@
     grads = lltm_cupy.backward(grad_h, grad_cell, saved)
     outputs, h_n, c_n, saved = lltm_cupy.forward_sequence(inputs, weights, bias, h0, c0)
     grads = lltm_cupy.backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved)
+    lltm_cupy.warmup(dtypes=("float32",))   # compile the GPU kernels now (before CUDA graphs)
 
 NumPy arrays run on the CPU backend, CuPy arrays on the GPU backend (fused CUDA kernels compiled
 at run time, cuBLAS GEMMs). ``lltm_cupy.torch`` wraps both for PyTorch. Importing this package
@@ -15,7 +16,7 @@ from ._checks import (check_backward, check_backward_sequence, check_forward,
                       check_forward_sequence)
 from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
 
-__all__ = ["forward", "backward", "forward_sequence", "backward_sequence", "LLTMGrads",
+__all__ = ["forward", "backward", "forward_sequence", "backward_sequence", "warmup", "LLTMGrads",
            "LLTMSaved", "LLTMSequenceGrads", "LLTMSequenceSaved", "__version__"]
 __version__ = "0.1.0"
 
@@ -103,3 +104,37 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, *, needed=None):
     backend = check_backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved)
     return _backend(backend).backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved,
                                                _needed(needed))
+
+
+def warmup(dtypes=("float32",), device=None) -> None:
+    """Compile and load now every GPU kernel the calls above launch for these dtypes.
+
+    dtypes: one dtype or several: NumPy dtypes or names ("float16", "float32", "float64"), and
+        "bfloat16" or ``torch.bfloat16`` for the torch layer's bfloat16 tensors (torch dtypes are
+        read by name; torch is not imported)
+    device: the GPU: an int, a ``cupy.cuda.Device`` or a ``torch.device("cuda:N")``; None (or a
+        torch device without an index) for CuPy's current device
+
+    The GPU backend otherwise compiles its kernels (NVRTC) and loads them at their first use,
+    and so does CuPy for the few of its own kernels the calls use. Call this before capturing
+    CUDA graphs (``torch.cuda.graph``, ``make_graphed_callables``,
+    ``torch.compile(mode="reduce-overhead")``), so that no compilation or module load happens
+    inside a capture, or to take the compile time out of a benchmark. It runs every code path of
+    the four calls once on tiny arrays of each dtype (C-contiguous arguments, as the torch layer
+    always passes) and synchronises the device: kernels are cached per device and dtype, so it
+    is needed once per process, device and dtype. Needs CuPy and a GPU (RuntimeError otherwise).
+    """
+    from . import _cupy
+
+    try:
+        specs = [dtypes] if isinstance(dtypes, str) else list(dtypes)
+    except TypeError:
+        specs = [dtypes]
+    parsed = list(dict.fromkeys(_cupy.warmup_dtype(d) for d in specs))
+    if device is None or isinstance(device, int):
+        device_id = device
+    elif getattr(device, "type", "cuda") != "cuda":
+        raise ValueError(f"lltm_cupy.warmup: device must be a CUDA device, got {device}")
+    else:
+        device_id = getattr(device, "index", getattr(device, "id", None))
+    _cupy.warmup(parsed, device_id)

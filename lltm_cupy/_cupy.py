@@ -28,9 +28,9 @@ import numpy as np
 from ._kernels import BFLOAT16, get_kernels, launch_config
 from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
 
-__all__ = ["forward", "backward", "forward_sequence", "backward_sequence", "gemm"]
+__all__ = ["forward", "backward", "forward_sequence", "backward_sequence", "gemm", "warmup"]
 
-_gpu_checked = False
+_gpu_checked = None   # the cupy module whose GPU was found usable
 
 
 def _cupy():
@@ -38,11 +38,11 @@ def _cupy():
     global _gpu_checked
     import cupy
 
-    if not _gpu_checked:
+    if _gpu_checked is not cupy:
         if not cupy.cuda.is_available():
-            raise RuntimeError("lltm_cupy: CuPy arrays were given but CuPy finds no usable GPU "
-                               "(no device, or no CUDA driver)")
-        _gpu_checked = True
+            raise RuntimeError("lltm_cupy: the GPU backend needs a GPU, and CuPy finds no "
+                               "usable GPU (no device, or no CUDA driver)")
+        _gpu_checked = cupy
     return cupy
 
 
@@ -75,7 +75,10 @@ def gemm(a, b, out, accumulate=False):
 
     a: (m, k); b: (k, n); out: (m, n) with a unit column stride; one dtype for all three.
     float16 and bfloat16 (uint16 bits, ``_kernels.BFLOAT16``) are computed in float32 and rounded
-    once, float32 in float32, float64 in float64.
+    once: for them the handle's math mode gets ``CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION``
+    for the call (so that split-K partial sums, too, are added in float32) and is restored
+    after it. float32 in float32 (as the handle's math mode allows; CuPy's default mode uses no
+    TF32), float64 in float64.
     """
     import cupy
 
@@ -100,13 +103,28 @@ def gemm(a, b, out, accumulate=False):
     a, a_t, lda = _operand(a)
     alpha = np.ones((), scalar)
     beta = np.full((), 1 if accumulate else 0, scalar)
-    cublas.gemmEx(cupy.cuda.device.get_cublas_handle(),
-                  cublas.CUBLAS_OP_T if b_t else cublas.CUBLAS_OP_N,
-                  cublas.CUBLAS_OP_T if a_t else cublas.CUBLAS_OP_N,
-                  n, m, k, alpha.ctypes.data, b.data.ptr, cuda_type, ldb, a.data.ptr, cuda_type,
-                  lda, beta.ctypes.data, out.data.ptr, cuda_type, max(ldc, 1), compute,
-                  cublas.CUBLAS_GEMM_DEFAULT)
+    handle = cupy.cuda.device.get_cublas_handle()
+    mode = restore = None
+    if out.itemsize == 2:    # float16, bfloat16: no reduction in the 16-bit output type
+        restore = cublas.getMathMode(handle)
+        mode = restore | _DISALLOW_REDUCED_PRECISION
+        if mode != restore:
+            cublas.setMathMode(handle, mode)
+    try:
+        cublas.gemmEx(handle,
+                      cublas.CUBLAS_OP_T if b_t else cublas.CUBLAS_OP_N,
+                      cublas.CUBLAS_OP_T if a_t else cublas.CUBLAS_OP_N,
+                      n, m, k, alpha.ctypes.data, b.data.ptr, cuda_type, ldb, a.data.ptr,
+                      cuda_type, lda, beta.ctypes.data, out.data.ptr, cuda_type, max(ldc, 1),
+                      compute, cublas.CUBLAS_GEMM_DEFAULT)
+    finally:
+        if mode is not None and mode != restore:
+            cublas.setMathMode(handle, restore)
     return out
+
+
+#: cublasMath_t flag (cublas_api.h): reductions of a mixed-precision GEMM in the compute type
+_DISALLOW_REDUCED_PRECISION = 16
 
 
 #: 1.0 in bfloat16 bits
@@ -267,3 +285,61 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
                                 steps, batch, features)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)
+
+
+# ---------------------------------------------------------------------------------- warmup
+
+#: dtype names warmup accepts -> the backend's storage dtype
+_WARMUP_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
+                  "float64": np.dtype(np.float64), "bfloat16": BFLOAT16, "uint16": BFLOAT16}
+
+
+def warmup_dtype(spec) -> np.dtype:
+    """The storage dtype for one of warmup's dtype specs: a NumPy dtype or type, a name
+    ("float32", "bfloat16"), or a torch dtype (read by its name, torch is not imported)."""
+    name = spec if isinstance(spec, str) else str(spec)
+    name = name.removeprefix("torch.")
+    if name not in _WARMUP_DTYPES:
+        try:
+            name = np.dtype(spec).name
+        except TypeError:
+            pass
+    if name not in _WARMUP_DTYPES:
+        raise TypeError(f"lltm_cupy.warmup: unsupported dtype {spec!r}; expected float16, "
+                        f"bfloat16, float32 or float64")
+    return _WARMUP_DTYPES[name]
+
+
+def warmup(dtypes, device_id=None) -> None:
+    """Compile and load, on one device, every kernel that the calls of this backend launch for
+    each dtype: the module of ``cuda_src/lltm.cu`` (both index widths) and CuPy's own kernels
+    (copies, fills, the bias reduction, float16 casts, bfloat16 ones), by running every code path
+    of forward, backward, forward_sequence and backward_sequence once on tiny arrays (batch 1
+    and 2, steps 0, 1 and 2, each gradient given and None); then synchronises the device.
+    """
+    cupy = _cupy()
+    with cupy.cuda.Device(device_id):
+        for dtype in dtypes:
+            get_kernels(dtype, False)           # one NVRTC module holds both index widths
+            get_kernels(dtype, True)
+            for batch in (2, 1):
+                _exercise(cupy, dtype, batch, features=3, state=4)
+        cupy.cuda.Device().synchronize()
+
+
+def _exercise(cupy, dtype, batch, features, state):
+    def zeros(*shape):
+        return cupy.zeros(shape, dtype)
+
+    weights, bias = zeros(3 * state, state + features), zeros(3 * state)
+    h, c = zeros(batch, state), zeros(batch, state)
+    _, _, saved = forward(zeros(batch, features), weights, bias, h, c)
+    for grad_h, grad_cell in ((h, c), (h, None), (None, c), (None, None)):
+        backward(grad_h, grad_cell, saved)
+    backward(h, c, saved, needed=(False, False, False, True, False))
+    for steps in (2, 1, 0):
+        *_, saved = forward_sequence(zeros(steps, batch, features), weights, bias.reshape(1, -1),
+                                     h, c)
+        for grads in ((zeros(steps, batch, state), h, c), (None, None, None),
+                      (None, h, None), (zeros(steps, batch, state), None, c)):
+            backward_sequence(*grads, saved)

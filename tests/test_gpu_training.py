@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
 
+import lltm_cupy  # noqa: E402
 import lltm_cupy.torch as lt  # noqa: E402
 from test_torch import needs_cuda  # noqa: E402
 
@@ -44,13 +45,19 @@ class Model(torch.nn.Module):
 
 
 def _loss(model, xs, target):
-    return torch.nn.functional.cross_entropy(model(xs), target)
+    return torch.nn.functional.cross_entropy(model(xs).float(), target)
 
 
-def _data(seed):
+def _data(seed, dtype=torch.float32):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    xs = torch.randn(T, B, F, device="cuda", generator=g)
+    xs = torch.randn(T, B, F, device="cuda", generator=g).to(dtype)
     return xs, torch.randint(0, 10, (B,), device="cuda", generator=g)
+
+
+#: dtype -> (rtol, atol) of a replayed or compiled step against the eager one
+STEP_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-2, 2e-3),
+                  torch.bfloat16: (5e-2, 1e-2)}
+STEP_DTYPES = pytest.mark.parametrize("dtype", list(STEP_TOLERANCE), ids=["f32", "f16", "bf16"])
 
 
 def _eager_step(model, xs, target):
@@ -141,12 +148,14 @@ def test_record_stream_keeps_a_result_alive_for_another_stream():
 # ------------------------------------------------------------------------------- CUDA graphs
 
 @needs_cuda
+@STEP_DTYPES
 @pytest.mark.parametrize("sequence", [False, True], ids=["cell", "sequence"])
-def test_captured_training_step_replays_the_eager_results(sequence):
+def test_captured_training_step_replays_the_eager_results(sequence, dtype):
     pool = _cupy_pool()
     torch.manual_seed(0)
-    model = Model(sequence)
-    static_x, static_t = _data(1)
+    model = Model(sequence, dtype)
+    static_x, static_t = _data(1, dtype)
+    lltm_cupy.warmup(dtype)                       # nothing compiles inside the capture
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):                # warm-up: compiles kernels, creates handles
@@ -162,33 +171,38 @@ def test_captured_training_step_replays_the_eager_results(sequence):
         static_loss.backward()
     assert pool.used_bytes() == used
     static_grads = [p.grad for p in model.parameters()]   # the graph writes these on replay
+    rtol, atol = STEP_TOLERANCE[dtype]
     for seed in (2, 3):
-        xs, target = _data(seed)
+        xs, target = _data(seed, dtype)
         static_x.copy_(xs)
         static_t.copy_(target)
         graph.replay()
         replayed = static_loss.clone(), [g.clone() for g in static_grads]
         loss, grads = _eager_step(model, xs, target)
-        torch.testing.assert_close(replayed[0], loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(replayed[0], loss, rtol=rtol, atol=atol)
         for a, b in zip(replayed[1], grads):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            assert a.dtype == dtype
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
 
 
 @needs_cuda
+@STEP_DTYPES
 @pytest.mark.parametrize("sequence", [False, True], ids=["cell", "sequence"])
-def test_reduce_overhead_compile_matches_eager(sequence):
+def test_reduce_overhead_compile_matches_eager(sequence, dtype):
     torch.manual_seed(0)
-    model = Model(sequence)
+    model = Model(sequence, dtype)
+    lltm_cupy.warmup(dtype)
     compiled = torch.compile(model, mode="reduce-overhead")
+    rtol, atol = STEP_TOLERANCE[dtype]
     for seed in range(4):
-        xs, target = _data(seed)
+        xs, target = _data(seed, dtype)
         loss, grads = _eager_step(model, xs, target)
         model.zero_grad(set_to_none=True)
-        closs = torch.nn.functional.cross_entropy(compiled(xs), target)
+        closs = torch.nn.functional.cross_entropy(compiled(xs).float(), target)
         closs.backward()
-        torch.testing.assert_close(closs.detach(), loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(closs.detach(), loss, rtol=rtol, atol=atol)
         for p, g in zip(model.parameters(), grads):
-            torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(p.grad, g, rtol=rtol, atol=atol)
 
 
 @needs_cuda
@@ -206,3 +220,20 @@ def test_training_step_on_a_side_stream_without_host_sync(sequence):
     torch.testing.assert_close(got[0], expected[0])
     for a, b in zip(got[1], expected[1]):
         torch.testing.assert_close(a, b)
+
+
+@needs_cuda
+def test_warmup_loads_every_dtype_and_16_bit_gemms_restore_the_math_mode():
+    cupy = pytest.importorskip("cupy")
+    from lltm_cupy import _cupy, _kernels
+
+    lltm_cupy.warmup(("float16", "bfloat16", "float32", "float64"))
+    device = cupy.cuda.Device().id
+    for dtype in (cupy.float16, _kernels.BFLOAT16, cupy.float32, cupy.float64):
+        assert (device, cupy.dtype(dtype).str) in _kernels._cache
+    handle = cupy.cuda.device.get_cublas_handle()
+    before = cupy.cuda.cublas.getMathMode(handle)
+    a = cupy.ones((64, 256), cupy.float16)
+    out = _cupy.gemm(a, a.T, cupy.empty((64, 64), cupy.float16))
+    assert cupy.cuda.cublas.getMathMode(handle) == before
+    assert bool((out == 256).all())

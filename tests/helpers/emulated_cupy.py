@@ -21,6 +21,13 @@ It is strict where CuPy and cuBLAS are:
 
 ``log`` records the device work in order, one entry per launch: "kernel:<name>", "gemm",
 "copy", "fill", "elementwise", "reduce"; ``allocations`` the byte size of every allocation.
+``compiles`` records every kernel compiled and loaded at first use, as CuPy does: our module
+(once per dtype, as ``lltm_cupy._kernels.get_kernels`` caches it) and CuPy's own kernels, keyed
+by operation, dtypes and dimensionality (C-contiguous arrays count as 1-D, as CuPy collapses
+them); a fill with 0 is a memset and compiles nothing. ``math_mode`` is the cuBLAS handle's math
+mode (``cuda.cublas.getMathMode`` / ``setMathMode``); ``gemmEx`` with 16-bit data requires the
+flag that disallows reduced-precision reductions (the emulator checks that it is set; what
+cuBLAS does with it is beyond it).
 What it cannot show: real concurrency, streams, and the NVRTC-compiled code itself.
 """
 from __future__ import annotations
@@ -41,14 +48,31 @@ class _State:
         self.pool_allocations = 0
         self.allocator = None
         self.capturing = False
+        self.compiles = []
+        self.compiled = set()
+        self.math_mode = 0
 
     def reset(self):
         self.log.clear()
         self.allocations.clear()
         self.pool_allocations = 0
+        self.compiles.clear()
+
+    def compile(self, *key):
+        """Note a kernel's first use (a compile and a module load on a GPU)."""
+        if key not in self.compiled:
+            self.compiled.add(key)
+            self.compiles.append(key)
 
 
 _state = _State()
+
+
+def _layout(*arrays):
+    """What CuPy keys a kernel on besides the operation: dtypes, and dimensionality after
+    collapsing contiguous dimensions (a C-contiguous array is 1-D to it)."""
+    return tuple((np.dtype(a.dtype).str, 1 if a.flags.c_contiguous else a.ndim)
+                 for a in map(np.asarray, arrays))
 
 
 class BaseMemory:
@@ -141,6 +165,9 @@ class ndarray(np.ndarray):
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
         args = [np.asarray(x) if isinstance(x, ndarray) else x for x in inputs]
         _state.log.append("elementwise" if method == "__call__" else "reduce")
+        _state.compile(ufunc.__name__, method, _layout(*(a for a in args
+                                                         if isinstance(a, np.ndarray))),
+                       str(kwargs.get("dtype")), str(kwargs.get("axis")))
         if out is not None:
             getattr(ufunc, method)(*args, out=tuple(np.asarray(o) for o in out), **kwargs)
             return out[0] if len(out) == 1 else out
@@ -148,18 +175,24 @@ class ndarray(np.ndarray):
 
     def __setitem__(self, key, value):
         _state.log.append("copy")
+        target = np.asarray(self)[key]
+        _state.compile("copy", _layout(value, target))
         np.asarray(self)[key] = np.asarray(value)
 
     def copy(self, order="C"):
         _state.log.append("copy")
+        _state.compile("copy", _layout(self))
         return _adopt(np.asarray(self))
 
     def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
         _state.log.append("copy")
+        _state.compile("astype", _layout(self), np.dtype(dtype).str)
         return _adopt(np.asarray(self).astype(dtype))
 
     def fill(self, value):
         _state.log.append("fill")
+        if value != 0:      # CuPy fills zeros with a memset
+            _state.compile("fill", _layout(self))
         np.asarray(self).fill(value)
 
     def sum(self, axis=None, dtype=None, out=None, keepdims=False):
@@ -219,6 +252,7 @@ def _full(shape, fill_value, dtype):
 
 def _array(obj, dtype=None, order="K", copy=True):
     _state.log.append("copy")
+    _state.compile("copy", _layout(obj), str(dtype))
     return _adopt(np.array(np.asarray(obj), dtype=dtype, order="C"))
 
 
@@ -237,6 +271,7 @@ def _asfortranarray(a):
 
 def _concatenate(arrays, axis=0):
     result = np.concatenate([np.asarray(a) for a in arrays], axis=axis)
+    _state.compile("concatenate", _layout(*arrays))
     _state.log.extend(["copy"] * len(arrays))   # CuPy copies each input into its slice
     return _adopt(result)
 
@@ -319,6 +354,9 @@ def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ld
     compute, scalar = _COMPUTE_OF[dtype]
     if computeType != compute:
         raise CUBLASError("CUBLAS_STATUS_NOT_SUPPORTED: compute type for these data types")
+    if dtype in (np.float16, np.uint16):
+        assert _state.math_mode & _DISALLOW_REDUCED_PRECISION, \
+            "16-bit gemmEx without CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION"
     _state.log.append("gemm")
     if m == 0 or n == 0:
         return
@@ -331,10 +369,18 @@ def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ld
     op_b = _to_compute(b if transb == 0 else b.T, dtype, scalar)
     alpha_v = _host_view(alpha, 1, scalar)[0]
     beta_v = _host_view(beta, 1, scalar)[0]
-    result = alpha_v * (op_a @ op_b)
-    if beta_v != 0:  # cuBLAS does not read C when beta == 0 (it may hold NaN)
-        result = result + beta_v * _to_compute(c, dtype, scalar)
-    c[...] = _from_compute(result, dtype)
+    with np.errstate(all="ignore"):     # IEEE results, as on the GPU; no NumPy warnings
+        result = alpha_v * (op_a @ op_b)
+        if beta_v != 0:  # cuBLAS does not read C when beta == 0 (it may hold NaN)
+            result = result + beta_v * _to_compute(c, dtype, scalar)
+        c[...] = _from_compute(result, dtype)
+
+
+_DISALLOW_REDUCED_PRECISION = 16   # CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION
+
+
+def _set_math_mode(handle, mode):
+    _state.math_mode = int(mode)
 
 
 def _matmul(a, b, out=None):
@@ -372,7 +418,8 @@ def make_module() -> types.ModuleType:
     cupy.shares_memory = np.shares_memory
     cupy.float16, cupy.float32, cupy.float64 = np.float16, np.float32, np.float64
     cupy.int16, cupy.uint16 = np.int16, np.uint16
-    cublas = types.SimpleNamespace(gemmEx=_gemm_ex, **_CUBLAS_CONSTANTS)
+    cublas = types.SimpleNamespace(gemmEx=_gemm_ex, getMathMode=lambda handle: _state.math_mode,
+                                   setMathMode=_set_math_mode, **_CUBLAS_CONSTANTS)
     cupy.cuda = types.SimpleNamespace(
         Device=_Device, is_available=lambda: True, cublas=cublas,
         runtime=types.SimpleNamespace(**_RUNTIME_CONSTANTS),
@@ -419,6 +466,7 @@ def host_get_kernels(lib):
 
     def get_kernels(dtype, wide=False):
         dtype = np.dtype(dtype)
+        _state.compile("lltm.cu", dtype.str)   # one module per dtype holds both index widths
         suffix = SUFFIX[dtype] + ("_wide" if wide else "")
         return Kernels(
             kernel(getattr(lib, f"lltm_fwd_{suffix}"), "fwd",
