@@ -40,7 +40,8 @@ import time
 
 import numpy as np
 
-__all__ = ["Config", "IMPLS", "PHASES", "CPU_SIZES", "GPU_SIZES", "run_size", "format_table",
+__all__ = ["Config", "IMPLS", "PHASES", "CPU_SIZES", "GPU_SIZES", "ImplementationError",
+           "run_size", "format_table",
            "gpu_kernel_report", "cpu_blas_report", "mixed_model_report", "machine_name",
            "plot_speedups"]
 
@@ -50,6 +51,22 @@ GRAPH_IMPLS = ("cell-graph", "reference-graph", "compiled-ro")
 PHASES = ("forward", "backward", "fwd+bwd")
 CPU_SIZES = ((16, 32, 128), (64, 256, 512), (256, 512, 1024))
 GPU_SIZES = CPU_SIZES + ((1024, 1024, 1024), (4096, 1024, 1024))
+
+
+class ImplementationError(RuntimeError):
+    """An implementation named by the caller could not be set up (the cause is chained)."""
+
+
+def _not_run(name, exc, skipped, strict, quiet):
+    """An implementation that cannot run: an error when the caller named it (``strict``),
+    else skipped with the reason printed."""
+    reason = exc if isinstance(exc, str) else (
+        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200])
+    if strict:
+        raise ImplementationError(f"{name} cannot run: {reason}") from (
+            None if isinstance(exc, str) else exc)
+    skipped[name] = reason
+    print(f"  {name}: not run ({reason})", file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -204,14 +221,20 @@ def _array_side(cfg):
     """(xp, stream_ctx, conv) for timing the array API: the array module, a context that puts
     CuPy on torch's current stream (GPU), and a zero-copy tensor-to-array conversion."""
     if cfg.cuda:
+        import contextlib
+
         import cupy
         import torch
 
-        from .torch import _on_torch_stream
+        from .torch import _interop
 
-        return (cupy,
-                lambda: _on_torch_stream(torch.device("cuda", torch.cuda.current_device())),
-                lambda t: cupy.from_dlpack(t.detach()))
+        @contextlib.contextmanager
+        def on_torch_stream():
+            device = torch.device("cuda", torch.cuda.current_device())
+            with cupy.cuda.Device(device.index), _interop._stream(device):
+                yield
+
+        return cupy, on_torch_stream, lambda t: cupy.from_dlpack(t.detach())
     import contextlib
 
     return np, contextlib.nullcontext, lambda t: t.detach().numpy()
@@ -323,13 +346,22 @@ def _graphed(module, x, h, c):
     return Cell()
 
 
-def _make_runners(cfg: Config, impls, quiet):
+def _warmup(cfg: Config) -> None:
+    """Compile our GPU kernels before anything is captured or timed (lltm_cupy.warmup)."""
+    if cfg.cuda:
+        import lltm_cupy
+
+        lltm_cupy.warmup(cfg.torch_dtype())
+
+
+def _make_runners(cfg: Config, impls, quiet, strict=False):
     import torch
 
     from . import torch as lt
 
     device = "cuda" if cfg.cuda else "cpu"
     dtype = cfg.torch_dtype()
+    _warmup(cfg)
     torch.manual_seed(cfg.seed)
     ref = lt.ReferenceLLTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
     x = torch.randn(cfg.batch, cfg.features, device=device, dtype=dtype)
@@ -341,7 +373,7 @@ def _make_runners(cfg: Config, impls, quiet):
     runners, skipped = {}, {}
     for name in impls:
         if cfg.bf16 and name in ("array", "cell-floor", "function-floor"):
-            skipped[name] = _NO_BF16_ARRAYS
+            _not_run(name, _NO_BF16_ARRAYS, skipped, strict, quiet)
             continue
         try:
             if name == "reference":
@@ -402,11 +434,8 @@ def _make_runners(cfg: Config, impls, quiet):
             else:
                 raise ValueError(f"unknown implementation {name!r}; choose from "
                                  f"{IMPLS + EXTRA_IMPLS + GRAPH_IMPLS}")
-        except ValueError:
-            raise
         except Exception as exc:  # e.g. torch.compile without a working compiler
-            skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-            _log(quiet, f"  {name}: not run ({skipped[name]})")
+            _not_run(name, exc, skipped, strict, quiet)
     return runners, skipped
 
 
@@ -436,7 +465,7 @@ def _time_loop(runners: dict, cfg: Config, timer, quiet, label=""):
     return samples
 
 
-def run_size(cfg: Config, impls=None, quiet=False) -> dict:
+def run_size(cfg: Config, impls=None, quiet=False, strict=False) -> dict:
     """Time every implementation at one size. Returns a JSON-ready dict.
 
     On the CPU the array API (NumPy) is timed in a block of its own after the torch
@@ -445,9 +474,12 @@ def run_size(cfg: Config, impls=None, quiet=False) -> dict:
     would measure the interleaving rather than either implementation. A NumPy program without
     torch, the array API's use, does not pay that. (lltm_cupy.torch runs its GEMMs through torch
     for this reason.)
+
+    strict: the caller named ``impls``; one that cannot be set up raises ImplementationError
+    (otherwise it is skipped, with the reason printed and recorded under "skipped").
     """
     impls = list(impls or IMPLS)
-    runners, skipped = _make_runners(cfg, impls, quiet)
+    runners, skipped = _make_runners(cfg, impls, quiet, strict)
     timer = _CudaTimer() if cfg.cuda else _CpuTimer()
     groups = [runners]
     if not cfg.cuda and "array" in runners and len(runners) > 1:
@@ -563,7 +595,9 @@ def gpu_kernel_report(cfg: Config, runs=50) -> dict:
 
     import lltm_cupy
 
-    args = (X[:, S:], W, bias, X[:, :S], old_cell)
+    # the step as a user calls it: contiguous input and state (slices of X would be copied)
+    args = (cupy.ascontiguousarray(X[:, S:]), W, bias, cupy.ascontiguousarray(X[:, :S]),
+            old_cell)
 
     def step():
         out = lltm_cupy.forward(*args)
@@ -863,8 +897,9 @@ class _ArraySequenceRunner:
         return out[3].nbytes if not self.stepped else sum(s.nbytes for s in out)
 
 
-def run_sequence(cfg: Config, steps: int, impls=None, quiet=False) -> dict:
-    """Time whole-sequence implementations over ``steps`` steps at one cell size."""
+def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False) -> dict:
+    """Time whole-sequence implementations over ``steps`` steps at one cell size (``strict``
+    as for :func:`run_size`)."""
     import torch
 
     from . import torch as lt
@@ -877,6 +912,7 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False) -> dict:
     xs = torch.randn(steps, cfg.batch, cfg.features, device=device, dtype=dtype)
     h = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
     c = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
+    _warmup(cfg)
     runners, skipped = {}, {}
     for name in impls:
         if name == "sequence":
@@ -887,7 +923,7 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False) -> dict:
             cell.load_state_dict(seq.state_dict())
             runners[name] = _TorchSequenceRunner(cell, xs, h, c, "stepped")
         elif name in ("array-sequence", "array-stepped") and cfg.bf16:
-            skipped[name] = _NO_BF16_ARRAYS
+            _not_run(name, _NO_BF16_ARRAYS, skipped, strict, quiet)
         elif name in ("array-sequence", "array-stepped"):
             runners[name] = _ArraySequenceRunner(cfg, (seq.weights, seq.bias), xs, h, c,
                                                  stepped=(name == "array-stepped"))

@@ -10,12 +10,16 @@ Examples:
 
 Options -b/-f/-s/-r/--scale/-c/-d are those of the tutorial's benchmark.py. Giving any of
 -b/-f/-s runs that one size; otherwise the sweep of --sizes (default: the CPU or GPU sweep).
+An implementation named in --impl that cannot run is an error (exit status 1, with the reason);
+of the defaults, one that cannot run on this machine is skipped with the reason printed.
+--json is rewritten after every size, so an interrupted run keeps what it measured.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
@@ -101,6 +105,22 @@ def main(argv=None) -> int:
           f"torch threads {torch.get_num_threads()}")
     out = {"machine": machine, "torch": torch.__version__, "sizes": [], "gpu_kernels": {},
            "cpu_blas": {}, "mixed": {}}
+    try:
+        _run_sizes(args, sizes, impls, out)
+    except bm.ImplementationError as exc:
+        traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
+        print(f"benchmark.py: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        width, height = bm.plot_speedups(out["sizes"], args.plot, machine)
+        print(f"wrote {args.plot} ({width}x{height} pixels)")
+    return 0
+
+
+def _run_sizes(args, sizes, impls, out) -> None:
+    strict = args.impl is not None
     for i, size in enumerate(sizes, 1):
         runs = args.runs or max(30, min(1000, int(2e9 // (size[0] * size[2] * (size[1] + size[2])))))
         cfg = bm.Config(*size, cuda=args.cuda, double=args.double, bf16=args.bf16, runs=runs,
@@ -109,12 +129,13 @@ def main(argv=None) -> int:
             if not args.quiet else None
         if args.sequence:
             cfg.runs = args.runs or max(10, cfg.runs // args.steps)
-            record = bm.run_sequence(cfg, args.steps, impls, quiet=args.quiet)
+            record = bm.run_sequence(cfg, args.steps, impls, quiet=args.quiet, strict=strict)
         else:
-            record = bm.run_size(cfg, impls, quiet=args.quiet)
+            record = bm.run_size(cfg, impls, quiet=args.quiet, strict=strict)
         out["sizes"].append(record)
         print()
         print(bm.format_table(record, args.scale), flush=True)
+        _write_json(args, out)
         if args.sequence:
             continue
         if args.cuda and not args.no_kernels and not args.bf16 and size[0] * size[2] >= 1 << 20:
@@ -129,13 +150,12 @@ def main(argv=None) -> int:
             rep = bm.mixed_model_report(cfg, runs=max(50, runs // 2), quiet=args.quiet)
             out["mixed"][str(size)] = rep
             print(bm.format_mixed(size, rep, args.scale), flush=True)
+        _write_json(args, out)
+
+
+def _write_json(args, out) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
-        print(f"\nwrote {args.json}")
-    if args.plot:
-        width, height = bm.plot_speedups(out["sizes"], args.plot, machine)
-        print(f"wrote {args.plot} ({width}x{height} pixels)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# One command for whoever is lent a GPU for a few minutes: the GPU tests, then the benchmark at
-# the tutorial size (every implementation: eager, torch.compile default and reduce-overhead, our
-# cell and the reference captured in CUDA graphs, nn.LSTMCell), in bfloat16 (ours, the eager
-# reference and nn.LSTMCell, tutorial and large size), over whole sequences (against
-# stepped cells and cuDNN's nn.LSTM), at the large sizes (kernel bandwidth and GEMM share), and a
-# profile of the host time per step (what decides small sizes).
-# Writes text and JSON into DIR (default: $OUT if set, else ./gpu_check_results): 8 files.
-# Needs python3 with torch (CUDA), cupy and pytest; installs nothing.
+# One command for whoever is lent a GPU for a few minutes: its prerequisites, the GPU tests
+# (first those that compile nothing, then the torch.compile / reduce-overhead ones), then the
+# benchmark at the tutorial size (every implementation: eager, torch.compile default and
+# reduce-overhead, our cell and the reference captured in CUDA graphs, nn.LSTMCell), in
+# bfloat16 (ours, the eager reference and nn.LSTMCell, tutorial and large size), over whole
+# sequences (against stepped cells and cuDNN's nn.LSTM), at the large sizes (kernel bandwidth
+# and GEMM share), and a profile of the host time per step (what decides small sizes).
+# Writes 8 files into DIR (default: $OUT if set, else ./gpu_check_results): env.txt,
+# gpu_tests.txt, benchmark.txt (with the profiles), summary.txt and four JSON files, each JSON
+# rewritten after every size. CuPy's kernel cache goes to DIR/cupy_cache unless CUPY_CACHE_DIR
+# is set (set it outside DIR where only a few files may come back from DIR).
+# Needs python3 with torch (CUDA), cupy, pytest, hypothesis and mpmath; installs nothing.
 #
 # The whole check finishes within 5 minutes, hard limits included: one deadline (BUDGET_S,
 # default 290 s from the start) caps every step, in order of importance, each also capped at
-# its own share; a step cut off by the deadline is reported as such and fails the check.
+# its own share. Every step's result (passed, failed, cut off, not run) and its seconds are in
+# the summary at the end; the exit status is 0 only if every step passed.
 #
 #   bash scripts/gpu_check.sh [DIR]
 set -uo pipefail
@@ -18,40 +23,87 @@ cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_check_results}}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-deadline=$(( $(date +%s) + ${BUDGET_S:-290} ))
+export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-$PWD/$out/cupy_cache}"
+start=$(date +%s)
+deadline=$(( start + ${BUDGET_S:-290} ))
 status=0
+summary=()
 
-# step CAP_S FILE CMD...: run CMD with a limit of min(CAP_S, time left), appending to FILE.
+# step NAME CAP_S FILE CMD...: run CMD with a limit of min(CAP_S, time left), appending to FILE.
 step() {
-  local cap=$1 file=$2; shift 2
-  local left=$(( deadline - $(date +%s) ))
+  local name=$1 cap=$2 file=$3; shift 3
+  local left=$(( deadline - $(date +%s) )) t0 result rc
   (( left < cap )) && cap=$left
   if (( cap < 5 )); then
-    echo "gpu_check: no time left for: $*" | tee -a "$file"; status=1; return
+    echo "gpu_check: no time left for: $*" | tee -a "$file"
+    status=1; summary+=("$(printf '%-24s %-10s %4s s' "$name" "not run" 0)"); return
   fi
+  t0=$(date +%s)
   timeout "$cap" "$@" 2>&1 | tee -a "$file"
-  local rc=${PIPESTATUS[0]}
-  if [ "$rc" -eq 124 ]; then echo "gpu_check: cut off after ${cap} s: $*" | tee -a "$file"; fi
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 124 ]; then
+    result="cut off"; echo "gpu_check: cut off after ${cap} s: $*" | tee -a "$file"
+  elif [ "$rc" -eq 0 ]; then result="passed"; else result="failed ($rc)"; fi
   [ "$rc" -eq 0 ] || status=1
+  summary+=("$(printf '%-24s %-10s %4s s' "$name" "$result" $(( $(date +%s) - t0 )))")
 }
 
-step 20 "$out/env.txt" python3 -c '
-import torch, cupy, numpy
-print("torch", torch.__version__, "cupy", cupy.__version__, "numpy", numpy.__version__)
-print("GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")'
-step 130 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests
-step 60 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda -b 16 -f 32 -s 128 -r 200 \
+# Prerequisites: stop early, naming what is missing, rather than report a run of skips.
+if ! python3 - >"$out/env.txt" 2>&1 <<'EOF'
+import importlib, sys
+missing = []
+for name in ("torch", "cupy", "pytest", "hypothesis", "mpmath"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "?"))
+    except Exception as exc:
+        missing.append(f"{name} ({type(exc).__name__}: {exc})")
+if not missing:
+    import cupy, numpy, torch
+    print("numpy", numpy.__version__, "python", sys.version.split()[0])
+    if not torch.cuda.is_available():
+        missing.append("a CUDA device for torch (torch.cuda.is_available() is False)")
+    else:
+        print("GPU:", torch.cuda.get_device_name(), "CUDA", torch.version.cuda)
+    try:
+        print("CuPy sees", cupy.cuda.runtime.getDeviceCount(), "GPU(s)")
+    except Exception as exc:
+        missing.append(f"a GPU for CuPy ({type(exc).__name__}: {exc})")
+if missing:
+    print("gpu_check: missing:", "; ".join(missing))
+    sys.exit(1)
+EOF
+then
+  cat "$out/env.txt"
+  echo "gpu_check: prerequisites missing; nothing else run"
+  exit 1
+fi
+cat "$out/env.txt"
+
+step "tests (no compile)" 100 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
+    -k "not compile" -p no:cacheprovider tests
+step "tests (compiled)" 70 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
+    -k "compile" -p no:cacheprovider tests
+step "bench tutorial" 45 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda -b 16 -f 32 \
+    -s 128 -r 200 \
     --impl reference,compiled,compiled-ro,reference-graph,cell,cell-graph,array,lstm \
     --json "$out/benchmark_tutorial.json"
-step 35 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --bf16 \
+step "bench bf16" 25 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --bf16 \
     --sizes 16x32x128,4096x1024x1024 -r 30 --impl reference,cell,cell-graph,lstm \
     --json "$out/benchmark_bf16.json"
-step 25 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --sequence -r 10 \
-    --json "$out/benchmark_sequence.json"
-step 20 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda \
+step "bench sequence" 20 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --sequence \
+    -r 10 --json "$out/benchmark_sequence.json"
+step "bench large" 15 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda \
     --sizes 1024x1024x1024,4096x1024x1024 -r 30 --impl reference,cell,cell-graph,array,lstm \
     --json "$out/benchmark_large.json"
-step 8 "$out/profile.txt" python3 scripts/profile_step.py --cuda --top 25
-step 8 "$out/profile.txt" python3 scripts/profile_step.py --cuda --sequence --top 25
-echo "gpu_check: exit status $status; $(( ${BUDGET_S:-290} - (deadline - $(date +%s)) )) s; results in $out"
+step "profile cell" 6 "$out/benchmark.txt" python3 scripts/profile_step.py --cuda --top 25
+step "profile sequence" 6 "$out/benchmark.txt" python3 scripts/profile_step.py --cuda \
+    --sequence --top 25
+
+{
+  echo
+  echo "gpu_check summary ($(( $(date +%s) - start )) s of ${BUDGET_S:-290} s; results in $out):"
+  printf '  %s\n' "${summary[@]}"
+  echo "gpu_check: exit status $status"
+} | tee "$out/summary.txt"
 exit "$status"

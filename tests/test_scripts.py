@@ -107,17 +107,43 @@ def test_a_failing_gradcheck_is_reported_as_a_failure():
 
 
 def test_benchmark_in_bfloat16(tmp_path):
-    """--bf16: the torch implementations in bfloat16, the array API reported as not run."""
+    """--bf16: the torch implementations in bfloat16."""
     import json
 
     out = tmp_path / "bench.json"
     proc = script("benchmark.py", "--bf16", "-b", "4", "-f", "3", "-s", "5", "-r", "3",
-                  "--warmup", "1", "--impl", "reference,cell,array", "--quiet", "--json", str(out))
+                  "--warmup", "1", "--impl", "reference,cell", "--quiet", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (record,) = json.loads(out.read_text())["sizes"]
     assert record["dtype"] == "bfloat16"
     assert set(record["results"]) == {"reference", "cell"}
+
+
+@pytest.mark.parametrize("flags,impl,words", [
+    (["--bf16"], "array", "no bfloat16"),
+    (["--all-grads"], "cell-floor", "parameter-gradient case only"),
+    ([], "cell-graph", "needs CUDA"),
+])
+def test_benchmark_fails_when_a_named_implementation_cannot_run(flags, impl, words):
+    proc = script("benchmark.py", *flags, "-b", "4", "-f", "3", "-s", "5", "-r", "2",
+                  "--warmup", "1", "--impl", f"reference,{impl}", "--quiet")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"benchmark.py: {impl} cannot run" in proc.stderr and words in proc.stderr
+
+
+def test_benchmark_skips_an_unnamed_implementation_with_the_reason(capsys):
+    """Only implementations the caller did not name may be skipped, and the reason is printed
+    and recorded."""
+    pytest.importorskip("torch")
+    from lltm_cupy import benchmark as bm
+
+    cfg = bm.Config(4, 3, 5, bf16=True, runs=2, warmup=1)
+    record = bm.run_size(cfg, ["reference", "array"], quiet=True)
+    assert set(record["results"]) == {"reference"}
     assert "no bfloat16" in record["skipped"]["array"]
+    assert "array: not run (the array API has no bfloat16" in capsys.readouterr().err
+    with pytest.raises(bm.ImplementationError, match="array cannot run"):
+        bm.run_size(cfg, ["reference", "array"], quiet=True, strict=True)
 
 
 def _png_size(path):
@@ -203,3 +229,16 @@ def test_ab_backend_names_a_revision_it_cannot_read():
     proc = script("ab_backend.py", "--base", "no-such-revision", "--seconds", "0.1")
     assert proc.returncode != 0
     assert "cannot read lltm_cupy/_numpy.py at 'no-such-revision'" in proc.stderr
+
+
+def test_gpu_check_without_a_gpu_names_what_is_missing_and_fails(tmp_path):
+    from conftest import gpu_unavailable_reason
+
+    if not gpu_unavailable_reason():
+        pytest.skip("a GPU is present: gpu_check.sh would run the whole check")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "prerequisites missing; nothing else run" in proc.stdout
+    assert "gpu_check: missing:" in (tmp_path / "env.txt").read_text()
+    assert not (tmp_path / "gpu_tests.txt").exists()
