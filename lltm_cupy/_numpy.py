@@ -55,10 +55,9 @@ def _project(x, w, bias, mm, steps, batch):
 def _d_tanh(c, out):
     """tanh'(c) = (1 / cosh(c))^2 into ``out``: relatively accurate where 1 - tanh(c)^2 cancels
     (|tanh c| near 1). cosh overflows to inf for |c| > ~710 (float64) / ~89 (float32), where the
-    exact value underflows to 0 anyway (1 / inf = 0); NumPy's overflow warning is silenced for
-    that one call. The square comes after the reciprocal, so it can only underflow (silently)."""
-    with np.errstate(over="ignore"):
-        np.cosh(c, out)
+    exact value underflows to 0 anyway (1 / inf = 0). The square comes after the reciprocal, so
+    it can only underflow."""
+    np.cosh(c, out)
     np.reciprocal(out, out)
     np.square(out, out)
 
@@ -94,7 +93,8 @@ def _activate(z, old_cell, new_h, new_cell, factors) -> None:
     q, p = qp[:2], qp[2:]
     io = p[:2]
     np.minimum(z, _ZERO[z.dtype], out=p)
-    np.subtract(io, z[:2], q)               # min(z, 0) - z = -max(z, 0), exactly
+    np.maximum(z[:2], _ZERO[z.dtype], out=q)
+    np.negative(q, q)                       # -max(z, 0) (min(z, 0) - z is NaN at z = -inf)
     g = z[0]                                # z_i is no longer needed
     np.expm1(p[2], g)
     np.maximum(g, z[2], out=g)              # candidate_cell = elu(z_c) (expm1(z) > z for z < 0)
@@ -144,7 +144,30 @@ def _gate_major_to_rows(d_gates, out) -> None:
     np.copyto(out.reshape(batch, 3, state), d_gates.transpose(1, 0, 2))
 
 
+# Every entry point runs under np.errstate(all="ignore"): infinities and NaN in the arguments
+# give IEEE results (the reference's), and the library, not NumPy, decides what is an error.
+
 def forward(input, weights, bias, old_h, old_cell, mm=np.matmul):
+    with np.errstate(all="ignore"):
+        return _forward(input, weights, bias, old_h, old_cell, mm)
+
+
+def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
+    with np.errstate(all="ignore"):
+        return _backward(grad_h, grad_cell, saved, needed, mm)
+
+
+def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul):
+    with np.errstate(all="ignore"):
+        return _forward_sequence(inputs, weights, bias, h0, c0, mm)
+
+
+def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, mm=np.matmul):
+    with np.errstate(all="ignore"):
+        return _backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm)
+
+
+def _forward(input, weights, bias, old_h, old_cell, mm):
     batch, state = old_h.shape
     X = np.concatenate((old_h, input), axis=1)
     z = _project(X, weights, bias, mm, 1, batch)[0]
@@ -155,7 +178,7 @@ def forward(input, weights, bias, old_h, old_cell, mm=np.matmul):
     return new_h, new_cell, LLTMSaved("numpy", X, factors, new_cell, weights, tuple(bias.shape))
 
 
-def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
+def _backward(grad_h, grad_cell, saved, needed, mm):
     factors, new_cell, X, weights = saved.gates, saved.new_cell, saved.X, saved.weights
     batch, state = new_cell.shape
     dtype = new_cell.dtype
@@ -173,7 +196,7 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
     )
 
 
-def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul):
+def _forward_sequence(inputs, weights, bias, h0, c0, mm):
     steps, batch, features = inputs.shape
     state = h0.shape[1]
     x = inputs.reshape(steps * batch, features)
@@ -197,7 +220,7 @@ def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul):
     return hs[1:], h_n, c_n, saved
 
 
-def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, mm=np.matmul):
+def _backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
     x, hs, factors, cells, weights = (saved.inputs, saved.hs, saved.gates, saved.cells,
                                       saved.weights)
     steps, batch, state = cells.shape

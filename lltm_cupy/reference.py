@@ -1,32 +1,47 @@
 """The naive float64 NumPy transcription of the tutorial's LLTM note: the spec for every test.
 
-Deliberately unoptimised and written to read like the C++ of
-``shared/seed/lltm_gradients_note.txt``, with its two defects corrected:
-``d_sigmoid`` is defined (``s * (1 - s)``), and ``d_elu(0) == 1`` as PyTorch's autograd gives
-(the note's version gives 0 there). Everything is computed in float64 whatever the input dtype.
+Deliberately unoptimised and written to read like the C++ of the tutorial's note (the note's
+``lltm_forward`` / ``lltm_backward``), with its defects corrected:
 
-Overflow of ``exp`` in the naive formulas is silenced on purpose: for |z| up to about 1e4 the
-overflowed intermediates (``inf``) still give the right limits (``1 / (1 + inf) == 0``), and the
-point of this module is to look like the math, not to be robust. The backends are the robust ones.
+- ``d_sigmoid`` is defined; ``d_elu(0) == 1``, as PyTorch's autograd gives (the note's version
+  gives 0 there);
+- ``sigmoid``, ``d_sigmoid``, ``elu`` and ``d_tanh`` are evaluated in forms with the same
+  value that keep it in floating point: the tutorial's ``s * (1 - s)`` and ``1 - tanh(z)^2``
+  are exactly 0 once ``s`` or ``tanh`` rounds to 1 (|z| > 37 and > 19 in float64) although the
+  true values (e^-37, 4 e^-38) are far from 0, ``1 / (1 + exp(-z))`` is 0 below z = -709,
+  where the value (e^z) is still representable, and ``exp(z) - 1`` is 0 for tiny z, where the
+  value is z (``expm1``). A spec that rounds a value to 0 would also say ``inf * 0 = NaN``
+  where the limit is infinite.
+
+Everything is computed in float64 whatever the input dtype. IEEE arithmetic gives the limits
+at infinities (sigmoid(-inf) = 0, elu(-inf) = -1, tanh'(inf) = 0) and NaN for the
+indeterminate forms (inf * 0, inf - inf); NumPy's warnings about them are silenced here.
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["lltm_forward", "lltm_backward", "lltm_backward_gates", "sigmoid", "d_sigmoid", "elu", "d_elu", "d_tanh"]
+__all__ = ["lltm_forward", "lltm_backward", "lltm_backward_gates", "sigmoid", "d_sigmoid", "elu",
+           "d_elu", "d_tanh"]
+
+_QUIET = dict(over="ignore", invalid="ignore", divide="ignore", under="ignore")
 
 
 def sigmoid(z):
-    return 1.0 / (1.0 + np.exp(-z))
+    # 1 / (1 + exp(-z)), from e = exp(-|z|): no overflow, and no underflow before the value's
+    e = np.exp(-np.abs(z))
+    return np.where(z >= 0, 1.0, e) / (1.0 + e)
 
 
 def d_sigmoid(z):
-    s = sigmoid(z)
-    return s * (1.0 - s)
+    # s * (1 - s) = e / (1 + e)^2 with e = exp(-|z|)
+    e = np.exp(-np.abs(z))
+    return e / (1.0 + e) ** 2
 
 
 def elu(z, alpha=1.0):
-    return np.where(z > 0, z, alpha * (np.exp(z) - 1.0))
+    # alpha * (exp(z) - 1) as expm1: exp(z) - 1 is 0 for |z| < 1e-16, where the value is z
+    return np.where(z > 0, z, alpha * np.expm1(z))
 
 
 def d_elu(z, alpha=1.0):
@@ -35,7 +50,9 @@ def d_elu(z, alpha=1.0):
 
 
 def d_tanh(z):
-    return 1.0 - np.tanh(z) ** 2
+    # 1 - tanh(z)^2 = (1 / cosh(z))^2, the reciprocal first: cosh(z)^2 overflows for |z| > 355,
+    # where the value is still representable (cosh itself overflows where the value underflows)
+    return (1.0 / np.cosh(z)) ** 2
 
 
 def _f64(a):
@@ -48,7 +65,7 @@ def lltm_forward(input, weights, bias, old_h, old_cell):
     input: (batch, features); weights: (3*state, state + features); bias: (3*state,) or
     (1, 3*state); old_h, old_cell: (batch, state). All results are float64.
     """
-    with np.errstate(over="ignore"):
+    with np.errstate(**_QUIET):
         input, weights, old_h, old_cell = map(_f64, (input, weights, old_h, old_cell))
         bias = _f64(bias).reshape(-1)
         X = np.concatenate([old_h, input], axis=1)
@@ -69,7 +86,7 @@ def lltm_backward_gates(grad_h, grad_cell, new_cell, input_gate, output_gate, ca
     d_gates: (batch, 3*state), the gradient w.r.t. the gate pre-activations
     [input | output | candidate]; d_new_cell: (batch, state), which is also d_old_cell.
     """
-    with np.errstate(over="ignore"):
+    with np.errstate(**_QUIET):
         grad_h, grad_cell = _f64(grad_h), _f64(grad_cell)
         d_output_gate = np.tanh(new_cell) * grad_h
         d_tanh_new_cell = output_gate * grad_h
@@ -97,9 +114,10 @@ def lltm_backward(grad_h, grad_cell, new_cell, input_gate, output_gate, candidat
     d_gates, d_new_cell = lltm_backward_gates(grad_h, grad_cell, new_cell, input_gate,
                                               output_gate, candidate_cell, gate_weights)
     d_old_cell = d_new_cell
-    d_weights = d_gates.T @ X
-    d_bias = d_gates.sum(axis=0)
-    d_X = d_gates @ _f64(weights)
+    with np.errstate(**_QUIET):
+        d_weights = d_gates.T @ X
+        d_bias = d_gates.sum(axis=0)
+        d_X = d_gates @ _f64(weights)
     state_size = new_cell.shape[1]
     d_old_h = d_X[:, :state_size]
     d_input = d_X[:, state_size:]

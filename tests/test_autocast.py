@@ -6,6 +6,9 @@ Gradients reach float32 parameters in float32. The CUDA cases are GPU tests.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
@@ -47,7 +50,35 @@ def _step(model, run, xs, target, autocast, device):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@contextlib.contextmanager
+def _fresh_compile():
+    """torch.compile with nothing reused from an earlier test: Dynamo reset, and torch's
+    compile caches kept out. On torch < 2.13 the AOTAutograd cache (on by default, on disk)
+    keys on whether autocast is on but not on its dtype, so a graph compiled under bfloat16
+    autocast is silently reused under float16 autocast (and Dynamo 2.5 does not recompile when
+    only the autocast dtype changes)."""
+    import torch._dynamo
+
+    patches = contextlib.ExitStack()
+    for module, name in (("torch._functorch.config", "enable_autograd_cache"),
+                         ("torch._inductor.config", "fx_graph_cache")):
+        config = importlib.import_module(module)
+        if hasattr(config, name):
+            patches.enter_context(config.patch(**{name: False}))
+    torch._dynamo.reset()
+    with patches:
+        yield
+    torch._dynamo.reset()
+
+
 def _compare(device, sequence, compiled, autocast, expect_cell_dtype, rtol):
+    if compiled:
+        with _fresh_compile():
+            return _compare_once(device, sequence, compiled, autocast, expect_cell_dtype, rtol)
+    return _compare_once(device, sequence, compiled, autocast, expect_cell_dtype, rtol)
+
+
+def _compare_once(device, sequence, compiled, autocast, expect_cell_dtype, rtol):
     torch.manual_seed(7)
     model = Model(sequence, device)
     run = torch.compile(model, fullgraph=True) if compiled else model

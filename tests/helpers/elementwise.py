@@ -22,10 +22,11 @@ def run_numpy(inputs, dtype) -> dict:
     z = np.stack([a["z_i"], a["z_o"], a["z_c"]]).reshape(3, 1, n)
     new_h, new_cell = np.empty((1, n), dtype), np.empty((1, n), dtype)
     factors = np.empty((4, 1, n), dtype)
-    _numpy._activate(z, a["old_cell"].reshape(1, n), new_h, new_cell, factors)
     d = np.empty((3, 1, n), dtype)
-    d_new_cell = _numpy._d_gates(a["grad_h"].reshape(1, n), a["grad_cell"].reshape(1, n),
-                                 factors, d)
+    with np.errstate(all="ignore"):     # as the backend's entry points run them
+        _numpy._activate(z, a["old_cell"].reshape(1, n), new_h, new_cell, factors)
+        d_new_cell = _numpy._d_gates(a["grad_h"].reshape(1, n), a["grad_cell"].reshape(1, n),
+                                     factors, d)
     return _named(new_h, new_cell, d_new_cell, d[0], d[1], d[2])
 
 
@@ -36,20 +37,28 @@ def run_kernels(lib, inputs, dtype, grid=3, block=7) -> dict:
     n = a["z_i"].size
     gates = np.concatenate([a["z_i"], a["z_o"], a["z_c"]]).reshape(1, 3 * n)
     bias = np.zeros(3 * n, dtype)
-    new_h, new_cell = np.full((1, n), np.nan, dtype), np.full((1, n), np.nan, dtype)
+    new_h, new_cell = _unwritten((1, n), dtype), _unwritten((1, n), dtype)
     suffix = SUFFIX[np.dtype(dtype)]
     getattr(lib, f"lltm_fwd_{suffix}")(
         ctypes.c_uint(grid), ctypes.c_uint(block), ptr(gates), ptr(bias),
         ptr(a["old_cell"].reshape(1, n)), ptr(new_h), ptr(new_cell), ctypes.c_longlong(n),
         ctypes.c_int(n))
-    d_gates = np.full((1, 3 * n), np.nan, dtype)
-    d_old_cell = np.full((1, n), np.nan, dtype)
+    d_gates = _unwritten((1, 3 * n), dtype)
+    d_old_cell = _unwritten((1, n), dtype)
     getattr(lib, f"lltm_bwd_{suffix}")(
         ctypes.c_uint(grid), ctypes.c_uint(block), ptr(a["grad_h"].reshape(1, n)),
         ptr(a["grad_cell"].reshape(1, n)), ptr(gates), ptr(new_cell), ptr(d_gates),
         ptr(d_old_cell), ctypes.c_int(1), ctypes.c_int(1), ctypes.c_longlong(n), ctypes.c_int(n))
     d = d_gates.reshape(3, n)
     return _named(new_h, new_cell, d_old_cell, d[0], d[1], d[2])
+
+
+def _unwritten(shape, dtype):
+    """An output buffer filled with NaN (for bfloat16 bits, a NaN's bit pattern), so that an
+    element the kernel does not write cannot pass as a result."""
+    if np.dtype(dtype).kind == "u":
+        return np.full(shape, 0x7FC1, dtype)
+    return np.full(shape, np.nan, dtype)
 
 
 def _named(new_h, new_cell, d_old_cell, d_i, d_o, d_c) -> dict:

@@ -141,7 +141,10 @@ class ndarray(np.ndarray):
     """A NumPy array posing as a CuPy array on device 0, over memory from ``_alloc``."""
 
     def __array_finalize__(self, obj):
+        # Every view keeps the allocation alive (NumPy collapses a view's .base to the buffer,
+        # which does not own the memory).
         self._memory = getattr(obj, "_memory", None)
+        self._memptr = getattr(obj, "_memptr", None)
 
     @property
     def device(self):
@@ -168,10 +171,11 @@ class ndarray(np.ndarray):
         _state.compile(ufunc.__name__, method, _layout(*(a for a in args
                                                          if isinstance(a, np.ndarray))),
                        str(kwargs.get("dtype")), str(kwargs.get("axis")))
-        if out is not None:
-            getattr(ufunc, method)(*args, out=tuple(np.asarray(o) for o in out), **kwargs)
-            return out[0] if len(out) == 1 else out
-        return _adopt(getattr(ufunc, method)(*args, **kwargs))
+        with np.errstate(all="ignore"):     # CuPy computes IEEE results and never warns
+            if out is not None:
+                getattr(ufunc, method)(*args, out=tuple(np.asarray(o) for o in out), **kwargs)
+                return out[0] if len(out) == 1 else out
+            return _adopt(getattr(ufunc, method)(*args, **kwargs))
 
     def __setitem__(self, key, value):
         _state.log.append("copy")
