@@ -30,12 +30,18 @@ def _backend(name: str):
 
 
 def _needed(needed) -> tuple:
+    """``needed``: None, or any iterable of 5 booleans (list, tuple, generator, array)."""
     if needed is None:
         return (True,) * 5
-    if len(needed) != 5:
+    try:
+        values = tuple(needed)
+    except TypeError:
+        raise TypeError(f"lltm_cupy: needed must be an iterable of 5 booleans (one per gradient "
+                        f"field), got {type(needed).__qualname__}") from None
+    if len(values) != 5:
         raise ValueError(f"lltm_cupy: needed must hold 5 booleans (one per gradient field), "
-                         f"got {len(needed)}")
-    return tuple(map(bool, needed))
+                         f"got {len(values)}")
+    return tuple(map(bool, values))
 
 
 def forward(input, weights, bias, old_h, old_cell):
@@ -49,7 +55,13 @@ def forward(input, weights, bias, old_h, old_cell):
 
     All NumPy (float32, float64) or all CuPy on one GPU (float16, float32, float64), one dtype.
     ``new_h`` and ``new_cell`` are (batch, state) in the input dtype; ``saved`` is an
-    :class:`LLTMSaved` to pass to :func:`backward`. No argument is modified.
+    :class:`LLTMSaved` to pass to :func:`backward`. No argument is modified. Infinities and NaN
+    give the float64 reference's values (``lltm_cupy.reference``), with no NumPy warning.
+
+    Warning: ``saved`` refers to ``weights`` (no copy, which would cost as much as the step's
+    GEMM): modifying the weights in place between this call and :func:`backward` silently gives
+    wrong gradients. Update the weights after the backward (as optimisers do), or pass a copy.
+    The torch layer (``lltm_cupy.torch``) detects such a change and raises.
     """
     backend = check_forward(input, weights, bias, old_h, old_cell)
     return _backend(backend).forward(input, weights, bias, old_h, old_cell)
@@ -84,6 +96,9 @@ def forward_sequence(inputs, weights, bias, h0, c0):
     ``c_n`` (batch, state) are the final state. Equal to stepping :func:`forward` ``steps`` times,
     but with the input projection of all steps in one GEMM and per step one recurrent GEMM plus
     the fused kernel. Same array, dtype and device rules as :func:`forward`; steps may be 0.
+
+    Warning: ``saved`` refers to ``weights`` and, when contiguous, to ``inputs``: do not modify
+    them in place before :func:`backward_sequence` (the gradients would be silently wrong).
     """
     backend = check_forward_sequence(inputs, weights, bias, h0, c0)
     return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0)

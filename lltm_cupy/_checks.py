@@ -31,11 +31,23 @@ def _kind(x) -> str | None:
     return None
 
 
+def _refuse_subclass(name: str, x) -> None:
+    """ndarray subclasses whose meaning the backend would drop: masked arrays (the mask) and
+    np.matrix (2-D-only semantics, ``*`` as a matrix product)."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"lltm_cupy: {name} is a masked array, and the mask would be ignored; "
+                        f"pass np.ma.filled({name}, value) or {name}.data if that is meant")
+    if isinstance(x, np.matrix):
+        raise TypeError(f"lltm_cupy: {name} is a numpy.matrix; pass np.asarray({name})")
+
+
 def array_backend(named: dict) -> str:
     """Return "numpy" or "cupy" for a dict {name: array}; TypeError for anything else or a mix."""
     kinds = {}
     for name, x in named.items():
         k = _kind(x)
+        if k == "numpy" and type(x) is not np.ndarray:
+            _refuse_subclass(name, x)
         if k is None:
             raise TypeError(
                 f"lltm_cupy: {name} must be a numpy.ndarray or a cupy.ndarray, "
@@ -69,12 +81,46 @@ def _expect_shape(name: str, x, expected: tuple, meaning: str) -> None:
 
 
 def _check_weights_and_bias(weights, bias, state, features, state_from, features_from) -> None:
-    _expect_shape("weights", weights, (3 * state, state + features),
-                  f"(3 * state, state + features) with state from {state_from} and features "
-                  f"from {features_from}")
+    """weights (3 * state, state + features) and bias, with state and features taken from the
+    arguments named: the message names the argument most likely wrong (for a module's fixed
+    weights, the input or the state)."""
+    if weights.ndim != 2:
+        raise ValueError(f"lltm_cupy: weights must be 2-D (3 * state, state + features), got "
+                         f"shape {tuple(weights.shape)}")
+    rows, cols = weights.shape
+    expected = (3 * state, state + features)
+    if (rows, cols) != expected:
+        if rows == 3 * state:    # the state agrees: the input's width is off, or the weights
+            raise ValueError(
+                f"lltm_cupy: {features_from} has {features} features, but weights of shape "
+                f"{(rows, cols)} with state {state} (from {state_from}) take {cols - state}: "
+                f"weights must have shape {expected} (3 * state, state + features), "
+                f"got {(rows, cols)}")
+        if rows % 3 == 0 and cols - rows // 3 == features:   # the input agrees: the state is off
+            raise ValueError(
+                f"lltm_cupy: {state_from} has {state} state columns, but weights of shape "
+                f"{(rows, cols)} are for state {rows // 3}: weights must have shape {expected} "
+                f"(3 * state, state + features), got {(rows, cols)}")
+        _expect_shape("weights", weights, expected,
+                      f"(3 * state, state + features) with state from {state_from} and features "
+                      f"from {features_from}")
     if tuple(bias.shape) not in ((3 * state,), (1, 3 * state)):
         raise ValueError(f"lltm_cupy: bias must have shape ({3 * state},) or (1, {3 * state}) "
                          f"(3 * state), got {tuple(bias.shape)}")
+
+
+def _check_state(h_name, c_name, h, c, batch, batch_from) -> int:
+    """h, c (batch, state); returns state."""
+    if h.ndim != 2:
+        raise ValueError(f"lltm_cupy: {h_name} must be 2-D (batch, state), got shape "
+                         f"{tuple(h.shape)}")
+    state = h.shape[1]
+    if h.shape[0] != batch:
+        raise ValueError(f"lltm_cupy: {h_name} has batch {h.shape[0]} but {batch_from} has "
+                         f"batch {batch}: {h_name} must have shape {(batch, state)} "
+                         f"(batch, state) with batch from {batch_from}, got {tuple(h.shape)}")
+    _expect_shape(c_name, c, (batch, state), f"(batch, state) like {h_name}")
+    return state
 
 
 def _check_device(named: dict) -> None:
@@ -88,12 +134,8 @@ def check_shapes(input, weights, bias, old_h, old_cell) -> None:
     """Shape checks of the forward arguments (anything with .ndim and .shape, torch tensors too)."""
     if input.ndim != 2:
         raise ValueError(f"lltm_cupy: input must be 2-D (batch, features), got shape {tuple(input.shape)}")
-    if old_h.ndim != 2:
-        raise ValueError(f"lltm_cupy: old_h must be 2-D (batch, state), got shape {tuple(old_h.shape)}")
     batch, features = input.shape
-    state = old_h.shape[1]
-    _expect_shape("old_h", old_h, (batch, state), "(batch, state) with batch from input")
-    _expect_shape("old_cell", old_cell, (batch, state), "(batch, state) like old_h")
+    state = _check_state("old_h", "old_cell", old_h, old_cell, batch, "input")
     _check_weights_and_bias(weights, bias, state, features, "old_h", "input")
 
 
@@ -152,11 +194,7 @@ def check_sequence_shapes(inputs, weights, bias, h0, c0) -> None:
         raise ValueError(f"lltm_cupy: inputs must be 3-D (steps, batch, features), got shape "
                          f"{tuple(inputs.shape)}")
     steps, batch, features = inputs.shape
-    if h0.ndim != 2:
-        raise ValueError(f"lltm_cupy: h0 must be 2-D (batch, state), got shape {tuple(h0.shape)}")
-    state = h0.shape[1]
-    _expect_shape("h0", h0, (batch, state), "(batch, state) with batch from inputs")
-    _expect_shape("c0", c0, (batch, state), "(batch, state) like h0")
+    state = _check_state("h0", "c0", h0, c0, batch, "inputs")
     _check_weights_and_bias(weights, bias, state, features, "h0", "inputs")
 
 

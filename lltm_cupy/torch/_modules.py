@@ -37,13 +37,52 @@ class _CellBase(nn.Module):
         for weight in self.parameters():
             weight.data.uniform_(-stdv, stdv)
 
-    def _args(self, input: Tensor, state):
+    def _check_input(self, input, dims: str) -> None:
+        """input: a tensor of ``len(dims)`` dimensions whose last is input_features."""
+        name = type(self).__name__
+        if not isinstance(input, Tensor):
+            hint = (" (PackedSequence is not supported: pass the padded tensor)"
+                    if type(input).__name__ == "PackedSequence" else "")
+            raise TypeError(f"{name}: input must be a torch.Tensor {dims}, got "
+                            f"{type(input).__module__}.{type(input).__qualname__}{hint}")
+        if input.dim() != dims.count(",") + 1:
+            raise ValueError(f"{name}: input must be {dims.count(',') + 1}-D {dims}, got shape "
+                             f"{tuple(input.shape)}")
+        if input.shape[-1] != self.input_features:
+            raise ValueError(f"{name}: input has {input.shape[-1]} features, the module expects "
+                             f"{self.input_features} (input_features)")
+
+    def _state(self, state, batch: int, like: Tensor, layered_ok: bool = False):
+        """(h, c) from ``state``: None (zeros) or two tensors, each (batch, state_size) (or
+        (1, batch, state_size) where ``layered_ok``); clear errors for anything else."""
+        name = type(self).__name__
         if state is None:
-            zeros = input.new_zeros(input.shape[0], self.state_size)
-            state = (zeros, zeros)
-        old_h, old_cell = state
-        bias = self.bias if self.bias is not None else self.weights.new_zeros(3 * self.state_size)
-        return input, self.weights, bias, old_h, old_cell
+            zeros = like.new_zeros(batch, self.state_size)
+            return zeros, zeros
+        if isinstance(state, Tensor) or not isinstance(state, (tuple, list)):
+            raise TypeError(f"{name}: state must be a tuple (h, c) of two tensors or None, got "
+                            f"{'a single Tensor' if isinstance(state, Tensor) else type(state).__qualname__}")
+        if len(state) != 2:
+            raise ValueError(f"{name}: state must hold two tensors (h, c), got {len(state)}")
+        expected = (batch, self.state_size)
+        for part, t in zip("hc", state):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name}: {part} of state must be a torch.Tensor, got "
+                                f"{type(t).__qualname__}")
+            shape = tuple(t.shape)
+            if shape != expected and not (layered_ok and shape == (1, *expected)):
+                also = f" or {(1, *expected)}" if layered_ok else ""
+                raise ValueError(f"{name}: {part} of state must have shape {expected}{also} "
+                                 f"(batch, state_size), got {shape}")
+        return tuple(state)
+
+    def _bias(self):
+        return self.bias if self.bias is not None else self.weights.new_zeros(3 * self.state_size)
+
+    def _args(self, input: Tensor, state):
+        self._check_input(input, "(batch, input_features)")
+        old_h, old_cell = self._state(state, input.shape[0], input)
+        return input, self.weights, self._bias(), old_h, old_cell
 
     def extra_repr(self) -> str:
         return (f"input_features={self.input_features}, state_size={self.state_size}, "
@@ -63,6 +102,9 @@ class LLTMCell(_CellBase):
     """
 
     def forward(self, input: Tensor, state: Optional[tuple[Tensor, Tensor]] = None):
+        """One step: ``(h, c)``, each (batch, state_size), from ``input`` (batch,
+        input_features) and ``state`` = (h, c) of the same shapes (None: zeros). TypeError or
+        ValueError, naming the argument, for anything else."""
         return lltm(*self._args(input, state))
 
 
@@ -86,20 +128,18 @@ class LLTM(_CellBase):
         self.batch_first = batch_first
 
     def forward(self, input: Tensor, state: Optional[tuple[Tensor, Tensor]] = None):
+        self._check_input(input, "(batch, steps, input_features)" if self.batch_first
+                          else "(steps, batch, input_features)")
         if self.batch_first:
             input = input.transpose(0, 1)
-        if state is None:
-            zeros = input.new_zeros(input.shape[1], self.state_size)
-            state = (zeros, zeros)
+        state = self._state(state, input.shape[1], input, layered_ok=True)
         layered = state[0].dim() == 3  # nn.LSTM's (num_layers = 1, batch, state)
+        if layered != (state[1].dim() == 3):
+            raise ValueError(f"LLTM: h0 must be (batch, state) or (1, batch, state) like c0, got "
+                             f"{tuple(state[0].shape)} and {tuple(state[1].shape)}")
         if layered:
-            for name, t in zip(("h0", "c0"), state):
-                if t.dim() != 3 or t.shape[0] != 1:
-                    raise ValueError(f"LLTM: {name} must be (batch, state) or (1, batch, state) "
-                                     f"like both states, got {tuple(t.shape)}")
             state = (state[0][0], state[1][0])
-        bias = self.bias if self.bias is not None else self.weights.new_zeros(3 * self.state_size)
-        output, h_n, c_n = lltm_sequence(input, self.weights, bias, *state)
+        output, h_n, c_n = lltm_sequence(input, self.weights, self._bias(), *state)
         if self.batch_first:
             output = output.transpose(0, 1)
         if layered:
