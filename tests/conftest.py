@@ -135,3 +135,17 @@ def reference_results(case):
 def host_lib(tmp_path_factory):
     """The kernels of cuda_src/lltm.cu compiled as host C++ (ctypes library)."""
     return host_kernels.build(tmp_path_factory.mktemp("host_kernels"))
+
+
+@pytest.fixture
+def ieee_arithmetic(host_lib):
+    """IEEE arithmetic (subnormals kept) for one test, whatever a library loaded earlier set:
+    torch 2.5's compiled CPU kernels switch flush-to-zero / denormals-are-zero on for the
+    process, which would flush the subnormal cases of the accuracy tests."""
+    import ctypes
+
+    host_lib.lltm_host_ieee_mode.restype = ctypes.c_uint
+    previous = host_lib.lltm_host_ieee_mode()
+    yield
+    if previous & 0x8040:
+        host_lib.lltm_host_set_mxcsr(ctypes.c_uint(previous))

@@ -21,6 +21,7 @@ mpmath = pytest.importorskip("mpmath", reason="mpmath is not installed (pip inst
 from lltm_cupy import _numpy, exact  # noqa: E402
 from helpers import elementwise as ew  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("ieee_arithmetic")
 INPUT_NAMES = ("z_i", "z_o", "z_c", "old_cell", "grad_h", "grad_cell")
 BACKENDS = [("numpy", np.float32), ("numpy", np.float64), ("kernels", np.float16),
             ("kernels", np.float32), ("kernels", np.float64)]

@@ -24,7 +24,8 @@ from conftest import TOLERANCE, make_case
 from helpers import elementwise as ew
 from helpers import nonfinite
 
-pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+pytestmark = [pytest.mark.filterwarnings("error::RuntimeWarning"),
+              pytest.mark.usefixtures("ieee_arithmetic")]
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed (pip install .[test])")
 BF16 = np.dtype(np.uint16)   # the kernels' bfloat16 storage

@@ -51,3 +51,20 @@ extern "C" unsigned int lltm_bf16_to_float32_bits(unsigned short bits) {
 extern "C" unsigned short lltm_float32_bits_to_bf16(unsigned int u) {
   return lltm_float_to_bf16(lltm_bits_float(u)).bits;
 }
+
+// The floating-point mode of the calling thread: clear flush-to-zero and denormals-are-zero
+// (x86 MXCSR bits 15 and 6), which a library loaded into the process may have set (torch 2.5's
+// compiled CPU kernels do), so that the tests run IEEE arithmetic; returns the previous MXCSR
+// (0 where there is no MXCSR), for lltm_host_set_mxcsr to restore.
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+extern "C" unsigned int lltm_host_ieee_mode(void) {
+  const unsigned int previous = _mm_getcsr();
+  _mm_setcsr(previous & ~0x8040u);
+  return previous;
+}
+extern "C" void lltm_host_set_mxcsr(unsigned int value) { _mm_setcsr(value); }
+#else
+extern "C" unsigned int lltm_host_ieee_mode(void) { return 0; }
+extern "C" void lltm_host_set_mxcsr(unsigned int) {}
+#endif
