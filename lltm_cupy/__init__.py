@@ -12,6 +12,8 @@ imports neither CuPy nor torch and compiles nothing.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ._checks import (check_backward, check_backward_sequence, check_forward,
                       check_forward_sequence)
 from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
@@ -84,24 +86,40 @@ def backward(grad_h, grad_cell, saved, *, needed=None):
     return _backend(backend).backward(grad_h, grad_cell, saved, _needed(needed))
 
 
-def forward_sequence(inputs, weights, bias, h0, c0):
+def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False):
     """Run the cell over a whole sequence. Returns ``(outputs, h_n, c_n, saved)``.
 
     inputs: (steps, batch, features)
     weights: (3 * state, state + features), as for :func:`forward`
     bias: (3 * state,) or (1, 3 * state)
     h0, c0: (batch, state), the initial state
+    lengths: optional (batch,) integers in [0, steps] (a list, NumPy or CuPy array, or torch
+        tensor): sequence b runs its first ``lengths[b]`` steps; its outputs past them are zero
+        and its ``h_n``, ``c_n`` are its state after its last step (``h0``, ``c0`` for length 0)
+    reverse: run each sequence from its own last valid step back to step 0 (the reverse
+        direction of a bidirectional layer); outputs stay at their time positions
 
     ``outputs`` (steps, batch, state) holds the hidden state after every step; ``h_n`` and
     ``c_n`` (batch, state) are the final state. Equal to stepping :func:`forward` ``steps`` times,
     but with the input projection of all steps in one GEMM and per step one recurrent GEMM plus
     the fused kernel. Same array, dtype and device rules as :func:`forward`; steps may be 0.
+    With ``lengths`` (or ``reverse``) the batch runs packed, as ``PackedSequence`` lays it out
+    (sorted by length once; the caller's order comes back): each step's GEMM and kernel run on
+    the sequences still running only, so padded positions cost nothing.
 
     Warning: ``saved`` refers to ``weights`` and, when contiguous, to ``inputs``: do not modify
     them in place before :func:`backward_sequence` (the gradients would be silently wrong).
     """
     backend = check_forward_sequence(inputs, weights, bias, h0, c0)
-    return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0)
+    if lengths is None and not reverse:
+        return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0)
+    from . import _packing
+
+    steps, batch = inputs.shape[:2]
+    checked = (np.full(batch, steps, np.int64) if lengths is None
+               else _packing.check_lengths(lengths, steps, batch))
+    plan = _packing.plan(checked, steps, reverse=bool(reverse))
+    return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0, plan=plan)
 
 
 def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, *, needed=None):
@@ -109,7 +127,8 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, *, needed=None):
 
     grad_outputs: (steps, batch, state) gradient w.r.t. outputs, or None for zero
     grad_h_n, grad_c_n: (batch, state) gradients w.r.t. the final state, or None for zero
-    saved: what :func:`forward_sequence` returned, untouched
+    saved: what :func:`forward_sequence` returned, untouched (with ``lengths``, the gradients
+        at padded positions of ``grad_outputs`` are ignored, and ``d_inputs`` is zero there)
     needed: optional 5 booleans in the order of the fields below; a False field is returned as
         None and its GEMM or reduction is skipped (default: all computed)
 

@@ -209,7 +209,9 @@ def check_backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved):
     if not isinstance(saved, LLTMSequenceSaved):
         raise TypeError(f"lltm_cupy: saved must be the LLTMSequenceSaved returned by "
                         f"lltm_cupy.forward_sequence, got {type(saved).__qualname__}")
-    steps, batch, state = saved.cells.shape
+    state = saved.cells.shape[-1]
+    steps, batch = ((saved.plan.steps, len(saved.plan.perm)) if saved.plan is not None
+                    else saved.cells.shape[:2])
     return _check_gradients(
         {"grad_outputs": (grad_outputs, (steps, batch, state), "(steps, batch, state)"),
          "grad_h_n": (grad_h_n, (batch, state), "(batch, state)"),

@@ -157,13 +157,17 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
         return _backward(grad_h, grad_cell, saved, needed, mm)
 
 
-def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul):
+def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul, plan=None):
     with np.errstate(all="ignore"):
+        if plan is not None:
+            return _forward_packed(inputs, weights, bias, h0, c0, mm, plan)
         return _forward_sequence(inputs, weights, bias, h0, c0, mm)
 
 
 def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, mm=np.matmul):
     with np.errstate(all="ignore"):
+        if saved.plan is not None:
+            return _backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm)
         return _backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm)
 
 
@@ -259,3 +263,117 @@ def _backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
         d_inputs = mm(flat, weights[:, state:]).reshape(steps, batch, features)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c if need_c0 else None)
+
+
+# ------------------------------------------------------------------ variable-length sequences
+
+def _forward_packed(inputs, weights, bias, h0, c0, mm, plan):
+    """forward_sequence over the packed rows of ``plan`` (lltm_cupy._packing): per step only
+    the sequences still running, a prefix of the sorted batch."""
+    steps, batch, features = inputs.shape
+    state = h0.shape[1]
+    dtype = inputs.dtype
+    rows = plan.rows
+    x = inputs[plan.t_index, plan.b_index]                  # (N, F), one gather
+    # every packed row's input projection in one GEMM, bias added, in the GEMMs' row layout
+    projection = np.add(mm(x, np.ascontiguousarray(weights[:, state:].T)), bias.reshape(1, -1))
+    w_h_t = np.ascontiguousarray(weights[:, :state].T)
+    h0s, c0s = h0[plan.perm], c0[plan.perm]
+    out = np.empty((rows, state), dtype)
+    cells = np.empty((rows, state), dtype)
+    factors = np.empty(rows * 4 * state, dtype)
+    scratch = np.empty(3 * batch * state, dtype)
+    for tau, n in enumerate(plan.batch_sizes):
+        rows_t = plan.step(tau)
+        prev = plan.step(tau - 1) if tau else None
+        h_in = h0s[:n] if not tau else out[prev.start: prev.start + n]
+        c_in = c0s[:n] if not tau else cells[prev.start: prev.start + n]
+        z = scratch[: 3 * n * state].reshape(3, n, state)
+        np.add(projection[rows_t].reshape(n, 3, state).transpose(1, 0, 2),
+               mm(h_in, w_h_t).reshape(n, 3, state).transpose(1, 0, 2), z)
+        f = factors[4 * state * rows_t.start: 4 * state * rows_t.stop].reshape(4, n, state)
+        _activate(z, c_in, out[rows_t], cells[rows_t], f)
+    outputs = np.zeros((steps, batch, state), dtype)
+    outputs[plan.t_index, plan.b_index] = out
+    h_n, c_n = np.empty_like(h0s), np.empty_like(c0s)
+    ended = plan.last_row >= 0
+    h_sorted = np.where(ended[:, None], out[np.maximum(plan.last_row, 0)] if rows else h0s, h0s)
+    c_sorted = np.where(ended[:, None], cells[np.maximum(plan.last_row, 0)] if rows else c0s, c0s)
+    h_n[plan.perm], c_n[plan.perm] = h_sorted, c_sorted
+    saved = LLTMSequenceSaved("numpy", x, out, factors, cells, weights, tuple(bias.shape),
+                              plan=plan, h0=h0s)
+    return outputs, h_n, c_n, saved
+
+
+def _h_in_packed(saved):
+    """The hidden state each packed row's step read, (N, S): h0 for step 0, else a prefix of
+    the previous step's outputs."""
+    plan, out = saved.plan, saved.hs
+    parts = [saved.h0[: n] if not tau else out[plan.offsets[tau - 1]: plan.offsets[tau - 1] + n]
+             for tau, n in enumerate(plan.batch_sizes)]
+    return np.concatenate(parts) if parts else out[:0]
+
+
+def _backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
+    plan, x, factors, weights = saved.plan, saved.inputs, saved.gates, saved.weights
+    rows, state = saved.hs.shape
+    batch, features = len(plan.perm), x.shape[1]
+    dtype = saved.hs.dtype
+    zeros = np.zeros((batch, state), dtype)
+    # grad_h of every packed row: the outputs' gradient, the final state's at each sequence's
+    # last step, and (in the loop) what flows back from the next step
+    grad_h = (np.zeros((rows, state), dtype) if grad_outputs is None
+              else np.array(grad_outputs[plan.t_index, plan.b_index], dtype))
+    ended = plan.last_row >= 0
+    ghn = zeros if grad_h_n is None else grad_h_n[plan.perm]
+    gcn = None if grad_c_n is None else grad_c_n[plan.perm]
+    if grad_h_n is not None and ended.any():
+        grad_h[plan.last_row[ended]] += ghn[ended]
+    flat = np.empty((rows, 3 * state), dtype)
+    scratch = np.empty(3 * batch * state, dtype)
+    w_h = np.ascontiguousarray(weights[:, :state])
+    d_c = None
+    sizes = plan.batch_sizes
+    d_h_first = None
+    for tau in range(len(sizes) - 1, -1, -1):
+        n, nxt = sizes[tau], sizes[tau + 1] if tau + 1 < len(sizes) else 0
+        rows_t = plan.step(tau)
+        # the cell gradient entering step tau: from step tau + 1 for the rows still running
+        # there, the final state's for the rows that end here
+        if d_c is not None and nxt == n:
+            dc_in = d_c
+        elif d_c is None and gcn is None:
+            dc_in = None
+        else:
+            dc_in = np.empty((n, state), dtype)
+            dc_in[:nxt] = d_c if d_c is not None else 0
+            dc_in[nxt:] = gcn[nxt:n] if gcn is not None else 0
+        d_acts = scratch[: 3 * n * state].reshape(3, n, state)
+        f = factors[4 * state * rows_t.start: 4 * state * rows_t.stop].reshape(4, n, state)
+        d_c = _d_gates(grad_h[rows_t], dc_in, f, d_acts)
+        _gate_major_to_rows(d_acts, flat[rows_t])
+        if tau:
+            prev = plan.offsets[tau - 1]
+            grad_h[prev: prev + n] += mm(flat[rows_t], w_h)
+        else:
+            d_h_first = mm(flat[rows_t], w_h)
+    first = sizes[0] if sizes else 0
+    d_h0s, d_c0s = np.array(ghn), (zeros.copy() if gcn is None else np.array(gcn))
+    if first:
+        d_h0s[:first] = d_h_first
+        d_c0s[:first] = d_c
+    d_h0, d_c0 = np.empty_like(d_h0s), np.empty_like(d_c0s)
+    d_h0[plan.perm], d_c0[plan.perm] = d_h0s, d_c0s
+    need_x, need_w, need_b, need_h0, need_c0 = needed
+    d_weights = d_bias = d_inputs = None
+    if need_w:
+        d_weights = np.empty(weights.shape, dtype)
+        d_weights[:, :state] = mm(flat.T, _h_in_packed(saved))
+        d_weights[:, state:] = mm(flat.T, x)
+    if need_b:
+        d_bias = flat.sum(axis=0).reshape(saved.bias_shape)
+    if need_x:
+        d_inputs = np.zeros((plan.steps, batch, features), dtype)
+        d_inputs[plan.t_index, plan.b_index] = mm(flat, weights[:, state:])
+    return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
+                             d_c0 if need_c0 else None)

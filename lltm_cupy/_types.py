@@ -79,6 +79,10 @@ class LLTMSequenceSaved:
     cells: Any
     weights: Any
     bias_shape: tuple
+    #: variable lengths (``lengths=`` given): the packed layout (``lltm_cupy._packing.Plan``);
+    #: then inputs, hs (the outputs), gates and cells hold packed rows, and h0 is the sorted h0
+    plan: Any = None
+    h0: Any = None
 
     @property
     def dtype(self):
@@ -90,6 +94,10 @@ class LLTMSequenceSaved:
         return int(self.hs.nbytes + self.gates.nbytes + self.cells.nbytes)
 
     def __repr__(self) -> str:
+        if self.plan is not None:
+            return (f"LLTMSequenceSaved(backend={self.backend!r}, packed rows={self.plan.rows}, "
+                    f"batch={len(self.plan.perm)}, state={self.cells.shape[-1]}, "
+                    f"reverse={self.plan.reverse}, dtype={self.dtype}, nbytes={self.nbytes})")
         t, b, s = self.cells.shape
         return (f"LLTMSequenceSaved(backend={self.backend!r}, steps={t}, batch={b}, state={s}, "
                 f"dtype={self.dtype}, nbytes={self.nbytes})")

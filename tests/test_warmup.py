@@ -38,6 +38,14 @@ def _every_call(cupy, dtype, batch=16, features=32, state=128, steps=5):
         for grads in ((arr(t, batch, state), h, c), (None, None, None), (None, h, None),
                       (arr(t, batch, state), None, c)):
             _cupy.backward_sequence(*grads, saved)
+    from lltm_cupy import _packing
+
+    lengths = np.arange(batch) % (steps + 1)
+    for reverse in (False, True):
+        plan = _packing.plan(lengths, steps, reverse)
+        *_, saved = _cupy.forward_sequence(arr(steps, batch, features), w, b, h, c, plan=plan)
+        for grads in ((arr(steps, batch, state), h, c), (None, None, None), (None, h, None)):
+            _cupy.backward_sequence(*grads, saved)
 
 
 @pytest.mark.parametrize("name", DTYPES)

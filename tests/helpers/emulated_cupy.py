@@ -177,8 +177,20 @@ class ndarray(np.ndarray):
                 return out[0] if len(out) == 1 else out
             return _adopt(getattr(ufunc, method)(*args, **kwargs))
 
+    def __getitem__(self, key):
+        keys = key if isinstance(key, tuple) else (key,)
+        if any(isinstance(k, (np.ndarray, list)) for k in keys):   # advanced indexing: a gather
+            _state.log.append("copy")
+            _state.compile("gather", _layout(self))
+            plain = tuple(np.asarray(k) if isinstance(k, ndarray) else k for k in keys)
+            return _adopt(np.asarray(self)[plain if isinstance(key, tuple) else plain[0]])
+        return super().__getitem__(key)
+
     def __setitem__(self, key, value):
         _state.log.append("copy")
+        keys = key if isinstance(key, tuple) else (key,)
+        plain = tuple(np.asarray(k) if isinstance(k, ndarray) else k for k in keys)
+        key = plain if isinstance(key, tuple) else plain[0]
         target = np.asarray(self)[key]
         _state.compile("copy", _layout(value, target))
         np.asarray(self)[key] = np.asarray(value)
@@ -275,7 +287,7 @@ def _asfortranarray(a):
 
 def _concatenate(arrays, axis=0):
     result = np.concatenate([np.asarray(a) for a in arrays], axis=axis)
-    _state.compile("concatenate", _layout(*arrays))
+    _state.compile("concatenate", tuple(sorted(set(_layout(*arrays)))))   # not by count
     _state.log.extend(["copy"] * len(arrays))   # CuPy copies each input into its slice
     return _adopt(result)
 

@@ -1,0 +1,90 @@
+"""Variable-length sequences: the packed layout both backends run them in.
+
+A batch of sequences of lengths L_b <= T is run as ``torch.nn.utils.rnn.PackedSequence`` lays it
+out: the batch sorted by length, longest first (stable, so ties keep the caller's order), and
+step tau holding the ``batch_sizes[tau]`` sequences still running, which are a prefix of the
+sorted batch. The packed rows of step tau are rows ``offsets[tau] : offsets[tau + 1]``, N =
+sum(L_b) rows in all: the GEMMs and kernels do no work for padded positions, and every per-step
+operand (the rows still running, their state, their slice of the projection) is a contiguous
+prefix, so the CUDA kernels need nothing new.
+
+Row j of step tau is sequence ``perm[j]`` at time tau, or at time L - 1 - tau when ``reverse``
+(each sequence run from its own last valid step back to step 0): ``t_index`` / ``b_index`` say
+where each packed row lives in the caller's (T, B, ...) arrays, so that one gather packs the
+inputs and one scatter unpacks the outputs.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Plan", "plan"]
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    lengths: np.ndarray        # (B,) int64, the caller's order
+    perm: np.ndarray           # (B,) sorted position j -> batch index
+    batch_sizes: tuple         # per step tau, sequences still running (a prefix of perm)
+    offsets: tuple             # (steps + 1,) first packed row of each step
+    t_index: np.ndarray        # (N,) time of each packed row in the caller's arrays
+    b_index: np.ndarray        # (N,) batch index of each packed row
+    last_row: np.ndarray       # (B,) packed row of each sorted sequence's last step, -1 if L = 0
+    reverse: bool
+    steps: int                 # T of the caller's (T, B, ...) arrays
+
+    @property
+    def rows(self) -> int:
+        return self.offsets[-1]
+
+    def step(self, tau: int) -> slice:
+        return slice(self.offsets[tau], self.offsets[tau + 1])
+
+
+def check_lengths(lengths, steps: int, batch: int) -> np.ndarray:
+    """``lengths`` as (batch,) int64 on the host; TypeError/ValueError naming it otherwise."""
+    if hasattr(lengths, "get") and not isinstance(lengths, np.ndarray):   # a CuPy array
+        lengths = lengths.get()
+    elif hasattr(lengths, "detach"):                                      # a torch tensor
+        lengths = lengths.detach().cpu().numpy()
+    try:
+        values = np.asarray(lengths)
+    except Exception as exc:
+        raise TypeError(f"lltm_cupy: lengths must be a sequence of {batch} integers, got "
+                        f"{type(lengths).__qualname__}") from exc
+    if values.dtype == bool or not (np.issubdtype(values.dtype, np.integer) or (
+            values.dtype.kind == "O" and all(isinstance(v, int) or hasattr(v, "__index__")
+                                             for v in values.reshape(-1)))):
+        raise TypeError(f"lltm_cupy: lengths must hold integers, got dtype {values.dtype}")
+    if values.dtype.kind == "O":
+        values = np.array([operator.index(v) for v in values.reshape(-1)]).reshape(values.shape)
+    if values.shape != (batch,):
+        raise ValueError(f"lltm_cupy: lengths must have shape ({batch},) (one per sequence of "
+                         f"the batch), got {values.shape}")
+    if batch and (values.min() < 0 or values.max() > steps):
+        raise ValueError(f"lltm_cupy: lengths must lie in [0, {steps}] (steps), got "
+                         f"{values.min()} .. {values.max()}")
+    return values.astype(np.int64)
+
+
+def plan(lengths: np.ndarray, steps: int, reverse: bool = False) -> Plan:
+    """The packed layout of checked ``lengths`` (see the module docstring)."""
+    perm = np.argsort(-lengths, kind="stable")
+    sorted_lengths = lengths[perm]
+    longest = int(sorted_lengths[0]) if len(perm) else 0
+    batch_sizes = tuple(int(n) for n in (sorted_lengths[None, :] >
+                                         np.arange(longest)[:, None]).sum(axis=1))
+    offsets = (0, *np.cumsum(batch_sizes, dtype=np.int64).tolist())
+    tau = np.repeat(np.arange(longest), batch_sizes)
+    j = np.concatenate([np.arange(n) for n in batch_sizes]) if longest else np.zeros(0, np.int64)
+    b_index = perm[j]
+    t_index = lengths[b_index] - 1 - tau if reverse else tau
+    last_row = np.full(len(perm), -1, np.int64)
+    for t, n in enumerate(batch_sizes):          # the rows whose sequence ends at step t
+        nxt = batch_sizes[t + 1] if t + 1 < longest else 0
+        last_row[nxt:n] = offsets[t] + np.arange(nxt, n)
+    return Plan(lengths, perm, batch_sizes, tuple(int(o) for o in offsets),
+                t_index.astype(np.int64), b_index.astype(np.int64), last_row, bool(reverse),
+                int(steps))

@@ -1,0 +1,153 @@
+"""Variable-length sequences in the array API (forward_sequence(..., lengths, reverse)): every
+output, h_n, c_n and gradient against the float64 reference stepped over each sequence alone
+at its own length (reversed for reverse=True), on the NumPy backend and the emulated CuPy (the
+CUDA path's indexing, GEMMs and kernels on row prefixes)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lltm_cupy
+from lltm_cupy import reference
+from conftest import TOLERANCE, max_error
+
+NAMES = ("inputs", "weights", "bias", "h0", "c0")
+
+
+def _case(T, B, F, S, dtype, seed, bias_2d=False):
+    rng = np.random.default_rng(seed)
+    k = S + F
+    case = dict(inputs=rng.standard_normal((T, B, F)),
+                weights=rng.uniform(-1, 1, (3 * S, k)) / np.sqrt(k),
+                bias=rng.uniform(-1, 1, (1, 3 * S) if bias_2d else 3 * S),
+                h0=rng.uniform(-1, 1, (B, S)), c0=rng.standard_normal((B, S)),
+                grad_outputs=rng.standard_normal((T, B, S)),
+                grad_h_n=rng.standard_normal((B, S)), grad_c_n=rng.standard_normal((B, S)))
+    return {k: v.astype(dtype) for k, v in case.items()}
+
+
+def _one_sequence(case, b, length, reverse, grads):
+    """The float64 reference stepped over sequence b alone: outputs (T, S), h_n, c_n and the
+    gradients of its inputs (T, F), the weights, the bias, h0 and c0."""
+    T = case["inputs"].shape[0]
+    W = case["weights"].astype(np.float64)
+    bias = case["bias"].astype(np.float64).reshape(-1)
+    times = list(range(length))[::-1] if reverse else list(range(length))
+    h, c = case["h0"][b:b + 1].astype(np.float64), case["c0"][b:b + 1].astype(np.float64)
+    outputs = np.zeros((T, h.shape[1]))
+    caches = []
+    for t in times:
+        fwd = reference.lltm_forward(case["inputs"][t, b:b + 1], W, bias, h, c)
+        caches.append((t, fwd))
+        h, c = fwd[0], fwd[1]
+        outputs[t] = h[0]
+    g_out, g_h, g_c = grads
+    dh = np.zeros_like(h) if g_h is None else g_h[b:b + 1].astype(np.float64)
+    dc = np.zeros_like(c) if g_c is None else g_c[b:b + 1].astype(np.float64)
+    d_w, d_b = np.zeros_like(W), np.zeros_like(bias)
+    d_x = np.zeros((T, case["inputs"].shape[2]))
+    for t, fwd in reversed(caches):
+        gh = dh + (0 if g_out is None else g_out[t, b:b + 1])
+        d_old_h, d_input, dw, db, d_old_c = reference.lltm_backward(gh, dc, *fwd[1:], W)
+        d_w, d_b = d_w + dw, d_b + db
+        d_x[t] = d_input[0]
+        dh, dc = d_old_h, d_old_c
+    return outputs, h[0], c[0], d_x, d_w, d_b, dh[0], dc[0]
+
+
+def _reference(case, lengths, reverse, grads):
+    per = [_one_sequence(case, b, int(n), reverse, grads) for b, n in enumerate(lengths)]
+    outputs = np.stack([p[0] for p in per], axis=1)
+    d_inputs = np.stack([p[3] for p in per], axis=1)
+    stack = [np.stack([p[i] for p in per]) for i in (1, 2, 6, 7)]
+    d_w = sum(p[4] for p in per)
+    d_b = sum(p[5] for p in per).reshape(case["bias"].shape)
+    return [outputs, stack[0], stack[1], d_inputs, d_w, d_b, stack[2], stack[3]]
+
+
+OUT = ("outputs", "h_n", "c_n", "d_inputs", "d_weights", "d_bias", "d_h0", "d_c0")
+
+
+def _run(xp, case, lengths, reverse, grads):
+    a = {k: xp.asarray(v) for k, v in case.items()}
+    outputs, h_n, c_n, saved = lltm_cupy.forward_sequence(*(a[n] for n in NAMES),
+                                                          lengths=lengths, reverse=reverse)
+    g = lltm_cupy.backward_sequence(*(None if v is None else xp.asarray(v) for v in grads),
+                                    saved)
+    return [outputs, h_n, c_n, *g]
+
+
+LENGTHS = {
+    "unsorted with 0, 1, T and ties": [3, 0, 6, 1, 6, 3],
+    "all full": [6] * 6,
+    "all zero": [0] * 6,
+    "one long, rest 1": [1, 1, 6, 1, 1, 1],
+}
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("array", ["numpy", "emulated"])
+def test_lengths_match_each_sequence_alone(request, array, dtype, lengths, reverse):
+    xp = np if array == "numpy" else request.getfixturevalue("emulated_cupy")
+    case = _case(6, 6, 4, 5, dtype, seed=sum(lengths) + reverse, bias_2d=reverse)
+    grads = (case["grad_outputs"], case["grad_h_n"], case["grad_c_n"])
+    got = _run(xp, case, lengths, reverse, grads)
+    want = _reference(case, lengths, reverse, grads)
+    tol = 10 * TOLERANCE[np.dtype(dtype)]
+    for name, g, w in zip(OUT, got, want):
+        assert tuple(g.shape) == w.shape and g.dtype == dtype, name
+        err = max_error(g, w)
+        assert err <= tol, f"{name}: {err:.2e} > {tol:.0e}"
+    padded = np.arange(6)[:, None] >= np.array(lengths)[None, :]
+    assert not np.asarray(got[0])[padded].any(), "outputs past a sequence's length are zero"
+
+
+@pytest.mark.parametrize("which", ["outputs only", "final state only", "none", "h_n and c_n"])
+@pytest.mark.parametrize("array", ["numpy", "emulated"])
+def test_lengths_with_missing_gradients(request, array, which):
+    xp = np if array == "numpy" else request.getfixturevalue("emulated_cupy")
+    case = _case(5, 4, 3, 4, np.float64, seed=2)
+    full = (case["grad_outputs"], case["grad_h_n"], case["grad_c_n"])
+    grads = {"outputs only": (full[0], None, None), "final state only": (None, full[1], None),
+             "none": (None, None, None), "h_n and c_n": (None, full[1], full[2])}[which]
+    lengths = [2, 5, 0, 3]
+    got = _run(xp, case, lengths, False, grads)
+    want = _reference(case, lengths, False, grads)
+    for name, g, w in zip(OUT, got, want):
+        assert max_error(g, w) <= 1e-11, name
+
+
+def test_full_lengths_equal_the_fixed_length_path():
+    case = _case(5, 3, 4, 6, np.float64, seed=4)
+    grads = (case["grad_outputs"], case["grad_h_n"], case["grad_c_n"])
+    fixed = _run(np, case, None, False, grads)
+    packed = _run(np, case, np.full(3, 5), False, grads)
+    for name, a, b in zip(OUT, fixed, packed):
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13, err_msg=name)
+
+
+def test_padded_positions_cost_nothing(emulated_cupy):
+    """Device work of a ragged batch: per step one GEMM and one kernel on the rows still
+    running (the kernel's element count is the prefix's)."""
+    emu = emulated_cupy.emulator
+    case = _case(6, 4, 3, 5, np.float32, seed=1)
+    a = {k: emulated_cupy.asarray(v) for k, v in case.items()}
+    emu.reset()
+    lltm_cupy.forward_sequence(*(a[n] for n in NAMES), lengths=[6, 1, 3, 1])
+    assert emu.log.count("kernel:fwd") == 6 and emu.log.count("gemm") == 1 + 6
+
+
+@pytest.mark.parametrize("lengths,error,words", [
+    ([1, 2], ValueError, "lengths must have shape (3,)"),
+    ([1, 2, 7], ValueError, "lengths must lie in [0, 5]"),
+    ([1, -1, 2], ValueError, "lengths must lie in [0, 5]"),
+    ([1.5, 2, 3], TypeError, "lengths must hold integers"),
+    ([True, False, True], TypeError, "lengths must hold integers"),
+])
+def test_bad_lengths(lengths, error, words):
+    case = _case(5, 3, 4, 2, np.float32, seed=0)
+    with pytest.raises(error) as info:
+        lltm_cupy.forward_sequence(*(case[n] for n in NAMES), lengths=lengths)
+    assert words in str(info.value)
