@@ -86,10 +86,8 @@ def _models(cfg: Config):
                 for x in xs:
                     state = self.rnn(x, state)
                 h = state[0]
-            elif self.kind == "lstm":
-                h = self.rnn(xs)[1][0][0]
-            else:
-                h = self.rnn(xs)[1][0]
+            else:       # nn.LSTM and our LLTM: h_n is (num_layers * directions, batch, S)
+                h = self.rnn(xs)[1][0][-1]
             return self.head(h)
 
     return {MODELS[0]: Classifier(ours, "sequence"),

@@ -31,6 +31,7 @@ class Model(torch.nn.Module):
         z = self.inp(xs)
         if self.sequence:
             out, (h, c) = self.rnn(z)
+            h = h[-1]                               # (num_layers, batch, S) as nn.LSTM
             self.cell_dtype = out.dtype
         else:
             state = None

@@ -120,28 +120,35 @@ h4, c4 = torch.zeros(4, 16), torch.zeros(4, 16)
 # (case, module, call arguments, error, words)
 TORCH_CASES = [
     ("input one feature too wide", "cell", (torch.randn(4, 9),), ValueError,
-     "LLTMCell: input has 9 features, the module expects 8 (input_features)"),
+     "LLTMCell: input has 9 features, the module expects 8 (input_size)"),
     ("state as one tensor", "cell", (torch.randn(4, 8), h4), TypeError,
      "LLTMCell: state must be a tuple (h, c) of two tensors or None, got a single Tensor"),
     ("state as a 1-tuple", "cell", (torch.randn(4, 8), (h4,)), ValueError,
      "LLTMCell: state must hold two tensors (h, c), got 1"),
     ("h of another state size", "cell", (torch.randn(4, 8), (torch.zeros(4, 15), c4)),
-     ValueError, "LLTMCell: h of state must have shape (4, 16) (batch, state_size), got (4, 15)"),
+     ValueError, "LLTMCell: h of state must have shape (4, 16) (batch, hidden_size), got (4, 15)"),
     ("c of another batch", "cell", (torch.randn(4, 8), (h4, torch.zeros(3, 16))), ValueError,
      "LLTMCell: c of state must have shape (4, 16)"),
     ("a NumPy array in the state", "cell", (torch.randn(4, 8), (h4, np.zeros((4, 16)))),
      TypeError, "LLTMCell: c of state must be a torch.Tensor, got ndarray"),
     ("a list for input", "cell", ([[0.0] * 8] * 4,), TypeError,
-     "LLTMCell: input must be a torch.Tensor (batch, input_features), got builtins.list"),
+     "LLTMCell: input must be a torch.Tensor (batch, input_size), got builtins.list"),
     ("a NumPy array for input", "cell", (np.zeros((4, 8), np.float32),), TypeError,
      "LLTMCell: input must be a torch.Tensor"),
     ("input 3-D to the cell", "cell", (torch.randn(2, 4, 8),), ValueError,
-     "LLTMCell: input must be 2-D (batch, input_features)"),
+     "LLTMCell: input must be 2-D (batch, input_size)"),
     ("sequence input one feature too wide", "seq", (torch.randn(5, 4, 9),), ValueError,
      "LLTM: input has 9 features, the module expects 8"),
-    ("sequence input 2-D", "seq", (torch.randn(5, 8),), ValueError,
-     "LLTM: input must be 3-D (steps, batch, input_features)"),
-    ("a PackedSequence", "seq", ("packed",), TypeError, "PackedSequence is not supported"),
+    ("sequence input 4-D", "seq", (torch.randn(5, 4, 2, 8),), ValueError,
+     "LLTM: input must be 3-D (steps, batch, input_size)"),
+    ("a PackedSequence to the cell", "cell", ("packed",), TypeError,
+     "PackedSequence goes to LLTM, not to a cell"),
+    ("h_0 of the wrong layer count", "seq2", (torch.randn(5, 4, 8), (torch.zeros(1, 4, 16),
+                                                                    torch.zeros(1, 4, 16))),
+     ValueError, "LLTM: h_0 must have shape (2, 4, 16) (num_layers * num_directions, batch, "
+                 "hidden_size), got (1, 4, 16)"),
+    ("num_layers 0", "bad-layers", (), ValueError, "num_layers must be an integer >= 1"),
+    ("dropout 1.5", "bad-dropout", (), ValueError, "dropout must be a number in [0, 1]"),
     ("sequence state as one tensor", "seq", (torch.randn(5, 4, 8), h4), TypeError,
      "LLTM: state must be a tuple (h, c)"),
     ("functional lltm, input too wide", "lltm",
@@ -156,12 +163,20 @@ TORCH_CASES = [
 @pytest.mark.parametrize("label,target,call,error,words", TORCH_CASES,
                          ids=[c[0] for c in TORCH_CASES])
 def test_torch_layer(label, target, call, error, words):
-    if isinstance(call[0], str):   # built here, not at collection
+    if call and isinstance(call[0], str):   # built here, not at collection
         from torch.nn.utils.rnn import pack_sequence
 
         call = (pack_sequence([torch.randn(3, 8), torch.randn(2, 8)]),)
     fn = {"cell": lambda: lt.LLTMCell(8, 16), "seq": lambda: lt.LLTM(8, 16),
-          "lltm": lambda: lt.lltm}[target]()
+          "seq2": lambda: lt.LLTM(8, 16, num_layers=2), "lltm": lambda: lt.lltm,
+          "bad-layers": lambda: lt.LLTM(8, 16, num_layers=0),
+          "bad-dropout": lambda: lt.LLTM(8, 16, 2, dropout=1.5)}
+    if target.startswith("bad-"):
+        with pytest.raises(error) as info:
+            fn[target]()
+        assert words in str(info.value)
+        return
+    fn = fn[target]()
     with pytest.raises(error) as info:
         fn(*call)
     assert words in str(info.value)

@@ -35,7 +35,7 @@ class Model(torch.nn.Module):
     def forward(self, xs):                      # (T, B, F)
         z = self.inp(xs)
         if self.sequence:
-            h = self.rnn(z)[1][0]
+            h = self.rnn(z)[1][0][-1]
         else:
             state = None
             for x in z:

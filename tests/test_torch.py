@@ -230,7 +230,8 @@ def test_cell_parameters_and_state_dict_compatibility():
     zeros = (torch.zeros(4, 5), torch.zeros(4, 5))
     for a, b in zip(cell(x), cell(x, zeros)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert "state_size=5" in repr(cell)
+    assert repr(cell) == "LLTMCell(7, 5, bias=True)"   # as nn.LSTMCell prints itself
+    assert (cell.input_features, cell.state_size) == (7, 5)   # the tutorial's names
 
 
 def test_cell_without_bias_and_factory_kwargs():

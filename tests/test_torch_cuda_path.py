@@ -83,7 +83,8 @@ def test_sequence_matches_stepped_reference(emulated_cuda_torch, capturing, dtyp
         outs.append(state[0])
     (torch.stack(outs).sum() + 2 * state[1].sum()).backward()
     _assert_close(out.detach(), torch.stack(outs).detach(), dtype, "outputs")
-    _assert_close(c_n.detach(), state[1].detach(), dtype, "c_n")
+    assert c_n.shape == (1, *state[1].shape)   # as nn.LSTM: (num_layers, batch, S)
+    _assert_close(c_n[0].detach(), state[1].detach(), dtype, "c_n")
     _assert_close(xs.grad, xr.grad, dtype, "d_inputs")
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         _assert_close(p.grad, q.grad, dtype, name)
@@ -104,7 +105,7 @@ class _TrainModel(torch.nn.Module):
     def forward(self, xs):
         z = self.inp(xs)
         if self.sequence:
-            return self.head(self.rnn(z)[1][0])
+            return self.head(self.rnn(z)[1][0][-1])
         state = None
         for x in z:
             state = self.rnn(x, state)

@@ -109,8 +109,8 @@ def test_compiled_sequence_model_matches_eager(device):
 
 def test_sequence_errors_and_double_backward():
     seq, _ = models("cpu", torch.float64)
-    with pytest.raises(ValueError, match=r"LLTM: input must be 3-D \(steps, batch, input_features\)"):
-        seq(torch.randn(3, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"LLTM: input must be 3-D \(steps, batch, input_size\)"):
+        seq(torch.randn(3, 4, 2, 4, dtype=torch.float64))
     with pytest.raises(TypeError, match="same dtype"):
         seq(torch.randn(2, 3, 4))
     x = torch.randn(2, 3, 4, dtype=torch.float64)
@@ -135,7 +135,7 @@ def test_sequence_module_accepts_lstm_shaped_state():
     torch.testing.assert_close(out3, out2, rtol=0, atol=0)
     torch.testing.assert_close(h3[0], h2, rtol=0, atol=0)
     torch.testing.assert_close(c3[0], c2, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"h of state must have shape \(3, 6\) or \(1, 3, 6\)"):
+    with pytest.raises(ValueError, match=r"h_0 must have shape \(1, 3, 6\) or \(3, 6\)"):
         seq(x, (torch.randn(2, 3, 6, dtype=torch.float64), c0[None]))
-    with pytest.raises(ValueError, match=r"h0 must be \(batch, state\) or \(1, batch, state\) like c0"):
+    with pytest.raises(ValueError, match=r"h_0 must have shape \(1, 3, 6\) or \(3, 6\)"):
         seq(x, (h0, c0[None]))

@@ -1,8 +1,10 @@
-"""The modules: :class:`LLTMCell` (one step, a drop-in for the tutorial's ``LLTM``) and
-:class:`LLTM` (whole sequences, shaped like a one-layer ``nn.LSTM``)."""
+"""The modules: :class:`LLTMCell` (one step, a drop-in for the tutorial's ``LLTM`` and shaped
+like ``nn.LSTMCell``) and :class:`LLTM` (whole sequences, with ``nn.LSTM``'s interface: layers,
+both directions, dropout between layers, packed variable-length input)."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -13,138 +15,319 @@ from ._ops import lltm, lltm_sequence
 __all__ = ["LLTMCell", "LLTM"]
 
 
+def _rename_hook(renames: dict):
+    """A load_state_dict pre-hook that renames keys (old name -> new name) under the prefix."""
+    def hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+             error_msgs):
+        for old, new in renames.items():
+            if prefix + old in state_dict and prefix + new not in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+    return hook
+
+
+def _sizes(name, input_size, hidden_size, input_features, state_size):
+    """nn.LSTM's names, or the tutorial's (``input_features``, ``state_size``)."""
+    input_size = input_features if input_size is None else input_size
+    hidden_size = state_size if hidden_size is None else hidden_size
+    if input_size is None or hidden_size is None:
+        raise TypeError(f"{name}: input_size and hidden_size are required")
+    if input_size < 0 or hidden_size < 1:
+        raise ValueError(f"{name}: need input_size >= 0 and hidden_size >= 1 (state_size >= 1), "
+                         f"got {input_size} and {hidden_size}")
+    return int(input_size), int(hidden_size)
+
+
 class _CellBase(nn.Module):
     """Parameters named, shaped and initialised like the tutorial's ``LLTM`` module."""
 
-    def __init__(self, input_features: int, state_size: int, bias: bool = True, device=None,
-                 dtype=None):
+    def __init__(self, input_size: Optional[int] = None, hidden_size: Optional[int] = None,
+                 bias: bool = True, device=None, dtype=None, *, input_features=None,
+                 state_size=None):
         super().__init__()
-        if input_features < 0 or state_size < 1:
-            raise ValueError(f"{type(self).__name__}: need input_features >= 0 and state_size >= 1, "
-                             f"got {input_features} and {state_size}")
+        input_size, hidden_size = _sizes(type(self).__name__, input_size, hidden_size,
+                                         input_features, state_size)
         factory = {"device": device, "dtype": dtype}
-        self.input_features = input_features
-        self.state_size = state_size
-        self.weights = nn.Parameter(torch.empty(3 * state_size, input_features + state_size, **factory))
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.weights = nn.Parameter(torch.empty(3 * hidden_size, input_size + hidden_size, **factory))
         if bias:
-            self.bias = nn.Parameter(torch.empty(1, 3 * state_size, **factory))
+            self.bias = nn.Parameter(torch.empty(1, 3 * hidden_size, **factory))
         else:
             self.register_parameter("bias", None)
+        # a one-layer LLTM's state_dict (weights_l0, bias_l0) loads too
+        self._register_load_state_dict_pre_hook(_rename_hook({"weights_l0": "weights",
+                                                              "bias_l0": "bias"}))
         self.reset_parameters()
 
+    @property
+    def input_features(self) -> int:
+        """The tutorial's name of ``input_size``."""
+        return self.input_size
+
+    @property
+    def state_size(self) -> int:
+        """The tutorial's name of ``hidden_size``."""
+        return self.hidden_size
+
     def reset_parameters(self) -> None:
-        stdv = 1.0 / math.sqrt(self.state_size)
+        stdv = 1.0 / math.sqrt(self.hidden_size)
         for weight in self.parameters():
             weight.data.uniform_(-stdv, stdv)
 
     def _check_input(self, input, dims: str) -> None:
-        """input: a tensor of ``len(dims)`` dimensions whose last is input_features."""
-        name = type(self).__name__
-        if not isinstance(input, Tensor):
-            hint = (" (PackedSequence is not supported: pass the padded tensor)"
-                    if type(input).__name__ == "PackedSequence" else "")
-            raise TypeError(f"{name}: input must be a torch.Tensor {dims}, got "
-                            f"{type(input).__module__}.{type(input).__qualname__}{hint}")
-        if input.dim() != dims.count(",") + 1:
-            raise ValueError(f"{name}: input must be {dims.count(',') + 1}-D {dims}, got shape "
-                             f"{tuple(input.shape)}")
-        if input.shape[-1] != self.input_features:
-            raise ValueError(f"{name}: input has {input.shape[-1]} features, the module expects "
-                             f"{self.input_features} (input_features)")
+        """input: a tensor of ``len(dims)`` dimensions whose last is input_size."""
+        _check_input(type(self).__name__, input, dims, self.input_size)
 
     def _state(self, state, batch: int, like: Tensor, layered_ok: bool = False):
-        """(h, c) from ``state``: None (zeros) or two tensors, each (batch, state_size) (or
-        (1, batch, state_size) where ``layered_ok``); clear errors for anything else."""
+        """(h, c) from ``state``: None (zeros) or two tensors, each (batch, hidden_size) (or
+        (1, batch, hidden_size) where ``layered_ok``); clear errors for anything else."""
         name = type(self).__name__
         if state is None:
-            zeros = like.new_zeros(batch, self.state_size)
+            zeros = like.new_zeros(batch, self.hidden_size)
             return zeros, zeros
-        if isinstance(state, Tensor) or not isinstance(state, (tuple, list)):
-            raise TypeError(f"{name}: state must be a tuple (h, c) of two tensors or None, got "
-                            f"{'a single Tensor' if isinstance(state, Tensor) else type(state).__qualname__}")
-        if len(state) != 2:
-            raise ValueError(f"{name}: state must hold two tensors (h, c), got {len(state)}")
-        expected = (batch, self.state_size)
+        _check_pair(name, state)
+        expected = (batch, self.hidden_size)
         for part, t in zip("hc", state):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{name}: {part} of state must be a torch.Tensor, got "
-                                f"{type(t).__qualname__}")
             shape = tuple(t.shape)
             if shape != expected and not (layered_ok and shape == (1, *expected)):
                 also = f" or {(1, *expected)}" if layered_ok else ""
                 raise ValueError(f"{name}: {part} of state must have shape {expected}{also} "
-                                 f"(batch, state_size), got {shape}")
+                                 f"(batch, hidden_size), got {shape}")
         return tuple(state)
 
     def _bias(self):
-        return self.bias if self.bias is not None else self.weights.new_zeros(3 * self.state_size)
+        return self.bias if self.bias is not None else self.weights.new_zeros(3 * self.hidden_size)
 
     def _args(self, input: Tensor, state):
-        self._check_input(input, "(batch, input_features)")
+        self._check_input(input, "(batch, input_size)")
         old_h, old_cell = self._state(state, input.shape[0], input)
         return input, self.weights, self._bias(), old_h, old_cell
 
     def extra_repr(self) -> str:
-        return (f"input_features={self.input_features}, state_size={self.state_size}, "
-                f"bias={self.bias is not None}")
+        return f"{self.input_size}, {self.hidden_size}, bias={self.bias is not None}"
+
+
+def _check_input(name, input, dims, features) -> None:
+    if not isinstance(input, Tensor):
+        hint = (" (PackedSequence goes to LLTM, not to a cell)"
+                if type(input).__name__ == "PackedSequence" else "")
+        raise TypeError(f"{name}: input must be a torch.Tensor {dims}, got "
+                        f"{type(input).__module__}.{type(input).__qualname__}{hint}")
+    if input.dim() != dims.count(",") + 1:
+        raise ValueError(f"{name}: input must be {dims.count(',') + 1}-D {dims}, got shape "
+                         f"{tuple(input.shape)}")
+    if input.shape[-1] != features:
+        raise ValueError(f"{name}: input has {input.shape[-1]} features, the module expects "
+                         f"{features} (input_size)")
+
+
+def _check_pair(name, state) -> None:
+    if isinstance(state, Tensor) or not isinstance(state, (tuple, list)):
+        raise TypeError(f"{name}: state must be a tuple (h, c) of two tensors or None, got "
+                        f"{'a single Tensor' if isinstance(state, Tensor) else type(state).__qualname__}")
+    if len(state) != 2:
+        raise ValueError(f"{name}: state must hold two tensors (h, c), got {len(state)}")
+    for part, t in zip("hc", state):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: {part} of state must be a torch.Tensor, got "
+                            f"{type(t).__qualname__}")
 
 
 class LLTMCell(_CellBase):
-    """The LLTM cell as a module, a drop-in for the tutorial's ``LLTM``.
+    """The LLTM cell as a module: a drop-in for the tutorial's ``LLTM``, called like
+    ``nn.LSTMCell``.
 
-    Parameters: ``weights (3 * state_size, input_features + state_size)`` and
-    ``bias (1, 3 * state_size)``, uniform in +-1/sqrt(state_size), so a state_dict of the
+    ``LLTMCell(input_size, hidden_size, bias=True, device=None, dtype=None)`` (the tutorial's
+    ``input_features=`` / ``state_size=`` are accepted too, and readable as attributes).
+    Parameters: ``weights (3 * hidden_size, input_size + hidden_size)`` and
+    ``bias (1, 3 * hidden_size)``, uniform in +-1/sqrt(hidden_size), so a state_dict of the
     tutorial's module loads into this one.
-
-    forward(input, state=None) -> (h, c)
-        input: (batch, input_features)
-        state: (h, c), each (batch, state_size), or None for zeros (as nn.LSTMCell)
     """
 
     def forward(self, input: Tensor, state: Optional[tuple[Tensor, Tensor]] = None):
-        """One step: ``(h, c)``, each (batch, state_size), from ``input`` (batch,
-        input_features) and ``state`` = (h, c) of the same shapes (None: zeros). TypeError or
-        ValueError, naming the argument, for anything else."""
+        """One step: ``(h, c)``, each (batch, hidden_size), from ``input`` (batch, input_size)
+        and ``state`` = (h, c) of the same shapes (None: zeros). An unbatched ``input``
+        (input_size,) takes and returns (hidden_size,) states, as ``nn.LSTMCell``. TypeError
+        or ValueError, naming the argument, for anything else."""
+        if isinstance(input, Tensor) and input.dim() == 1:
+            if state is not None:
+                _check_pair("LLTMCell", state)
+                state = tuple(t.unsqueeze(0) if t.dim() == 1 else t for t in state)
+            h, c = lltm(*self._args(input.unsqueeze(0), state))
+            return h.squeeze(0), c.squeeze(0)
         return lltm(*self._args(input, state))
 
 
-class LLTM(_CellBase):
-    """The LLTM over whole sequences, shaped like a one-layer ``nn.LSTM``.
+class LLTM(nn.Module):
+    """The LLTM over whole sequences with ``nn.LSTM``'s interface.
 
-    Same parameters (names, shapes, initialisation) as :class:`LLTMCell`, so a cell's
-    state_dict loads into it.
+    ``LLTM(input_size, hidden_size, num_layers=1, bias=True, batch_first=False, dropout=0.0,
+    bidirectional=False, device=None, dtype=None)``; the tutorial's ``input_features=`` /
+    ``state_size=`` are accepted too, and readable as attributes.
 
-    forward(input, state=None) -> (output, (h_n, c_n))
-        input: (steps, batch, input_features), or (batch, steps, input_features) if batch_first
-        state: (h0, c0), each (batch, state_size) as for the cell, or (1, batch, state_size) as
-            for a one-layer nn.LSTM; None for zeros
-        output: (steps, batch, state_size) (or batch first); h_n, c_n: shaped like the state
-            given ((batch, state_size) when it is None)
+    Parameters per layer k and direction: ``weights_l{k}`` (3 * hidden_size, hidden_size +
+    in_k), ``bias_l{k}`` (1, 3 * hidden_size), and ``weights_l{k}_reverse`` / ``bias_l{k}_reverse``
+    when bidirectional; in_0 = input_size, in_k = hidden_size * num_directions; uniform in
+    +-1/sqrt(hidden_size), as the cell's. A state_dict of the tutorial's module, of
+    :class:`LLTMCell` or of a one-layer LLTM with ``weights`` / ``bias`` loads into a one-layer
+    unidirectional LLTM (and ``.weights`` / ``.bias`` name layer 0's forward parameters).
+
+    forward(input, hx=None) -> (output, (h_n, c_n)), shaped as ``nn.LSTM`` returns them:
+        input: (steps, batch, input_size) ((batch, steps, input_size) if batch_first), an
+            unbatched (steps, input_size), or a ``torch.nn.utils.rnn.PackedSequence`` (sorted
+            or not: its sequences run packed, no work for padding)
+        hx: (h_0, c_0), each (num_layers * num_directions, batch, hidden_size), or
+            (num_layers * num_directions, hidden_size) for unbatched input; None for zeros. A
+            one-layer unidirectional LLTM also takes (batch, hidden_size) states, and then
+            returns h_n, c_n shaped so.
+        output: (steps, batch, num_directions * hidden_size) (batch first if batch_first;
+            a PackedSequence with the input's sorted_indices for packed input): the last
+            layer's hidden states, both directions concatenated, forward first
+        h_n, c_n: (num_layers * num_directions, batch, hidden_size), each sequence's final
+            state (at its own last step), in the caller's batch order
+    Layer k > 0 takes the previous layer's output, with dropout (torch's RNG) in training mode.
     """
 
-    def __init__(self, input_features: int, state_size: int, batch_first: bool = False,
-                 bias: bool = True, device=None, dtype=None):
-        super().__init__(input_features, state_size, bias=bias, device=device, dtype=dtype)
-        self.batch_first = batch_first
+    def __init__(self, input_size: Optional[int] = None, hidden_size: Optional[int] = None,
+                 num_layers: int = 1, bias: bool = True, batch_first: bool = False,
+                 dropout: float = 0.0, bidirectional: bool = False, device=None, dtype=None, *,
+                 input_features=None, state_size=None):
+        super().__init__()
+        input_size, hidden_size = _sizes("LLTM", input_size, hidden_size, input_features,
+                                         state_size)
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+            raise ValueError(f"LLTM: num_layers must be an integer >= 1, got {num_layers!r}")
+        if not 0 <= dropout <= 1 or isinstance(dropout, bool):
+            raise ValueError(f"LLTM: dropout must be a number in [0, 1], got {dropout!r}")
+        if dropout > 0 and num_layers == 1:
+            warnings.warn(f"LLTM: dropout={dropout} applies between layers, and num_layers=1 "
+                          f"has none: it does nothing (as in nn.LSTM)", UserWarning, stacklevel=2)
+        self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
+        self.batch_first, self.dropout = bool(batch_first), float(dropout)
+        self.bidirectional = bool(bidirectional)
+        factory = {"device": device, "dtype": dtype}
+        directions = 2 if bidirectional else 1
+        self._names = []
+        for k in range(num_layers):
+            width = input_size if k == 0 else hidden_size * directions
+            for suffix in ("", "_reverse")[:directions]:
+                w, b = f"weights_l{k}{suffix}", f"bias_l{k}{suffix}"
+                self.register_parameter(w, nn.Parameter(
+                    torch.empty(3 * hidden_size, hidden_size + width, **factory)))
+                self.register_parameter(b, nn.Parameter(torch.empty(1, 3 * hidden_size, **factory))
+                                        if bias else None)
+                self._names.append((w, b))
+        if num_layers == 1 and not bidirectional:
+            self._register_load_state_dict_pre_hook(_rename_hook({"weights": "weights_l0",
+                                                                  "bias": "bias_l0"}))
+        self.reset_parameters()
 
-    def forward(self, input: Tensor, state: Optional[tuple[Tensor, Tensor]] = None):
-        self._check_input(input, "(batch, steps, input_features)" if self.batch_first
-                          else "(steps, batch, input_features)")
-        if self.batch_first:
-            input = input.transpose(0, 1)
-        state = self._state(state, input.shape[1], input, layered_ok=True)
-        layered = state[0].dim() == 3  # nn.LSTM's (num_layers = 1, batch, state)
-        if layered != (state[1].dim() == 3):
-            raise ValueError(f"LLTM: h0 must be (batch, state) or (1, batch, state) like c0, got "
-                             f"{tuple(state[0].shape)} and {tuple(state[1].shape)}")
-        if layered:
-            state = (state[0][0], state[1][0])
-        output, h_n, c_n = lltm_sequence(input, self.weights, self._bias(), *state)
-        if self.batch_first:
-            output = output.transpose(0, 1)
-        if layered:
-            h_n, c_n = h_n.unsqueeze(0), c_n.unsqueeze(0)
-        return output, (h_n, c_n)
+    input_features = property(lambda self: self.input_size, doc="The tutorial's input_size")
+    state_size = property(lambda self: self.hidden_size, doc="The tutorial's hidden_size")
+    weights = property(lambda self: self.weights_l0, doc="Layer 0's forward weights")
+    bias = property(lambda self: self.bias_l0, doc="Layer 0's forward bias (None if bias=False)")
+
+    @property
+    def num_directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    def reset_parameters(self) -> None:
+        stdv = 1.0 / math.sqrt(self.hidden_size)
+        for weight in self.parameters():
+            weight.data.uniform_(-stdv, stdv)
+
+    def _layer_parameters(self, k: int, d: int):
+        w, b = self._names[k * self.num_directions + d]
+        weights, bias = getattr(self, w), getattr(self, b)
+        return weights, (bias if bias is not None else weights.new_zeros(3 * self.hidden_size))
+
+    def _hx(self, hx, batch: int, like: Tensor, unbatched: bool):
+        """(h_0, c_0) as (layers * directions, batch, hidden) and whether to return (batch,
+        hidden) states (a 2-D state given to a one-layer unidirectional LLTM)."""
+        count, S = self.num_layers * self.num_directions, self.hidden_size
+        if hx is None:
+            zeros = like.new_zeros(count, batch, S)
+            return (zeros, zeros), False
+        _check_pair("LLTM", hx)
+        h, c = hx
+        flat = count == 1 and not unbatched and h.dim() == 2 and c.dim() == 2
+        expected = (count, S) if unbatched else (count, batch, S)
+        for name, t in (("h_0", h), ("c_0", c)):
+            shape = tuple(t.shape)
+            if shape != expected and not (flat and shape == (batch, S)):
+                also = f" or {(batch, S)}" if count == 1 and not unbatched else ""
+                raise ValueError(f"LLTM: {name} must have shape {expected}{also} (num_layers * "
+                                 f"num_directions, {'' if unbatched else 'batch, '}hidden_size), "
+                                 f"got {shape}")
+        if unbatched:
+            return (h.unsqueeze(1), c.unsqueeze(1)), False
+        if flat:
+            return (h.unsqueeze(0), c.unsqueeze(0)), True
+        return (h, c), False
+
+    def forward(self, input, hx: Optional[tuple[Tensor, Tensor]] = None):
+        from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+
+        packed = isinstance(input, PackedSequence)
+        lengths = None
+        if packed:
+            _check_input("LLTM", input.data, "(rows, input_size)", self.input_size)
+            x, lengths = pad_packed_sequence(input)       # (T, B, F), the caller's batch order
+            unbatched = False
+        else:
+            unbatched = isinstance(input, Tensor) and input.dim() == 2
+            dims = ("(steps, input_size)" if unbatched else "(batch, steps, input_size)"
+                    if self.batch_first else "(steps, batch, input_size)")
+            _check_input("LLTM", input, dims, self.input_size)
+            x = input.unsqueeze(1) if unbatched else (
+                input.transpose(0, 1) if self.batch_first else input)
+        (h0, c0), flat = self._hx(hx, x.shape[1], x, unbatched)
+        h_n, c_n = [], []
+        for k in range(self.num_layers):
+            outs = []
+            for d in range(self.num_directions):
+                i = k * self.num_directions + d
+                out, h, c = lltm_sequence(x, *self._layer_parameters(k, d), h0[i], c0[i],
+                                          lengths=lengths, reverse=d == 1)
+                outs.append(out)
+                h_n.append(h)
+                c_n.append(c)
+            x = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+            if self.dropout and self.training and k < self.num_layers - 1:
+                x = nn.functional.dropout(x, self.dropout, training=True)
+        h_n, c_n = torch.stack(h_n), torch.stack(c_n)
+        if packed:
+            return _repack(x, input), (h_n, c_n)
+        if unbatched:
+            return x.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))
+        if flat:
+            h_n, c_n = h_n[0], c_n[0]
+        return (x.transpose(0, 1) if self.batch_first else x), (h_n, c_n)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", batch_first={self.batch_first}"
+        text = f"{self.input_size}, {self.hidden_size}"
+        if self.num_layers != 1:
+            text += f", num_layers={self.num_layers}"
+        if self.bias_l0 is None:
+            text += ", bias=False"
+        text += f", batch_first={self.batch_first}"
+        if self.dropout:
+            text += f", dropout={self.dropout}"
+        if self.bidirectional:
+            text += ", bidirectional=True"
+        return text
+
+
+def _repack(padded: Tensor, like):
+    """``padded`` (T, B, H) in the caller's batch order as a PackedSequence laid out like
+    ``like`` (same batch_sizes, sorted_indices, unsorted_indices)."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    sizes = like.batch_sizes.tolist()
+    sorted_indices = (like.sorted_indices if like.sorted_indices is not None
+                      else torch.arange(padded.shape[1]))
+    t = torch.repeat_interleave(torch.arange(len(sizes)), like.batch_sizes)
+    j = torch.cat([torch.arange(n) for n in sizes]) if sizes else torch.zeros(0, dtype=torch.long)
+    index = sorted_indices.cpu()[j]
+    data = padded[t.to(padded.device), index.to(padded.device)]
+    return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)

@@ -224,11 +224,12 @@ class LLTMSequenceFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, inputs, weights, bias, h0, c0):
+    def forward(ctx, inputs, weights, bias, h0, c0, plan=None):
         device = inputs.device
+        kw = {} if plan is None else {"plan": plan}
         with _interop.backend_call(device) as call:
             outputs, h_n, c_n, saved = call.backend.forward_sequence(
-                *(call.array(t) for t in (inputs, weights, bias, h0, c0)), **call.kw)
+                *(call.array(t) for t in (inputs, weights, bias, h0, c0)), **call.kw, **kw)
             outputs, h_n, c_n = (call.tensor(a) for a in (outputs, h_n, c_n))
         ctx.lltm_saved = saved
         ctx.device = device
@@ -245,8 +246,8 @@ class LLTMSequenceFunction(torch.autograd.Function):
         with _interop.backend_call(ctx.device) as call:
             grads = call.backend.backward_sequence(
                 call.optional(grad_outputs), call.optional(grad_h_n), call.optional(grad_c_n),
-                ctx.lltm_saved, tuple(ctx.needs_input_grad), **call.kw)
-            return tuple(None if g is None else call.tensor(g) for g in grads)
+                ctx.lltm_saved, tuple(ctx.needs_input_grad[:5]), **call.kw)
+            return tuple(None if g is None else call.tensor(g) for g in grads) + (None,)
 
 
 @torch.library.custom_op("lltm_cupy::lltm_sequence_forward", mutates_args=())
@@ -315,21 +316,43 @@ _sequence_forward_op.register_autograd(_sequence_backward_autograd,
                                        setup_context=_sequence_setup_context)
 
 
-def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor,
-                  c0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+@torch.compiler.disable
+def _packed_sequence(tensors, lengths, reverse: bool):
+    """Variable lengths run eagerly (a graph break under torch.compile; an error with
+    fullgraph=True): the packed layout depends on the lengths' values."""
+    from .. import _packing
+
+    steps, batch = tensors[0].shape[:2]
+    plan = _packing.plan(_packing.check_lengths(lengths, steps, batch), steps, reverse=reverse)
+    return LLTMSequenceFunction.apply(*tensors, plan)
+
+
+def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Tensor,
+                  lengths=None, reverse: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The cell over a whole sequence, differentiable. Returns ``(outputs, h_n, c_n)``.
 
     inputs: (steps, batch, features)
     weights: (3 * state, state + features); bias: (3 * state,) or (1, 3 * state)
     h0, c0: (batch, state)
+    lengths: optional (batch,) integers in [0, steps] (a CPU tensor, list or array): as for
+        :func:`lltm_cupy.forward_sequence`, the sequences run packed, outputs past a length are
+        zero, h_n / c_n are each sequence's state at its own last step (run eagerly: a graph
+        break under torch.compile)
+    reverse: each sequence runs from its own last valid step back to step 0
 
     outputs: (steps, batch, state), the hidden state after every step; h_n, c_n: (batch, state).
     Same device, dtype and autocast rules as :func:`lltm`.
     """
     tensors = _autocast((inputs, weights, bias, h0, c0))
     if _in_float32(tensors):
-        return tuple(t.bfloat16() for t in lltm_sequence(*(t.float() for t in tensors)))
+        return tuple(t.bfloat16() for t in lltm_sequence(*(t.float() for t in tensors),
+                                                           lengths=lengths, reverse=reverse))
     _interop.check(tensors, _SEQ_NAMES, check_sequence_shapes)
+    if lengths is not None:
+        return _packed_sequence(tensors, lengths, bool(reverse))
+    if reverse:     # every sequence full length: run the time-reversed sequence
+        outputs, h_n, c_n = lltm_sequence(tensors[0].flip(0), *tensors[1:])
+        return outputs.flip(0), h_n, c_n
     if torch.compiler.is_compiling():
         hs, h_n, c_n, _, _ = _sequence_forward_op(*tensors)
         return hs[1:], h_n, c_n
