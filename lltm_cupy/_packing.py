@@ -74,17 +74,20 @@ def plan(lengths: np.ndarray, steps: int, reverse: bool = False) -> Plan:
     perm = np.argsort(-lengths, kind="stable")
     sorted_lengths = lengths[perm]
     longest = int(sorted_lengths[0]) if len(perm) else 0
-    batch_sizes = tuple(int(n) for n in (sorted_lengths[None, :] >
-                                         np.arange(longest)[:, None]).sum(axis=1))
-    offsets = (0, *np.cumsum(batch_sizes, dtype=np.int64).tolist())
-    tau = np.repeat(np.arange(longest), batch_sizes)
-    j = np.concatenate([np.arange(n) for n in batch_sizes]) if longest else np.zeros(0, np.int64)
+    # batch_sizes[tau] = how many lengths exceed tau (lengths sorted descending)
+    counts = np.bincount(sorted_lengths, minlength=longest + 1)
+    sizes = len(perm) - np.cumsum(counts)[:longest]
+    batch_sizes = tuple(int(n) for n in sizes)
+    offsets = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+    rows = int(offsets[-1])
+    tau = np.repeat(np.arange(longest), sizes)
+    j = np.arange(rows) - offsets[:-1][tau]               # position within its step
     b_index = perm[j]
     t_index = lengths[b_index] - 1 - tau if reverse else tau
-    last_row = np.full(len(perm), -1, np.int64)
-    for t, n in enumerate(batch_sizes):          # the rows whose sequence ends at step t
-        nxt = batch_sizes[t + 1] if t + 1 < longest else 0
-        last_row[nxt:n] = offsets[t] + np.arange(nxt, n)
+    # the packed row of each sorted sequence's last step (-1 for length 0)
+    positions = np.arange(len(perm))
+    last_row = np.where(sorted_lengths > 0,
+                        offsets[np.maximum(sorted_lengths - 1, 0)] + positions, -1)
     return Plan(lengths, perm, batch_sizes, tuple(int(o) for o in offsets),
-                t_index.astype(np.int64), b_index.astype(np.int64), last_row, bool(reverse),
-                int(steps))
+                t_index.astype(np.int64), b_index.astype(np.int64), last_row.astype(np.int64),
+                bool(reverse), int(steps))

@@ -539,6 +539,10 @@ def format_table(record: dict, scale="us") -> str:
     if base:
         lines.append(f"vs {baseline}: its fwd+bwd median / this fwd+bwd median "
                      f"(above 1: faster than {baseline})")
+    for row, other in record.get("pairs", {}).items():
+        a, b = (res[n]["fwd+bwd"]["median_s"] for n in (row, other))
+        lines.append(f"{row} / {other}: {a / b:.2f}x of its fwd+bwd median "
+                     f"(min: {res[row]['fwd+bwd']['min_s'] / res[other]['fwd+bwd']['min_s']:.2f}x)")
     return "\n".join(lines)
 
 
@@ -824,7 +828,12 @@ def format_mixed(size, rep: dict, scale="us") -> str:
 # Whole sequences
 
 SEQUENCE_IMPLS = ("sequence", "cell-stepped", "reference-stepped", "array-sequence",
-                  "array-stepped", "lstm")
+                  "array-stepped", "lstm", "lltm-2x-bidir", "cells-2x-bidir", "ragged",
+                  "ragged-padded")
+#: Rows that time a pair (a row and what it replaces) with their ratio in the table:
+#: a 2-layer bidirectional LLTM against the same built from stepped LLTMCells, and a ragged
+#: batch (lengths uniform in [1, T], as a PackedSequence) against the same batch padded to T.
+PAIRED_SEQUENCE_IMPLS = {"lltm-2x-bidir": "cells-2x-bidir", "ragged": "ragged-padded"}
 SEQUENCE_SIZES = ((16, 32, 128), (64, 256, 512))
 
 
@@ -897,6 +906,68 @@ class _ArraySequenceRunner:
         return out[3].nbytes if not self.stepped else sum(s.nbytes for s in out)
 
 
+class _LayeredRunner(_TorchRunner):
+    """An nn.LSTM-shaped module over xs (T, B, F), or over xs as a PackedSequence of
+    ``lengths``; backward of the output's sum and the final states'."""
+
+    def __init__(self, module, xs, lengths=None):
+        import torch
+
+        self.torch, self.module, self.xs, self.lengths = torch, module, xs, lengths
+
+    def forward(self):
+        x = self.xs
+        if self.lengths is not None:
+            from torch.nn.utils.rnn import pack_padded_sequence
+
+            x = pack_padded_sequence(x, self.lengths, enforce_sorted=False)
+        out, (h, c) = self.module(x)
+        return [out.data if self.lengths is not None else out, h, c]
+
+    def backward(self, out):
+        self.torch.autograd.backward(out, [self.torch.ones_like(t) for t in out])
+
+    def _inputs(self):
+        return (self.xs,)
+
+
+def _StackedCells(lltm):
+    """The same 2-layer bidirectional network as ``lltm`` (its parameters), built from
+    LLTMCells stepped from Python: what the layer replaces."""
+    import torch
+
+    from . import torch as lt
+
+    class Stacked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cells = torch.nn.ModuleList()
+            for k in range(lltm.num_layers):
+                for d in range(2):
+                    w, b = lltm._layer_parameters(k, d)
+                    cell = lt.LLTMCell(w.shape[1] - lltm.hidden_size, lltm.hidden_size,
+                                       device=w.device, dtype=w.dtype)
+                    cell.load_state_dict({"weights": w.detach(), "bias": b.detach()})
+                    self.cells.append(cell)
+
+        def forward(self, xs):
+            h_n, c_n = [], []
+            for k in range(lltm.num_layers):
+                outs = []
+                for d in range(2):
+                    cell, state, out = self.cells[2 * k + d], None, [None] * len(xs)
+                    for t in (range(len(xs)) if d == 0 else reversed(range(len(xs)))):
+                        state = cell(xs[t], state)
+                        out[t] = state[0]
+                    outs.append(torch.stack(out))
+                    h_n.append(state[0])
+                    c_n.append(state[1])
+                xs = torch.cat(outs, dim=2)
+            return xs, (torch.stack(h_n), torch.stack(c_n))
+
+    return Stacked()
+
+
 def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False) -> dict:
     """Time whole-sequence implementations over ``steps`` steps at one cell size (``strict``
     as for :func:`run_size`)."""
@@ -930,6 +1001,15 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
         elif name == "lstm":
             lstm = torch.nn.LSTM(cfg.features, cfg.state, device=device, dtype=dtype)
             runners[name] = _TorchSequenceRunner(lstm, xs, h, c, "lstm")
+        elif name in ("lltm-2x-bidir", "cells-2x-bidir"):
+            deep = lt.LLTM(cfg.features, cfg.state, num_layers=2, bidirectional=True,
+                           device=device, dtype=dtype)
+            module = deep if name == "lltm-2x-bidir" else _StackedCells(deep)
+            runners[name] = _LayeredRunner(module, xs)
+        elif name in ("ragged", "ragged-padded"):
+            g = torch.Generator().manual_seed(cfg.seed)
+            lengths = torch.randint(1, steps + 1, (cfg.batch,), generator=g)
+            runners[name] = _LayeredRunner(seq, xs, lengths if name == "ragged" else None)
         else:
             raise ValueError(f"unknown sequence implementation {name!r}; choose from {SEQUENCE_IMPLS}")
     timer = _CudaTimer() if cfg.cuda else _CpuTimer()
@@ -951,7 +1031,9 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
     return {"batch": cfg.batch, "features": cfg.features, "state": cfg.state, "steps": steps,
             "device": device, "dtype": cfg.dtype_name, "runs": cfg.runs,
             "all_grads": False, "separately_timed": [k for g in groups[1:] for k in g],
-            "results": results, "skipped": skipped, "baseline": "cell-stepped"}
+            "results": results, "skipped": skipped, "baseline": "cell-stepped",
+            "pairs": {a: b for a, b in PAIRED_SEQUENCE_IMPLS.items()
+                      if a in results and b in results}}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -242,3 +242,19 @@ def test_gpu_check_without_a_gpu_names_what_is_missing_and_fails(tmp_path):
     assert "prerequisites missing; nothing else run" in proc.stdout
     assert "gpu_check: missing:" in (tmp_path / "env.txt").read_text()
     assert not (tmp_path / "gpu_tests.txt").exists()
+
+
+def test_benchmark_sequence_pairs(tmp_path):
+    """The layered and ragged rows run, and their ratios to what they replace are printed."""
+    import json
+
+    out = tmp_path / "seq.json"
+    proc = script("benchmark.py", "--sequence", "-b", "3", "-f", "2", "-s", "4", "-t", "5",
+                  "-r", "2", "--warmup", "1", "--impl",
+                  "lltm-2x-bidir,cells-2x-bidir,ragged,ragged-padded", "--quiet",
+                  "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "lltm-2x-bidir / cells-2x-bidir:" in proc.stdout
+    assert "ragged / ragged-padded:" in proc.stdout
+    (record,) = json.loads(out.read_text())["sizes"]
+    assert record["pairs"] == {"lltm-2x-bidir": "cells-2x-bidir", "ragged": "ragged-padded"}

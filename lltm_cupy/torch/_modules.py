@@ -323,11 +323,12 @@ def _repack(padded: Tensor, like):
     ``like`` (same batch_sizes, sorted_indices, unsorted_indices)."""
     from torch.nn.utils.rnn import PackedSequence
 
-    sizes = like.batch_sizes.tolist()
+    sizes = like.batch_sizes
     sorted_indices = (like.sorted_indices if like.sorted_indices is not None
                       else torch.arange(padded.shape[1]))
-    t = torch.repeat_interleave(torch.arange(len(sizes)), like.batch_sizes)
-    j = torch.cat([torch.arange(n) for n in sizes]) if sizes else torch.zeros(0, dtype=torch.long)
+    t = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    j = torch.arange(len(t)) - starts[t]                  # position within its step
     index = sorted_indices.cpu()[j]
     data = padded[t.to(padded.device), index.to(padded.device)]
     return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
