@@ -4,8 +4,10 @@
 # benchmark at the tutorial size (every implementation: eager, torch.compile default and
 # reduce-overhead, our cell and the reference captured in CUDA graphs, nn.LSTMCell), in
 # bfloat16 (ours, the eager reference and nn.LSTMCell, tutorial and large size), over whole
-# sequences (against stepped cells and cuDNN's nn.LSTM), at the large sizes (kernel bandwidth
-# and GEMM share), and a profile of the host time per step (what decides small sizes).
+# sequences (against stepped cells and cuDNN's nn.LSTM; a 2-layer bidirectional LLTM against
+# stepped cells, a ragged packed batch against it padded), at the large sizes (kernel
+# bandwidth and GEMM share), and a profile of the host time per step (what decides small
+# sizes).
 # Writes 8 files into DIR (default: $OUT if set, else ./gpu_check_results): env.txt,
 # gpu_tests.txt, benchmark.txt (with the profiles), summary.txt and four JSON files, each JSON
 # rewritten after every size. CuPy's kernel cache goes to DIR/cupy_cache unless CUPY_CACHE_DIR
@@ -80,11 +82,11 @@ then
 fi
 cat "$out/env.txt"
 
-step "tests (no compile)" 100 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
+step "tests (no compile)" 95 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
     -k "not compile" -p no:cacheprovider tests
-step "tests (compiled)" 70 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
+step "tests (compiled)" 65 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
     -k "compile" -p no:cacheprovider tests
-step "bench tutorial" 45 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda -b 16 -f 32 \
+step "bench tutorial" 40 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda -b 16 -f 32 \
     -s 128 -r 200 \
     --impl reference,compiled,compiled-ro,reference-graph,cell,cell-graph,array,lstm \
     --json "$out/benchmark_tutorial.json"
@@ -92,12 +94,15 @@ step "bench bf16" 25 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --
     --sizes 16x32x128,4096x1024x1024 -r 30 --impl reference,cell,cell-graph,lstm \
     --json "$out/benchmark_bf16.json"
 step "bench sequence" 20 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --sequence \
-    -r 10 --json "$out/benchmark_sequence.json"
+    -r 10 --impl sequence,cell-stepped,reference-stepped,array-sequence,array-stepped,lstm \
+    --json "$out/benchmark_sequence.json"
+step "bench layers, ragged" 15 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda \
+    --sequence -b 16 -f 32 -s 128 -r 10 --impl lltm-2x-bidir,cells-2x-bidir,ragged,ragged-padded
 step "bench large" 15 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda \
     --sizes 1024x1024x1024,4096x1024x1024 -r 30 --impl reference,cell,cell-graph,array,lstm \
     --json "$out/benchmark_large.json"
-step "profile cell" 6 "$out/benchmark.txt" python3 scripts/profile_step.py --cuda --top 25
-step "profile sequence" 6 "$out/benchmark.txt" python3 scripts/profile_step.py --cuda \
+step "profile cell" 5 "$out/benchmark.txt" python3 scripts/profile_step.py --cuda --top 25
+step "profile sequence" 5 "$out/benchmark.txt" python3 scripts/profile_step.py --cuda \
     --sequence --top 25
 
 {

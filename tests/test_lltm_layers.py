@@ -306,3 +306,57 @@ def test_packed_input_under_compile_runs_eagerly():
     out, (h, _) = torch.compile(model, backend="aot_eager")(packed)
     torch.testing.assert_close(out.data, eager_out.data, rtol=0, atol=0)
     torch.testing.assert_close(h, eager_h, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------- GPU
+
+from test_torch import needs_cuda  # noqa: E402
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_gpu_layers_equal_the_cpu_layers(dtype, packed):
+    """2-layer bidirectional LLTM on CUDA (CuPy kernels, cuBLAS, the packed layout on the
+    device) against the same on the CPU, forward and every gradient."""
+    torch.manual_seed(8)
+    cpu = lt.LLTM(F, S, num_layers=2, bidirectional=True, dtype=dtype)
+    gpu = lt.LLTM(F, S, num_layers=2, bidirectional=True, dtype=dtype, device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    x = torch.randn(T, B, F, dtype=dtype)
+    lengths = torch.tensor([2, 5, 1, 3])
+    results = []
+    for model, device in ((cpu, "cpu"), (gpu, "cuda")):
+        xd = x.to(device).requires_grad_()
+        inp = pack_padded_sequence(xd, lengths, enforce_sorted=False) if packed else xd
+        out, (h, c) = model(inp)
+        data = out.data if packed else out
+        (data.sum() + h.pow(2).sum() + c.sum()).backward()
+        results.append([data, h, c, xd.grad, *(p.grad for p in model.parameters())])
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    for a, b in zip(*results):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), **tol)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_dropout_reproducible_under_a_seed():
+    model = lt.LLTM(F, S, num_layers=3, dropout=0.5, device="cuda")
+    x = torch.randn(T, B, F, device="cuda")
+    torch.manual_seed(3)
+    a = model(x)[0]
+    torch.manual_seed(3)
+    b = model(x)[0]
+    assert torch.equal(a, b) and not torch.equal(a, model(x)[0])
+
+
+def test_torch_func_transforms_are_refused_clearly():
+    """torch.func.grad / vmap over the cell: not supported (the Functions have no setup_context
+    or vmap rule), and torch says so rather than computing something wrong."""
+    x, w, b = torch.randn(2, 3), torch.randn(12, 7), torch.randn(12)
+    h, c = torch.randn(2, 4), torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda w: lt.lltm(x, w, b, h, c)[0].sum())(w)
+    with pytest.raises(RuntimeError, match="setup_context|vmap"):
+        torch.func.vmap(lambda x: lt.lltm(x[None], w, b, h[:1], c[:1])[0])(x)
