@@ -266,9 +266,21 @@ class LLTM(nn.Module):
         return (h, c), False
 
     def forward(self, input, hx: Optional[tuple[Tensor, Tensor]] = None):
-        from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+        from torch.nn.utils.rnn import PackedSequence
 
-        packed = isinstance(input, PackedSequence)
+        if isinstance(input, PackedSequence):
+            return self._forward_packed(input, hx)
+        return self._forward(input, hx, False)
+
+    @torch.compiler.disable
+    def _forward_packed(self, input, hx):
+        """PackedSequence input runs eagerly (a graph break under torch.compile): its layout
+        depends on the lengths' values."""
+        return self._forward(input, hx, True)
+
+    def _forward(self, input, hx, packed: bool):
+        from torch.nn.utils.rnn import pad_packed_sequence
+
         lengths = None
         if packed:
             _check_input("LLTM", input.data, "(rows, input_size)", self.input_size)
