@@ -10,7 +10,7 @@ escapes a public call.
 - through the public calls (array API on NumPy and on the emulated CuPy; the torch layer on the
   CPU and on the emulated CUDA path), GEMMs included, with infinities and NaN placed in any
   argument or incoming gradient: the reference's NaN and infinities exactly, the rest within
-  the dtype's tolerance; the cases the issue tracker reported (a -inf bias switching a unit off,
+  the dtype's tolerance; the cases users meet first (a -inf bias switching a unit off,
   a +inf input) by name; whole sequences against the stepped reference.
 """
 from __future__ import annotations
