@@ -258,3 +258,43 @@ def test_benchmark_sequence_pairs(tmp_path):
     assert "ragged / ragged-padded:" in proc.stdout
     (record,) = json.loads(out.read_text())["sizes"]
     assert record["pairs"] == {"lltm-2x-bidir": "cells-2x-bidir", "ragged": "ragged-padded"}
+
+
+def test_grad_check_prints_no_warning_that_contradicts_its_verdict():
+    pytest.importorskip("torch")
+    proc = script("grad_check.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Warning" not in proc.stdout + proc.stderr, proc.stderr
+    assert "atol=rtol=0.01" in proc.stdout   # the float32 check's own tolerances are stated
+
+
+def test_check_says_which_column_is_judged():
+    pytest.importorskip("torch")
+    proc = script("check.py", "-b", "3", "-f", "4", "-s", "5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "not judged" in proc.stdout and "tol" in proc.stdout
+
+
+def test_python_m_lltm_cupy_self_check():
+    proc = subprocess.run([sys.executable, "-m", "lltm_cupy"], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"NumPy {__import__('numpy').__version__}" in proc.stdout
+    assert "numpy float64" in proc.stdout and "self-check passed" in proc.stdout
+    assert "GPU: " in proc.stdout
+
+
+def test_python_m_lltm_cupy_fails_on_a_wrong_gradient(monkeypatch, capsys):
+    """The self-check's verdict comes from the check: a wrong backward makes it exit 1."""
+    import lltm_cupy
+    from lltm_cupy import __main__ as self_check
+
+    real = lltm_cupy.backward
+
+    def wrong(*args, **kw):
+        grads = real(*args, **kw)
+        return grads._replace(d_bias=None if grads.d_bias is None else grads.d_bias * 1.5)
+
+    monkeypatch.setattr(lltm_cupy, "backward", wrong)
+    assert self_check.main(["--no-torch"]) == 1
+    assert "FAILED: numpy float64" in capsys.readouterr().out
