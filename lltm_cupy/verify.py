@@ -17,7 +17,7 @@ import lltm_cupy
 
 __all__ = ["FORWARD_NAMES", "GRAD_OF", "TOLERANCE", "normalised_error", "random_case",
            "numeric_gradients", "finite_difference_errors", "available_backends", "format_table",
-           "torch_gradchecks", "compare_backends", "elementwise_accuracy", "gpu_unavailable_reason",
+           "torch_gradchecks", "report_gradients", "compare_backends", "elementwise_accuracy", "gpu_unavailable_reason",
            "to_numpy"]
 
 FORWARD_NAMES = ("input", "weights", "bias", "old_h", "old_cell")
@@ -165,8 +165,9 @@ def torch_gradchecks(case=None, skipped=None, fn=None):
     float64 with gradcheck's default tolerances; float32 with eps=1e-3 and atol=rtol=1e-2
     (finite differences in single precision are only good to about that; gradcheck's warning
     that a float32 check "will likely fail" at its float64 defaults is silenced, since these
-    tolerances are set for float32, and the message says so); float16 is not finite-difference checked (11-bit mantissa) but compared against the
-    reference by :func:`compare_backends`.
+    tolerances are set for float32, and the message says so); float16 is not
+    finite-difference checked (11-bit mantissa) but compared against the reference by
+    :func:`compare_backends`.
     """
     import torch
     # torch.autograd.gradcheck is the function; its module holds the exception.
@@ -194,6 +195,39 @@ def torch_gradchecks(case=None, skipped=None, fn=None):
             except GradcheckError as exc:
                 results.append((label, False, str(exc).splitlines()[0]))
     return results
+
+
+def report_gradients(case, eps, tol, with_torch=True, out=print) -> list:
+    """The gradient check of ``scripts/grad_check.py`` and ``python -m lltm_cupy``: finite
+    differences of every available array backend (a table), then, with torch installed and
+    ``with_torch``, :func:`torch_gradchecks`; what could not run is printed with the reason.
+    Returns the labels of the checks that failed; None if no array backend could run."""
+    rows, skipped = [], []
+    for name, run in available_backends(skipped):
+        rows.append((name, run(case, eps)))
+    for name, why in skipped:
+        out(f"skipped {name}: {why}")
+    if not rows:
+        out("no backend could run")
+        return None
+    out(format_table(rows, tol))
+    failed = [n for n, errs in rows if any(not e <= tol for e in errs.values())]
+    if not with_torch:
+        out("torch gradcheck: not run (--no-torch)")
+        return failed
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        out("torch gradcheck: skipped, torch is not installed")
+        return failed
+    torch_skipped = []
+    for label, ok, message in torch_gradchecks(case, torch_skipped):
+        out(f"{label:<22}{message}  {'ok' if ok else 'FAIL'}")
+        if not ok:
+            failed.append(label)
+    for name, why in torch_skipped:
+        out(f"skipped {name}: {why}")
+    return failed
 
 
 def _torch_reference(case):

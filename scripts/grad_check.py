@@ -15,7 +15,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from lltm_cupy import verify  # noqa: E402
-from lltm_cupy.verify import available_backends, format_table  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -30,34 +29,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     case = verify.random_case(args.batch_size, args.features, args.state_size, args.seed)
-    rows, skipped = [], []
-    for name, run in available_backends(skipped):
-        print(f"checking {name} ...", file=sys.stderr, flush=True)
-        rows.append((name, run(case, args.eps)))
-    for name, why in skipped:
-        print(f"skipped {name}: {why}")
-    if not rows:
-        print("no backend could run")
+    failed = verify.report_gradients(case, args.eps, args.tol, with_torch=not args.no_torch)
+    if failed is None:
         return 2
-    print(format_table(rows, args.tol))
-    failed = [n for n, errs in rows if any(not e <= args.tol for e in errs.values())]
-
-    if args.no_torch:
-        print("torch gradcheck: not run (--no-torch)")
-    else:
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            print("torch gradcheck: skipped, torch is not installed")
-        else:
-            print("checking torch gradcheck ...", file=sys.stderr, flush=True)
-            torch_skipped = []
-            for label, ok, message in verify.torch_gradchecks(case, torch_skipped):
-                print(f"{label:<22}{message}  {'ok' if ok else 'FAIL'}")
-                if not ok:
-                    failed.append(label)
-            for name, why in torch_skipped:
-                print(f"skipped {name}: {why}")
     print(f"{'FAILED: ' + ', '.join(failed) if failed else 'all gradients match'} "
           f"(B={args.batch_size}, F={args.features}, S={args.state_size}, eps={args.eps:g}, "
           f"tol={args.tol:g})")
