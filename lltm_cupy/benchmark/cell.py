@@ -1,0 +1,325 @@
+"""The one-step peers: every implementation of ``h, c = cell(x, (h0, c0))`` and its backward, and
+:func:`run_size`, which times them at one size. Adding a peer: a name in ``IMPLS`` (or
+``EXTRA_IMPLS``), a branch in :func:`_make_runners`."""
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import _NO_BF16_ARRAYS, Config, _log, _not_run, timed_record
+
+IMPLS = ("reference", "compiled", "cell", "array", "lstm")
+EXTRA_IMPLS = ("cell-op", "cell-floor", "function-floor")
+GRAPH_IMPLS = ("cell-graph", "reference-graph", "compiled-ro")
+CPU_SIZES = ((16, 32, 128), (64, 256, 512), (256, 512, 1024))
+GPU_SIZES = CPU_SIZES + ((1024, 1024, 1024), (4096, 1024, 1024))
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations: each has forward() -> state, backward(state), saved_bytes()
+
+class _TorchRunner:
+    def __init__(self, module, cfg, inputs):
+        import torch
+
+        self.torch = torch
+        self.module = module
+        self.x, self.h, self.c = inputs
+        self.ones = torch.ones_like(self.h)
+
+    def forward(self):
+        return self.module(self.x, (self.h, self.c))
+
+    def backward(self, out):
+        self.torch.autograd.backward(out, (self.ones, self.ones))
+
+    def saved_bytes(self) -> int:
+        """Bytes of the tensors autograd saves for backward, other than parameters and inputs,
+        plus the arrays our autograd Functions keep on their ctx (invisible to the hooks)."""
+        torch = self.torch
+        saved = {}
+        exclude = {t.data_ptr() for t in (*self.module.parameters(), *self._inputs())}
+
+        def pack(t):
+            if t.data_ptr() not in exclude:
+                saved[t.data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.forward()
+        saved.update(_hidden_saved(out))
+        return int(sum(saved.values()))
+
+    def _inputs(self):
+        return (self.x, self.h, self.c)
+
+
+def _tensors(obj):
+    if hasattr(obj, "grad_fn"):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+
+
+def _hidden_saved(out) -> dict:
+    """{pointer: bytes} of the arrays held by lltm_cupy autograd nodes reachable from ``out``."""
+    found, seen = {}, set()
+    stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        hidden = getattr(node, "lltm_saved", None)
+        if hidden is not None:
+            for name in ("X", "gates", "new_cell", "hs", "cells"):
+                a = getattr(hidden, name, None)
+                if a is not None:
+                    found[a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr] = a.nbytes
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+def _array_side(cfg):
+    """(xp, stream_ctx, conv) for timing the array API: the array module, a context that puts
+    CuPy on torch's current stream (GPU), and a zero-copy tensor-to-array conversion."""
+    if cfg.cuda:
+        import contextlib
+
+        import cupy
+        import torch
+
+        from ..torch import _interop
+
+        @contextlib.contextmanager
+        def on_torch_stream():
+            device = torch.device("cuda", torch.cuda.current_device())
+            with cupy.cuda.Device(device.index), _interop._stream(device):
+                yield
+
+        return cupy, on_torch_stream, lambda t: cupy.from_dlpack(t.detach())
+    import contextlib
+
+    return np, contextlib.nullcontext, lambda t: t.detach().numpy()
+
+
+class _ArrayRunner:
+    def __init__(self, cfg, params, inputs):
+        import lltm_cupy
+
+        self.lltm = lltm_cupy
+        xp, self.stream_ctx, conv = _array_side(cfg)
+        w, b = params
+        self.args = [conv(t) for t in (inputs[0], w, b, inputs[1], inputs[2])]
+        self.ones = xp.ones_like(self.args[3])
+        self.needed = None if cfg.all_grads else (False, False, True, True, False)
+
+    def forward(self):
+        with self.stream_ctx():
+            return self.lltm.forward(*self.args)
+
+    def backward(self, out):
+        with self.stream_ctx():
+            self.lltm.backward(self.ones, self.ones, out[2], needed=self.needed)
+
+    def saved_bytes(self) -> int:
+        return self.forward()[2].nbytes
+
+
+def _function_cell(ref, function):
+    """A module calling ``function.apply(x, weights, bias, h, c)`` with copies of ``ref``'s
+    parameters: the bare-Function measurements ``cell-floor`` and ``function-floor``."""
+    import torch
+
+    class FunctionCell(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = torch.nn.Parameter(ref.weights.detach().clone())
+            self.bias = torch.nn.Parameter(ref.bias.detach().clone())
+
+        def forward(self, x, state):
+            return function.apply(x, self.weights, self.bias, *state)
+
+    return FunctionCell()
+
+
+def _FloorCell(ref):
+    """A module running the NumPy backend in a bare autograd.Function (see ``cell-floor``)."""
+    import torch
+
+    from .. import _numpy
+    from ..torch._interop import torch_mm
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b, h, c):
+            new_h, new_cell, ctx.lltm_saved = _numpy.forward(
+                x.numpy(), w.detach().numpy(), b.detach().numpy(), h.numpy(), c.numpy(),
+                mm=torch_mm)
+            return torch.from_numpy(new_h), torch.from_numpy(new_cell)
+
+        @staticmethod
+        def backward(ctx, grad_h, grad_cell):
+            g = _numpy.backward(grad_h.numpy(), grad_cell.numpy(), ctx.lltm_saved,
+                                (False, False, True, True, False), mm=torch_mm)
+            return None, torch.from_numpy(g.d_weights), torch.from_numpy(g.d_bias), None, None
+
+    return _function_cell(ref, Floor)
+
+
+def _EmptyCell(ref):
+    """A module whose autograd.Function does no LLTM work (see ``function-floor``)."""
+    import torch
+
+    class Empty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b, h, c):
+            return h.clone(), c.clone()
+
+        @staticmethod
+        def backward(ctx, grad_h, grad_cell):
+            return None, torch.zeros_like(ref.weights), torch.zeros_like(ref.bias), None, None
+
+    return _function_cell(ref, Empty)
+
+
+def _graphed(module, x, h, c):
+    """``module`` with forward and backward captured in CUDA graphs (make_graphed_callables),
+    called as ``graphed(x, (h, c))`` like a cell."""
+    import torch
+
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = module
+
+        def forward(self, x, h, c):
+            return self.cell(x, (h, c))
+
+    graphed = torch.cuda.make_graphed_callables(Flat(), (x, h, c))
+
+    class Cell(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.graphed = graphed
+
+        def forward(self, x, state):
+            return self.graphed(x, *state)
+
+    return Cell()
+
+
+def _warmup(cfg: Config) -> None:
+    """Compile our GPU kernels before anything is captured or timed (lltm_cupy.warmup)."""
+    if cfg.cuda:
+        import lltm_cupy
+
+        lltm_cupy.warmup(cfg.torch_dtype())
+
+
+def _make_runners(cfg: Config, impls, quiet, strict=False):
+    import torch
+
+    from .. import torch as lt
+
+    device = "cuda" if cfg.cuda else "cpu"
+    dtype = cfg.torch_dtype()
+    _warmup(cfg)
+    torch.manual_seed(cfg.seed)
+    ref = lt.ReferenceLLTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
+    x = torch.randn(cfg.batch, cfg.features, device=device, dtype=dtype)
+    h = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
+    c = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
+    if cfg.all_grads:
+        for t in (x, h, c):
+            t.requires_grad_()
+    runners, skipped = {}, {}
+    for name in impls:
+        if cfg.bf16 and name in ("array", "cell-floor", "function-floor"):
+            _not_run(name, _NO_BF16_ARRAYS, skipped, strict, quiet)
+            continue
+        try:
+            if name == "reference":
+                runners[name] = _TorchRunner(ref, cfg, (x, h, c))
+            elif name == "compiled":
+                _log(quiet, "  compiling the reference with torch.compile ...")
+                module = lt.ReferenceLLTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
+                module.load_state_dict(ref.state_dict())
+                runner = _TorchRunner(torch.compile(module, dynamic=False), cfg, (x, h, c))
+                runner.backward(runner.forward())  # compile now, not in the timed loop
+                runners[name] = runner
+            elif name == "cell":
+                cell = lt.LLTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
+                cell.load_state_dict(ref.state_dict())
+                runners[name] = _TorchRunner(cell, cfg, (x, h, c))
+            elif name == "array":
+                runners[name] = _ArrayRunner(cfg, (ref.weights, ref.bias), (x, h, c))
+            elif name == "lstm":
+                lstm = torch.nn.LSTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
+                runners[name] = _TorchRunner(lstm, cfg, (x, h, c))
+            elif name in GRAPH_IMPLS:
+                if not cfg.cuda:
+                    raise ValueError(f"{name} needs CUDA (--cuda)")
+                cls = lt.ReferenceLLTMCell if name != "cell-graph" else lt.LLTMCell
+                module = cls(cfg.features, cfg.state, device=device, dtype=dtype)
+                module.load_state_dict(ref.state_dict())
+                if name == "compiled-ro":
+                    _log(quiet, "  compiling the reference with mode='reduce-overhead' ...")
+                    module = torch.compile(module, mode="reduce-overhead", dynamic=False)
+                else:
+                    _log(quiet, f"  capturing {name} in CUDA graphs ...")
+                    module = _graphed(module, x, h, c)
+                runner = _TorchRunner(module, cfg, (x, h, c))
+                for _ in range(3):  # compile / record now, not in the timed loop
+                    runner.backward(runner.forward())
+                runners[name] = runner
+            elif name == "cell-op":
+                from ..torch._ops import _lltm_forward_op
+
+                class CustomOpCell(lt.LLTMCell):
+                    """LLTMCell through the custom operator even in eager mode."""
+
+                    def forward(self, input, state=None):
+                        new_h, new_cell, _, _ = _lltm_forward_op(*self._args(input, state))
+                        return new_h, new_cell
+
+                cell = CustomOpCell(cfg.features, cfg.state, device=device, dtype=dtype)
+                cell.load_state_dict(ref.state_dict())
+                runners[name] = _TorchRunner(cell, cfg, (x, h, c))
+            elif name == "cell-floor":
+                if cfg.cuda or cfg.all_grads:
+                    raise ValueError("cell-floor measures the CPU, parameter-gradient case only")
+                runners[name] = _TorchRunner(_FloorCell(ref), cfg, (x, h, c))
+            elif name == "function-floor":
+                if cfg.cuda or cfg.all_grads:
+                    raise ValueError("function-floor measures the CPU, parameter-gradient case only")
+                runners[name] = _TorchRunner(_EmptyCell(ref), cfg, (x, h, c))
+            else:
+                raise ValueError(f"unknown implementation {name!r}; choose from "
+                                 f"{IMPLS + EXTRA_IMPLS + GRAPH_IMPLS}")
+        except Exception as exc:  # e.g. torch.compile without a working compiler
+            _not_run(name, exc, skipped, strict, quiet)
+    return runners, skipped
+
+
+
+
+def run_size(cfg: Config, impls=None, quiet=False, strict=False) -> dict:
+    """Time every implementation at one size. Returns a JSON-ready dict.
+
+    On the CPU the array API (NumPy) is timed in a block of its own after the torch
+    implementations (see :func:`timed_record`); a NumPy program without torch, the array API's
+    use, does not pay their thread contention. (lltm_cupy.torch runs its GEMMs through torch
+    for this reason.)
+
+    strict: the caller named ``impls``; one that cannot be set up raises ImplementationError
+    (otherwise it is skipped, with the reason printed and recorded under "skipped").
+    """
+    impls = list(impls or IMPLS)
+    runners, skipped = _make_runners(cfg, impls, quiet, strict)
+    results, separate = timed_record(runners, cfg, ("array",), quiet)
+    return {"batch": cfg.batch, "features": cfg.features, "state": cfg.state,
+            "device": "cuda" if cfg.cuda else "cpu",
+            "dtype": cfg.dtype_name, "runs": cfg.runs,
+            "all_grads": cfg.all_grads, "separately_timed": separate,
+            "results": results, "skipped": skipped}

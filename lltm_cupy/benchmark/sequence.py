@@ -1,0 +1,202 @@
+"""Whole sequences: our LLTM layer against our cell and the reference stepped from Python, the
+array API's sequence functions against stepping them, nn.LSTM (GPU), a 2-layer bidirectional
+LLTM against the same built from stepped cells, and a ragged batch against the same padded."""
+from __future__ import annotations
+
+from ._common import _NO_BF16_ARRAYS, Config, _not_run, timed_record
+from .cell import _array_side, _TorchRunner, _warmup
+
+SEQUENCE_IMPLS = ("sequence", "cell-stepped", "reference-stepped", "array-sequence",
+                  "array-stepped", "lstm", "lltm-2x-bidir", "cells-2x-bidir", "ragged",
+                  "ragged-padded")
+#: Rows that time a pair (a row and what it replaces) with their ratio in the table:
+#: a 2-layer bidirectional LLTM against the same built from stepped LLTMCells, and a ragged
+#: batch (lengths uniform in [1, T], as a PackedSequence) against the same batch padded to T.
+PAIRED_SEQUENCE_IMPLS = {"lltm-2x-bidir": "cells-2x-bidir", "ragged": "ragged-padded"}
+SEQUENCE_SIZES = ((16, 32, 128), (64, 256, 512))
+
+
+class _TorchSequenceRunner(_TorchRunner):
+    """A torch module over T steps: one call for sequence modules, a Python loop for cells."""
+
+    def __init__(self, module, xs, h, c, mode):
+        import torch
+
+        self.torch = torch
+        self.module, self.xs, self.h, self.c, self.mode = module, xs, h, c, mode
+        self.ones_h = torch.ones_like(h)
+
+    def forward(self):
+        if self.mode == "sequence":
+            out, (_, c) = self.module(self.xs, (self.h, self.c))
+            return [out, c]
+        if self.mode == "lstm":
+            out, (_, c) = self.module(self.xs, (self.h[None], self.c[None]))
+            return [out, c]
+        state, outs = (self.h, self.c), []
+        for x in self.xs:
+            state = self.module(x, state)
+            outs.append(state[0])
+        return outs + [state[1]]
+
+    def backward(self, out):
+        self.torch.autograd.backward(out, [self.torch.ones_like(t) for t in out])
+
+    def _inputs(self):
+        return (self.xs, self.h, self.c)
+
+
+class _ArraySequenceRunner:
+    def __init__(self, cfg, params, xs, h, c, stepped):
+        import lltm_cupy
+
+        self.lltm, self.stepped = lltm_cupy, stepped
+        xp, self.stream_ctx, conv = _array_side(cfg)
+        self.w, self.b = (conv(t) for t in params)
+        self.xs, self.h, self.c = conv(xs), conv(h), conv(c)
+        self.ones = xp.ones_like(self.h)
+        self.ones_out = xp.ones(self.xs.shape[:2] + self.h.shape[1:], self.h.dtype)
+
+    def forward(self):
+        with self.stream_ctx():
+            if not self.stepped:
+                return self.lltm.forward_sequence(self.xs, self.w, self.b, self.h, self.c)
+            h, c, saves = self.h, self.c, []
+            for x in self.xs:
+                h, c, saved = self.lltm.forward(x, self.w, self.b, h, c)
+                saves.append(saved)
+            return saves
+
+    def backward(self, out):
+        with self.stream_ctx():
+            if not self.stepped:
+                self.lltm.backward_sequence(self.ones_out, None, self.ones, out[3])
+                return
+            d_h, d_c, d_w, d_b = None, self.ones, 0, 0
+            for saved in reversed(out):
+                g = self.lltm.backward(self.ones if d_h is None else d_h + self.ones, d_c, saved,
+                                       needed=(True, False, True, True, True))
+                d_h, d_c = g.d_old_h, g.d_old_cell
+                d_w = d_w + g.d_weights
+                d_b = d_b + g.d_bias
+
+    def saved_bytes(self) -> int:
+        out = self.forward()
+        return out[3].nbytes if not self.stepped else sum(s.nbytes for s in out)
+
+
+class _LayeredRunner(_TorchRunner):
+    """An nn.LSTM-shaped module over xs (T, B, F), or over xs as a PackedSequence of
+    ``lengths``; backward of the output's sum and the final states'."""
+
+    def __init__(self, module, xs, lengths=None):
+        import torch
+
+        self.torch, self.module, self.xs, self.lengths = torch, module, xs, lengths
+
+    def forward(self):
+        x = self.xs
+        if self.lengths is not None:
+            from torch.nn.utils.rnn import pack_padded_sequence
+
+            x = pack_padded_sequence(x, self.lengths, enforce_sorted=False)
+        out, (h, c) = self.module(x)
+        return [out.data if self.lengths is not None else out, h, c]
+
+    def backward(self, out):
+        self.torch.autograd.backward(out, [self.torch.ones_like(t) for t in out])
+
+    def _inputs(self):
+        return (self.xs,)
+
+
+def _StackedCells(lltm):
+    """The same 2-layer bidirectional network as ``lltm`` (its parameters), built from
+    LLTMCells stepped from Python: what the layer replaces."""
+    import torch
+
+    from .. import torch as lt
+
+    class Stacked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cells = torch.nn.ModuleList()
+            for k in range(lltm.num_layers):
+                for d in range(2):
+                    w, b = lltm._layer_parameters(k, d)
+                    cell = lt.LLTMCell(w.shape[1] - lltm.hidden_size, lltm.hidden_size,
+                                       device=w.device, dtype=w.dtype)
+                    cell.load_state_dict({"weights": w.detach(), "bias": b.detach()})
+                    self.cells.append(cell)
+
+        def forward(self, xs):
+            h_n, c_n = [], []
+            for k in range(lltm.num_layers):
+                outs = []
+                for d in range(2):
+                    cell, state, out = self.cells[2 * k + d], None, [None] * len(xs)
+                    for t in (range(len(xs)) if d == 0 else reversed(range(len(xs)))):
+                        state = cell(xs[t], state)
+                        out[t] = state[0]
+                    outs.append(torch.stack(out))
+                    h_n.append(state[0])
+                    c_n.append(state[1])
+                xs = torch.cat(outs, dim=2)
+            return xs, (torch.stack(h_n), torch.stack(c_n))
+
+    return Stacked()
+
+
+def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False) -> dict:
+    """Time whole-sequence implementations over ``steps`` steps at one cell size (``strict``
+    as for :func:`run_size`)."""
+    import torch
+
+    from .. import torch as lt
+
+    impls = list(impls or [i for i in SEQUENCE_IMPLS if i != "lstm" or cfg.cuda])
+    device = "cuda" if cfg.cuda else "cpu"
+    dtype = cfg.torch_dtype()
+    torch.manual_seed(cfg.seed)
+    seq = lt.LLTM(cfg.features, cfg.state, device=device, dtype=dtype)
+    xs = torch.randn(steps, cfg.batch, cfg.features, device=device, dtype=dtype)
+    h = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
+    c = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
+    _warmup(cfg)
+    runners, skipped = {}, {}
+    for name in impls:
+        if name == "sequence":
+            runners[name] = _TorchSequenceRunner(seq, xs, h, c, "sequence")
+        elif name in ("cell-stepped", "reference-stepped"):
+            cls = lt.LLTMCell if name == "cell-stepped" else lt.ReferenceLLTMCell
+            cell = cls(cfg.features, cfg.state, device=device, dtype=dtype)
+            cell.load_state_dict(seq.state_dict())
+            runners[name] = _TorchSequenceRunner(cell, xs, h, c, "stepped")
+        elif name in ("array-sequence", "array-stepped") and cfg.bf16:
+            _not_run(name, _NO_BF16_ARRAYS, skipped, strict, quiet)
+        elif name in ("array-sequence", "array-stepped"):
+            runners[name] = _ArraySequenceRunner(cfg, (seq.weights, seq.bias), xs, h, c,
+                                                 stepped=(name == "array-stepped"))
+        elif name == "lstm":
+            lstm = torch.nn.LSTM(cfg.features, cfg.state, device=device, dtype=dtype)
+            runners[name] = _TorchSequenceRunner(lstm, xs, h, c, "lstm")
+        elif name in ("lltm-2x-bidir", "cells-2x-bidir"):
+            deep = lt.LLTM(cfg.features, cfg.state, num_layers=2, bidirectional=True,
+                           device=device, dtype=dtype)
+            module = deep if name == "lltm-2x-bidir" else _StackedCells(deep)
+            runners[name] = _LayeredRunner(module, xs)
+        elif name in ("ragged", "ragged-padded"):
+            g = torch.Generator().manual_seed(cfg.seed)
+            lengths = torch.randint(1, steps + 1, (cfg.batch,), generator=g)
+            runners[name] = _LayeredRunner(seq, xs, lengths if name == "ragged" else None)
+        else:
+            raise ValueError(f"unknown sequence implementation {name!r}; choose from {SEQUENCE_IMPLS}")
+    numpy_side = [k for k in runners if k.startswith("array")]
+    results, separate = timed_record(runners, cfg, numpy_side, quiet, label=f"T={steps} ")
+    return {"batch": cfg.batch, "features": cfg.features, "state": cfg.state, "steps": steps,
+            "device": device, "dtype": cfg.dtype_name, "runs": cfg.runs,
+            "all_grads": False, "separately_timed": separate,
+            "results": results, "skipped": skipped, "baseline": "cell-stepped",
+            "pairs": {a: b for a, b in PAIRED_SEQUENCE_IMPLS.items()
+                      if a in results and b in results}}
+
