@@ -1,4 +1,10 @@
-"""The README's Python examples run (the CuPy one only where a GPU is present)."""
+"""Every Python block of README.md and docs/*.md runs.
+
+The blocks of one file run in order in one namespace, in a temporary directory (some save
+files), as a reader would paste them. A block preceded by the line ``<!-- needs: gpu -->`` runs
+only where CuPy (and, for torch code, torch) sees a GPU: it is a test of its own, skipped with
+the reason elsewhere.
+"""
 from __future__ import annotations
 
 import re
@@ -8,25 +14,66 @@ import pytest
 
 from conftest import gpu_unavailable_reason
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+GPU_MARK = "<!-- needs: gpu -->"
+BLOCK = re.compile(r"^(" + re.escape(GPU_MARK) + r"\n)?```python\n(.*?)^```", re.S | re.M)
 
 
-def test_readme_examples_run(tmp_path, monkeypatch):
-    pytest.importorskip("torch", reason="the PyTorch example needs torch")
-    monkeypatch.chdir(tmp_path)  # the PyTorch example saves a state_dict
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert len(blocks) >= 4
-    namespace = {}
-    ran = 0
-    import torch
+def blocks(page: Path) -> list:
+    """[(needs_gpu, code)] of the page's Python blocks, in order."""
+    return [(bool(m.group(1)), m.group(2)) for m in BLOCK.finditer(page.read_text())]
 
-    for block in blocks:
-        if "import cupy" in block and gpu_unavailable_reason():
+
+def _run(page, upto, namespace):
+    """Run the page's blocks up to index ``upto`` (inclusive); GPU blocks before it are skipped."""
+    for i, (needs_gpu, code) in enumerate(blocks(page)[: upto + 1]):
+        if needs_gpu and i != upto:
             continue
-        if 'device="cuda"' in block and (not torch.cuda.is_available() or gpu_unavailable_reason()):
-            continue  # the captured training step: GPU only
-        exec(compile(block, str(README), "exec"), namespace)
-        ran += 1
-    assert ran >= 3
-    assert namespace["grads"].d_inputs.shape[0] == 64  # the sequence example ran last of the NumPy ones
-    assert (tmp_path / "model.pt").exists()
+        if re.search(r"^\s*(import torch|from torch|from lltm_cupy.torch)", code, re.M):
+            pytest.importorskip("torch", reason=f"{page.name} block {i + 1} needs torch")
+        exec(compile(code, f"{page.name} (Python block {i + 1})", "exec"), namespace)
+
+
+def _gpu_reason(code):
+    reason = gpu_unavailable_reason()
+    if reason is None and "torch" in code:
+        import torch
+
+        if not torch.cuda.is_available():
+            reason = "torch sees no CUDA device"
+    return reason
+
+
+CPU_CASES = [pytest.param(p, id=p.name) for p in PAGES if any(not g for g, _ in blocks(p))]
+GPU_CASES = [pytest.param(p, i, id=f"{p.name}-block{i + 1}")
+             for p in PAGES for i, (g, _) in enumerate(blocks(p)) if g]
+
+
+def test_the_pages_hold_the_examples():
+    assert len(CPU_CASES) >= 3, "README.md and docs/ should have Python examples"
+    assert GPU_CASES, "the GPU examples should be marked and collected"
+    for page in PAGES:  # a ``` python fence the pattern does not see would go untested
+        text = page.read_text()
+        assert text.count("```python") == len(blocks(page)), f"unparsed Python block in {page.name}"
+
+
+@pytest.mark.parametrize("page", CPU_CASES)
+def test_python_blocks_run(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    last_cpu = max(i for i, (needs_gpu, _) in enumerate(blocks(page)) if not needs_gpu)
+    _run(page, last_cpu, namespace)
+    if page.name == "README.md":
+        assert namespace["grads"].d_inputs.shape[0] == 64   # the sequence example ran
+        assert (tmp_path / "model.pt").exists()             # and the torch one saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page,index", GPU_CASES)
+def test_gpu_blocks_run(page, index, tmp_path, monkeypatch):
+    reason = _gpu_reason(blocks(page)[index][1])
+    if reason:
+        pytest.skip(f"GPU test: {reason}")
+    monkeypatch.chdir(tmp_path)
+    _run(page, index, {})
