@@ -77,3 +77,23 @@ def test_gpu_blocks_run(page, index, tmp_path, monkeypatch):
         pytest.skip(f"GPU test: {reason}")
     monkeypatch.chdir(tmp_path)
     _run(page, index, {})
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but - and _ dropped, spaces -> -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, id=p.name) for p in PAGES])
+def test_relative_links_resolve(page):
+    """Every link to another file of the repository names one that exists, and its #anchor a
+    heading of that file."""
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        assert dest.exists(), f"{page.name} links to a missing {target}"
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", dest.read_text(), re.M)
+            assert anchor in {_anchor(h) for h in headings}, f"{page.name}: no heading for {target}"
