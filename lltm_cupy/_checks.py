@@ -198,6 +198,15 @@ def check_sequence_shapes(inputs, weights, bias, h0, c0) -> None:
     _check_weights_and_bias(weights, bias, state, features, "h0", "inputs")
 
 
+def check_packed_shapes(data, weights, bias, h0, c0) -> None:
+    """Shape checks of a PackedSequence's data (rows, features) with (batch, state) states."""
+    if data.ndim != 2:
+        raise ValueError(f"lltm_cupy: packed data must be 2-D (rows, features), got shape "
+                         f"{tuple(data.shape)}")
+    state = _check_state("h0", "c0", h0, c0, h0.shape[0] if h0.ndim else 0, "h0")
+    _check_weights_and_bias(weights, bias, state, data.shape[1], "h0", "inputs")
+
+
 def check_forward_sequence(inputs, weights, bias, h0, c0) -> str:
     """Validate forward_sequence arguments; return the backend name."""
     return _check_arguments(_SEQUENCE_NAMES, (inputs, weights, bias, h0, c0),

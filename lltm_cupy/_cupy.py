@@ -361,3 +361,8 @@ def _exercise(cupy, dtype, batch, features, state):
         *_, saved = forward_sequence(zeros(2, batch, features), weights, bias, h, c, plan=plan)
         for grads in ((zeros(2, batch, state), h, c), (None, None, None)):
             backward_sequence(*grads, saved)
+        # a PackedSequence's data in and out (the torch layer's packed input)
+        plan = _packing.packed_plan((batch, 1), None, reverse)
+        *_, saved = forward_sequence(zeros(batch + 1, features), weights, bias, h, c, plan=plan)
+        for grads in ((zeros(batch + 1, state), h, c), (None, None, None)):
+            backward_sequence(*grads, saved)

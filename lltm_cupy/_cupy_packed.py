@@ -20,15 +20,41 @@ def _index(cupy, plan):
     return (cupy.asarray(plan.t_index), cupy.asarray(plan.b_index), cupy.asarray(plan.perm))
 
 
+def _pack_rows(cupy, a, plan, t_index, b_index):
+    """The packed rows of ``a``: (T, B, ...) gathered, or PackedSequence data (N, ...) as it is
+    (forward) or gathered by ``data_index`` (reverse)."""
+    if not plan.packed_io:
+        return a[t_index, b_index]
+    return a if plan.data_index is None else a[cupy.asarray(plan.data_index)]
+
+
+def _own_copy(cupy, rows, source):
+    """``rows`` as a C-contiguous array the caller may write: copied if it is ``source``."""
+    return cupy.array(rows, order="C") if rows is source else cupy.ascontiguousarray(rows)
+
+
+def _unpack_rows(cupy, rows, plan, t_index, b_index):
+    """Inverse of :func:`_pack_rows`, zeros at padded positions of a (T, B, ...) result."""
+    if plan.packed_io and plan.data_index is None:
+        return rows
+    if plan.packed_io:
+        out = cupy.empty(rows.shape, rows.dtype)
+        out[cupy.asarray(plan.data_index)] = rows
+        return out
+    out = cupy.zeros((plan.steps, len(plan.perm)) + rows.shape[1:], rows.dtype)
+    if len(rows):
+        out[t_index, b_index] = rows
+    return out
+
+
 def forward_packed(inputs, weights, bias, h0, c0, gemm, plan):
     cupy = base._cupy()
-    steps, batch, features = inputs.shape
     state = h0.shape[1]
     dtype = inputs.dtype
     rows = plan.rows
     with cupy.cuda.Device(inputs.device.id):
         t_index, b_index, perm = _index(cupy, plan)
-        x = inputs[t_index, b_index]                                     # (N, F)
+        x = cupy.ascontiguousarray(_pack_rows(cupy, inputs, plan, t_index, b_index))   # (N, F)
         gates = cupy.empty((rows, 3 * state), dtype)
         gemm(x, weights[:, state:].T, gates)
         h0s, c0s = h0[perm], c0[perm]
@@ -48,11 +74,10 @@ def forward_packed(inputs, weights, bias, h0, c0, gemm, plan):
             base.get_kernels(dtype, wide).fwd(grid, block, (
                 gates[rows_t], bias_c, c_in, out[rows_t], cells[rows_t], np.int64(n * state),
                 np.int32(state)))
-        outputs = cupy.zeros((steps, batch, state), dtype)
+        outputs = _unpack_rows(cupy, out, plan, t_index, b_index)
         h_sorted, c_sorted = h0s.copy(), c0s.copy()
         ended = np.flatnonzero(plan.last_row >= 0)
         if rows:
-            outputs[t_index, b_index] = out
             last = cupy.asarray(plan.last_row[ended])
             ended_d = cupy.asarray(ended)
             h_sorted[ended_d] = out[last]
@@ -75,7 +100,8 @@ def backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
     with cupy.cuda.Device(out.device.id):
         t_index, b_index, perm = _index(cupy, plan)
         grad_h = (cupy.zeros((rows, state), dtype) if grad_outputs is None
-                  else cupy.ascontiguousarray(grad_outputs[t_index, b_index]))
+                  else _own_copy(cupy, _pack_rows(cupy, grad_outputs, plan, t_index, b_index),
+                                 grad_outputs))
         ended = np.flatnonzero(plan.last_row >= 0)
         ghn = None if grad_h_n is None else grad_h_n[perm]
         gcn = None if grad_c_n is None else grad_c_n[perm]
@@ -136,9 +162,8 @@ def backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
         if need_b:
             d_bias = base._d_bias(cupy, flat, saved.bias_shape, gemm)
         if need_x:
-            d_inputs = cupy.zeros((plan.steps, batch, features), dtype)
-            if rows:
-                d_inputs[t_index, b_index] = gemm(flat, weights[:, state:],
-                                                  cupy.empty((rows, features), dtype))
+            d_inputs = _unpack_rows(cupy, gemm(flat, weights[:, state:],
+                                               cupy.empty((rows, features), dtype)),
+                                    plan, t_index, b_index)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)

@@ -270,11 +270,11 @@ def _backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
 def _forward_packed(inputs, weights, bias, h0, c0, mm, plan):
     """forward_sequence over the packed rows of ``plan`` (lltm_cupy._packing): per step only
     the sequences still running, a prefix of the sorted batch."""
-    steps, batch, features = inputs.shape
+    batch = len(plan.perm)
     state = h0.shape[1]
     dtype = inputs.dtype
     rows = plan.rows
-    x = inputs[plan.t_index, plan.b_index]                  # (N, F), one gather
+    x = _pack_rows(inputs, plan)                            # (N, F), one gather
     # every packed row's input projection in one GEMM, bias added, in the GEMMs' row layout
     projection = np.add(mm(x, np.ascontiguousarray(weights[:, state:].T)), bias.reshape(1, -1))
     w_h_t = np.ascontiguousarray(weights[:, :state].T)
@@ -293,8 +293,7 @@ def _forward_packed(inputs, weights, bias, h0, c0, mm, plan):
                mm(h_in, w_h_t).reshape(n, 3, state).transpose(1, 0, 2), z)
         f = factors[4 * state * rows_t.start: 4 * state * rows_t.stop].reshape(4, n, state)
         _activate(z, c_in, out[rows_t], cells[rows_t], f)
-    outputs = np.zeros((steps, batch, state), dtype)
-    outputs[plan.t_index, plan.b_index] = out
+    outputs = _unpack_rows(out, plan, np.zeros)
     h_n, c_n = np.empty_like(h0s), np.empty_like(c0s)
     ended = plan.last_row >= 0
     h_sorted = np.where(ended[:, None], out[np.maximum(plan.last_row, 0)] if rows else h0s, h0s)
@@ -317,13 +316,13 @@ def _h_in_packed(saved):
 def _backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
     plan, x, factors, weights = saved.plan, saved.inputs, saved.gates, saved.weights
     rows, state = saved.hs.shape
-    batch, features = len(plan.perm), x.shape[1]
+    batch = len(plan.perm)
     dtype = saved.hs.dtype
     zeros = np.zeros((batch, state), dtype)
     # grad_h of every packed row: the outputs' gradient, the final state's at each sequence's
     # last step, and (in the loop) what flows back from the next step
     grad_h = (np.zeros((rows, state), dtype) if grad_outputs is None
-              else np.array(grad_outputs[plan.t_index, plan.b_index], dtype))
+              else np.array(_pack_rows(grad_outputs, plan), dtype))
     ended = plan.last_row >= 0
     ghn = zeros if grad_h_n is None else grad_h_n[plan.perm]
     gcn = None if grad_c_n is None else grad_c_n[plan.perm]
@@ -373,7 +372,29 @@ def _backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
     if need_b:
         d_bias = flat.sum(axis=0).reshape(saved.bias_shape)
     if need_x:
-        d_inputs = np.zeros((plan.steps, batch, features), dtype)
-        d_inputs[plan.t_index, plan.b_index] = mm(flat, weights[:, state:])
+        d_inputs = _unpack_rows(mm(flat, weights[:, state:]), plan, np.zeros)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)
+
+
+def _pack_rows(a, plan):
+    """The packed rows of ``a``: (T, B, ...) gathered, or PackedSequence data (N, ...) as it is
+    (forward) or gathered by ``data_index`` (reverse). The result may be ``a`` itself."""
+    if not plan.packed_io:
+        return a[plan.t_index, plan.b_index]
+    return a if plan.data_index is None else a[plan.data_index]
+
+
+def _unpack_rows(rows, plan, zeros):
+    """Inverse of :func:`_pack_rows`: packed ``rows`` (N, ...) into (T, B, ...) with zeros at
+    padded positions, or into PackedSequence data (``rows`` itself in the forward direction).
+    ``zeros`` is the array module's zeros."""
+    if plan.packed_io and plan.data_index is None:
+        return rows
+    if plan.packed_io:
+        out = zeros(rows.shape, rows.dtype)
+        out[plan.data_index] = rows
+        return out
+    out = zeros((plan.steps, len(plan.perm)) + rows.shape[1:], rows.dtype)
+    out[plan.t_index, plan.b_index] = rows
+    return out

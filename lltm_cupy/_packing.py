@@ -12,15 +12,21 @@ Row j of step tau is sequence ``perm[j]`` at time tau, or at time L - 1 - tau wh
 (each sequence run from its own last valid step back to step 0): ``t_index`` / ``b_index`` say
 where each packed row lives in the caller's (T, B, ...) arrays, so that one gather packs the
 inputs and one scatter unpacks the outputs.
+
+A plan made by :func:`packed_plan` (the torch layer's ``PackedSequence`` input) takes the inputs
+and gives the outputs in ``PackedSequence.data``'s own layout, (N, ...) rows, with no padded
+arrays at all: its sort order is the PackedSequence's ``sorted_indices``, so in the forward
+direction the packed rows are ``data``'s rows; ``data_index`` maps them for ``reverse``.
 """
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Plan", "plan", "packed_plan"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,6 +40,8 @@ class Plan:
     last_row: np.ndarray       # (B,) packed row of each sorted sequence's last step, -1 if L = 0
     reverse: bool
     steps: int                 # T of the caller's (T, B, ...) arrays
+    packed_io: bool = False    # inputs and outputs in PackedSequence.data's (N, ...) layout
+    data_index: Optional[np.ndarray] = None   # (N,) data row of each packed row; None: the same
 
     @property
     def rows(self) -> int:
@@ -69,9 +77,11 @@ def check_lengths(lengths, steps: int, batch: int) -> np.ndarray:
     return values.astype(np.int64)
 
 
-def plan(lengths: np.ndarray, steps: int, reverse: bool = False) -> Plan:
-    """The packed layout of checked ``lengths`` (see the module docstring)."""
-    perm = np.argsort(-lengths, kind="stable")
+def plan(lengths: np.ndarray, steps: int, reverse: bool = False, perm=None,
+         packed_io: bool = False) -> Plan:
+    """The packed layout of checked ``lengths`` (see the module docstring); ``perm``: a given
+    sort order, longest first (default: a stable sort)."""
+    perm = np.argsort(-lengths, kind="stable") if perm is None else perm
     sorted_lengths = lengths[perm]
     longest = int(sorted_lengths[0]) if len(perm) else 0
     # batch_sizes[tau] = how many lengths exceed tau (lengths sorted descending)
@@ -88,6 +98,25 @@ def plan(lengths: np.ndarray, steps: int, reverse: bool = False) -> Plan:
     positions = np.arange(len(perm))
     last_row = np.where(sorted_lengths > 0,
                         offsets[np.maximum(sorted_lengths - 1, 0)] + positions, -1)
+    data_index = None
+    if packed_io and reverse:
+        # data row of (time t, sequence b): offsets[t] + b's position in the sort order
+        position = np.empty_like(perm)
+        position[perm] = positions
+        data_index = (offsets[:-1][t_index] + position[b_index]).astype(np.int64)
     return Plan(lengths, perm, batch_sizes, tuple(int(o) for o in offsets),
                 t_index.astype(np.int64), b_index.astype(np.int64), last_row.astype(np.int64),
-                bool(reverse), int(steps))
+                bool(reverse), int(steps), bool(packed_io), data_index)
+
+
+def packed_plan(batch_sizes, sorted_indices, reverse: bool = False) -> Plan:
+    """The plan of a ``PackedSequence`` (its ``batch_sizes`` and ``sorted_indices``, None for a
+    batch already sorted), with inputs and outputs in its ``data`` layout."""
+    sizes = np.asarray(batch_sizes, dtype=np.int64)
+    batch = int(sizes[0]) if len(sizes) else 0
+    perm = (np.arange(batch, dtype=np.int64) if sorted_indices is None
+            else np.asarray(sorted_indices.cpu() if hasattr(sorted_indices, "cpu")
+                            else sorted_indices, dtype=np.int64))
+    lengths = np.empty(batch, np.int64)
+    lengths[perm] = (sizes[None, :] > np.arange(batch)[:, None]).sum(1)
+    return plan(lengths, len(sizes), reverse, perm=perm, packed_io=True)

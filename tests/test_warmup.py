@@ -46,6 +46,13 @@ def _every_call(cupy, dtype, batch=16, features=32, state=128, steps=5):
         *_, saved = _cupy.forward_sequence(arr(steps, batch, features), w, b, h, c, plan=plan)
         for grads in ((arr(steps, batch, state), h, c), (None, None, None), (None, h, None)):
             _cupy.backward_sequence(*grads, saved)
+        # a PackedSequence's data in and out, as the torch layer runs packed input
+        sizes = [batch] + [max(batch - 1, 1)] * (steps - 1)
+        rows = sum(sizes)
+        plan = _packing.packed_plan(sizes, np.arange(batch)[::-1].copy(), reverse)
+        *_, saved = _cupy.forward_sequence(arr(rows, features), w, b, h, c, plan=plan)
+        for grads in ((arr(rows, state), h, c), (None, None, None), (None, h, None)):
+            _cupy.backward_sequence(*grads, saved)
 
 
 @pytest.mark.parametrize("name", DTYPES)

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ._ops import lltm, lltm_sequence
+from ._ops import lltm, lltm_packed, lltm_sequence
 
 __all__ = ["LLTMCell", "LLTM"]
 
@@ -279,13 +279,14 @@ class LLTM(nn.Module):
         return self._forward(input, hx, True)
 
     def _forward(self, input, hx, packed: bool):
-        from torch.nn.utils.rnn import pad_packed_sequence
-
-        lengths = None
         if packed:
+            # PackedSequence: every layer runs on the packed rows themselves (its data, (N, F)),
+            # no padded tensor in or out; the output keeps the input's layout
+            from torch.nn.utils.rnn import PackedSequence
+
             _check_input("LLTM", input.data, "(rows, input_size)", self.input_size)
-            x, lengths = pad_packed_sequence(input)       # (T, B, F), the caller's batch order
-            unbatched = False
+            x, unbatched = input.data, False
+            batch = int(input.batch_sizes[0]) if len(input.batch_sizes) else 0
         else:
             unbatched = isinstance(input, Tensor) and input.dim() == 2
             dims = ("(steps, input_size)" if unbatched else "(batch, steps, input_size)"
@@ -293,23 +294,30 @@ class LLTM(nn.Module):
             _check_input("LLTM", input, dims, self.input_size)
             x = input.unsqueeze(1) if unbatched else (
                 input.transpose(0, 1) if self.batch_first else input)
-        (h0, c0), flat = self._hx(hx, x.shape[1], x, unbatched)
+            batch = x.shape[1]
+        (h0, c0), flat = self._hx(hx, batch, x, unbatched)
         h_n, c_n = [], []
         for k in range(self.num_layers):
             outs = []
             for d in range(self.num_directions):
                 i = k * self.num_directions + d
-                out, h, c = lltm_sequence(x, *self._layer_parameters(k, d), h0[i], c0[i],
-                                          lengths=lengths, reverse=d == 1)
+                if packed:
+                    out, h, c = lltm_packed(x, *self._layer_parameters(k, d), h0[i], c0[i],
+                                            input.batch_sizes, input.sorted_indices,
+                                            reverse=d == 1)
+                else:
+                    out, h, c = lltm_sequence(x, *self._layer_parameters(k, d), h0[i], c0[i],
+                                              reverse=d == 1)
                 outs.append(out)
                 h_n.append(h)
                 c_n.append(c)
-            x = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+            x = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
             if self.dropout and self.training and k < self.num_layers - 1:
                 x = nn.functional.dropout(x, self.dropout, training=True)
         h_n, c_n = torch.stack(h_n), torch.stack(c_n)
         if packed:
-            return _repack(x, input), (h_n, c_n)
+            return (PackedSequence(x, input.batch_sizes, input.sorted_indices,
+                                   input.unsorted_indices), (h_n, c_n))
         if unbatched:
             return x.squeeze(1), (h_n.squeeze(1), c_n.squeeze(1))
         if flat:
@@ -328,19 +336,3 @@ class LLTM(nn.Module):
         if self.bidirectional:
             text += ", bidirectional=True"
         return text
-
-
-def _repack(padded: Tensor, like):
-    """``padded`` (T, B, H) in the caller's batch order as a PackedSequence laid out like
-    ``like`` (same batch_sizes, sorted_indices, unsorted_indices)."""
-    from torch.nn.utils.rnn import PackedSequence
-
-    sizes = like.batch_sizes
-    sorted_indices = (like.sorted_indices if like.sorted_indices is not None
-                      else torch.arange(padded.shape[1]))
-    t = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
-    starts = torch.cumsum(sizes, 0) - sizes
-    j = torch.arange(len(t)) - starts[t]                  # position within its step
-    index = sorted_indices.cpu()[j]
-    data = padded[t.to(padded.device), index.to(padded.device)]
-    return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
