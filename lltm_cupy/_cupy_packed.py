@@ -13,38 +13,15 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cupy as base
+from ._packing import pack_rows, unpack_rows
 from ._types import LLTMSequenceGrads, LLTMSequenceSaved
 
 
 def _index(cupy, plan):
-    return (cupy.asarray(plan.t_index), cupy.asarray(plan.b_index), cupy.asarray(plan.perm))
-
-
-def _pack_rows(cupy, a, plan, t_index, b_index):
-    """The packed rows of ``a``: (T, B, ...) gathered, or PackedSequence data (N, ...) as it is
-    (forward) or gathered by ``data_index`` (reverse)."""
-    if not plan.packed_io:
-        return a[t_index, b_index]
-    return a if plan.data_index is None else a[cupy.asarray(plan.data_index)]
-
-
-def _own_copy(cupy, rows, source):
-    """``rows`` as a C-contiguous array the caller may write: copied if it is ``source``."""
-    return cupy.array(rows, order="C") if rows is source else cupy.ascontiguousarray(rows)
-
-
-def _unpack_rows(cupy, rows, plan, t_index, b_index):
-    """Inverse of :func:`_pack_rows`, zeros at padded positions of a (T, B, ...) result."""
-    if plan.packed_io and plan.data_index is None:
-        return rows
-    if plan.packed_io:
-        out = cupy.empty(rows.shape, rows.dtype)
-        out[cupy.asarray(plan.data_index)] = rows
-        return out
-    out = cupy.zeros((plan.steps, len(plan.perm)) + rows.shape[1:], rows.dtype)
-    if len(rows):
-        out[t_index, b_index] = rows
-    return out
+    """The plan's index arrays on the current device: ((t_index, b_index, data_index), perm)."""
+    data_index = None if plan.data_index is None else cupy.asarray(plan.data_index)
+    return ((cupy.asarray(plan.t_index), cupy.asarray(plan.b_index), data_index),
+            cupy.asarray(plan.perm))
 
 
 def forward_packed(inputs, weights, bias, h0, c0, gemm, plan):
@@ -53,8 +30,8 @@ def forward_packed(inputs, weights, bias, h0, c0, gemm, plan):
     dtype = inputs.dtype
     rows = plan.rows
     with cupy.cuda.Device(inputs.device.id):
-        t_index, b_index, perm = _index(cupy, plan)
-        x = cupy.ascontiguousarray(_pack_rows(cupy, inputs, plan, t_index, b_index))   # (N, F)
+        index, perm = _index(cupy, plan)
+        x = cupy.ascontiguousarray(pack_rows(inputs, plan, *index))      # (N, F)
         gates = cupy.empty((rows, 3 * state), dtype)
         gemm(x, weights[:, state:].T, gates)
         h0s, c0s = h0[perm], c0[perm]
@@ -74,7 +51,7 @@ def forward_packed(inputs, weights, bias, h0, c0, gemm, plan):
             base.get_kernels(dtype, wide).fwd(grid, block, (
                 gates[rows_t], bias_c, c_in, out[rows_t], cells[rows_t], np.int64(n * state),
                 np.int32(state)))
-        outputs = _unpack_rows(cupy, out, plan, t_index, b_index)
+        outputs = unpack_rows(out, plan, cupy, *index)
         h_sorted, c_sorted = h0s.copy(), c0s.copy()
         ended = np.flatnonzero(plan.last_row >= 0)
         if rows:
@@ -98,10 +75,13 @@ def backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
     batch, features = len(plan.perm), x.shape[1]
     dtype = out.dtype
     with cupy.cuda.Device(out.device.id):
-        t_index, b_index, perm = _index(cupy, plan)
-        grad_h = (cupy.zeros((rows, state), dtype) if grad_outputs is None
-                  else _own_copy(cupy, _pack_rows(cupy, grad_outputs, plan, t_index, b_index),
-                                 grad_outputs))
+        index, perm = _index(cupy, plan)
+        if grad_outputs is None:
+            grad_h = cupy.zeros((rows, state), dtype)
+        else:   # written below: a copy, also where the packed rows are grad_outputs itself
+            grad_h = pack_rows(grad_outputs, plan, *index)
+            grad_h = (cupy.array(grad_h, order="C") if grad_h is grad_outputs
+                      else cupy.ascontiguousarray(grad_h))
         ended = np.flatnonzero(plan.last_row >= 0)
         ghn = None if grad_h_n is None else grad_h_n[perm]
         gcn = None if grad_c_n is None else grad_c_n[perm]
@@ -162,8 +142,7 @@ def backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
         if need_b:
             d_bias = base._d_bias(cupy, flat, saved.bias_shape, gemm)
         if need_x:
-            d_inputs = _unpack_rows(cupy, gemm(flat, weights[:, state:],
-                                               cupy.empty((rows, features), dtype)),
-                                    plan, t_index, b_index)
+            d_inputs = unpack_rows(gemm(flat, weights[:, state:],
+                                        cupy.empty((rows, features), dtype)), plan, cupy, *index)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _packing
 from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
 
 __all__ = ["forward", "backward", "forward_sequence", "backward_sequence"]
@@ -274,7 +275,7 @@ def _forward_packed(inputs, weights, bias, h0, c0, mm, plan):
     state = h0.shape[1]
     dtype = inputs.dtype
     rows = plan.rows
-    x = _pack_rows(inputs, plan)                            # (N, F), one gather
+    x = _packing.pack_rows(inputs, plan, *_indices(plan))     # (N, F), one gather
     # every packed row's input projection in one GEMM, bias added, in the GEMMs' row layout
     projection = np.add(mm(x, np.ascontiguousarray(weights[:, state:].T)), bias.reshape(1, -1))
     w_h_t = np.ascontiguousarray(weights[:, :state].T)
@@ -293,7 +294,7 @@ def _forward_packed(inputs, weights, bias, h0, c0, mm, plan):
                mm(h_in, w_h_t).reshape(n, 3, state).transpose(1, 0, 2), z)
         f = factors[4 * state * rows_t.start: 4 * state * rows_t.stop].reshape(4, n, state)
         _activate(z, c_in, out[rows_t], cells[rows_t], f)
-    outputs = _unpack_rows(out, plan, np.zeros)
+    outputs = _packing.unpack_rows(out, plan, np, *_indices(plan))
     h_n, c_n = np.empty_like(h0s), np.empty_like(c0s)
     ended = plan.last_row >= 0
     h_sorted = np.where(ended[:, None], out[np.maximum(plan.last_row, 0)] if rows else h0s, h0s)
@@ -302,6 +303,10 @@ def _forward_packed(inputs, weights, bias, h0, c0, mm, plan):
     saved = LLTMSequenceSaved("numpy", x, out, factors, cells, weights, tuple(bias.shape),
                               plan=plan, h0=h0s)
     return outputs, h_n, c_n, saved
+
+
+def _indices(plan):
+    return plan.t_index, plan.b_index, plan.data_index
 
 
 def _h_in_packed(saved):
@@ -322,7 +327,7 @@ def _backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
     # grad_h of every packed row: the outputs' gradient, the final state's at each sequence's
     # last step, and (in the loop) what flows back from the next step
     grad_h = (np.zeros((rows, state), dtype) if grad_outputs is None
-              else np.array(_pack_rows(grad_outputs, plan), dtype))
+              else np.array(_packing.pack_rows(grad_outputs, plan, *_indices(plan)), dtype))
     ended = plan.last_row >= 0
     ghn = zeros if grad_h_n is None else grad_h_n[plan.perm]
     gcn = None if grad_c_n is None else grad_c_n[plan.perm]
@@ -372,29 +377,6 @@ def _backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
     if need_b:
         d_bias = flat.sum(axis=0).reshape(saved.bias_shape)
     if need_x:
-        d_inputs = _unpack_rows(mm(flat, weights[:, state:]), plan, np.zeros)
+        d_inputs = _packing.unpack_rows(mm(flat, weights[:, state:]), plan, np, *_indices(plan))
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)
-
-
-def _pack_rows(a, plan):
-    """The packed rows of ``a``: (T, B, ...) gathered, or PackedSequence data (N, ...) as it is
-    (forward) or gathered by ``data_index`` (reverse). The result may be ``a`` itself."""
-    if not plan.packed_io:
-        return a[plan.t_index, plan.b_index]
-    return a if plan.data_index is None else a[plan.data_index]
-
-
-def _unpack_rows(rows, plan, zeros):
-    """Inverse of :func:`_pack_rows`: packed ``rows`` (N, ...) into (T, B, ...) with zeros at
-    padded positions, or into PackedSequence data (``rows`` itself in the forward direction).
-    ``zeros`` is the array module's zeros."""
-    if plan.packed_io and plan.data_index is None:
-        return rows
-    if plan.packed_io:
-        out = zeros(rows.shape, rows.dtype)
-        out[plan.data_index] = rows
-        return out
-    out = zeros((plan.steps, len(plan.perm)) + rows.shape[1:], rows.dtype)
-    out[plan.t_index, plan.b_index] = rows
-    return out

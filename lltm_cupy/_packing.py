@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["Plan", "plan", "packed_plan"]
+__all__ = ["Plan", "plan", "packed_plan", "pack_rows", "unpack_rows"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,3 +120,28 @@ def packed_plan(batch_sizes, sorted_indices, reverse: bool = False) -> Plan:
     lengths = np.empty(batch, np.int64)
     lengths[perm] = (sizes[None, :] > np.arange(batch)[:, None]).sum(1)
     return plan(lengths, len(sizes), reverse, perm=perm, packed_io=True)
+
+
+def pack_rows(a, plan: Plan, t_index, b_index, data_index):
+    """The packed rows of ``a``: (T, B, ...) gathered at (``t_index``, ``b_index``), or a
+    PackedSequence's data (N, ...) as it is (forward; the result is ``a`` itself) or gathered by
+    ``data_index`` (reverse). The index arrays are ``plan``'s, on ``a``'s device."""
+    if not plan.packed_io:
+        return a[t_index, b_index]
+    return a if data_index is None else a[data_index]
+
+
+def unpack_rows(rows, plan: Plan, xp, t_index, b_index, data_index):
+    """Inverse of :func:`pack_rows` (``xp``: the array module): packed ``rows`` (N, ...) into
+    (T, B, ...) with zeros at padded positions, or into PackedSequence data order (``rows``
+    itself in the forward direction)."""
+    if plan.packed_io:
+        if data_index is None:
+            return rows
+        out = xp.empty(rows.shape, rows.dtype)    # data_index covers every row
+        out[data_index] = rows
+        return out
+    out = xp.zeros((plan.steps, len(plan.perm)) + rows.shape[1:], rows.dtype)
+    if len(rows):
+        out[t_index, b_index] = rows
+    return out

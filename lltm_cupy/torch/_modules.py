@@ -281,9 +281,14 @@ class LLTM(nn.Module):
     def _forward(self, input, hx, packed: bool):
         if packed:
             # PackedSequence: every layer runs on the packed rows themselves (its data, (N, F)),
-            # no padded tensor in or out; the output keeps the input's layout
+            # no padded tensor in or out; the output keeps the input's layout. One packing plan
+            # per direction serves every layer.
             from torch.nn.utils.rnn import PackedSequence
 
+            from .._packing import packed_plan
+
+            plans = [packed_plan(input.batch_sizes, input.sorted_indices, reverse=d == 1)
+                     for d in range(self.num_directions)]
             _check_input("LLTM", input.data, "(rows, input_size)", self.input_size)
             x, unbatched = input.data, False
             batch = int(input.batch_sizes[0]) if len(input.batch_sizes) else 0
@@ -303,8 +308,7 @@ class LLTM(nn.Module):
                 i = k * self.num_directions + d
                 if packed:
                     out, h, c = lltm_packed(x, *self._layer_parameters(k, d), h0[i], c0[i],
-                                            input.batch_sizes, input.sorted_indices,
-                                            reverse=d == 1)
+                                            plans[d])
                 else:
                     out, h, c = lltm_sequence(x, *self._layer_parameters(k, d), h0[i], c0[i],
                                               reverse=d == 1)

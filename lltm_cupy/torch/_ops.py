@@ -328,21 +328,17 @@ def _packed_sequence(tensors, lengths, reverse: bool):
 
 
 def lltm_packed(data: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Tensor,
-                batch_sizes: Tensor, sorted_indices: Optional[Tensor],
-                reverse: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """One layer and direction over a ``PackedSequence``'s ``data`` (rows, features), laid out by
-    its ``batch_sizes`` and ``sorted_indices``: returns ``(out_data, h_n, c_n)``, ``out_data``
-    (rows, state) in the same layout and the final states (batch, state) in the caller's batch
-    order. What :class:`LLTM` runs for PackedSequence input: no padded tensor is made, in or out.
+                plan) -> tuple[Tensor, Tensor, Tensor]:
+    """One layer and direction over a ``PackedSequence``'s ``data`` (rows, features), laid out
+    as ``plan`` says (``lltm_cupy._packing.packed_plan`` of its ``batch_sizes`` and
+    ``sorted_indices``, and the direction): returns ``(out_data, h_n, c_n)``, ``out_data`` (rows,
+    state) in the same layout and the final states (batch, state) in the caller's batch order.
+    What :class:`LLTM` runs for PackedSequence input: no padded tensor is made, in or out.
     Autocast and dtype rules as :func:`lltm_sequence`; eager only."""
-    from .. import _packing
-
     tensors = _autocast((data, weights, bias, h0, c0))
     if _in_float32(tensors):
-        return tuple(t.bfloat16() for t in lltm_packed(*(t.float() for t in tensors),
-                                                         batch_sizes, sorted_indices, reverse))
+        return tuple(t.bfloat16() for t in lltm_packed(*(t.float() for t in tensors), plan))
     _interop.check(tensors, _SEQ_NAMES, check_packed_shapes)
-    plan = _packing.packed_plan(batch_sizes, sorted_indices, bool(reverse))
     return LLTMSequenceFunction.apply(*tensors, plan)
 
 
