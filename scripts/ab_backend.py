@@ -19,9 +19,9 @@ Examples:
     python scripts/ab_backend.py --base 554f7e2 --cell -d       # LLTMCell, float64
     OPENBLAS_NUM_THREADS=1 python scripts/ab_backend.py --base HEAD~1 --seconds 20
 
-Needs git and a checkout. The earlier backend is imported as it was, with its ``from ._types``
-import pointed at today's ``lltm_cupy._types``: revisions whose backend used other saved types
-cannot be loaded.
+Needs git and a checkout. The earlier backend is imported as it was, its relative imports
+(``from ._types``, ``from . import _packing``) resolved in today's ``lltm_cupy``: revisions whose
+backend needs helpers that have changed since cannot be loaded.
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def load_backend(revision: str) -> types.ModuleType:
                          f"{detail.strip()}")
     module = types.ModuleType(f"lltm_cupy_numpy_at_{revision}")
     module.__file__ = f"{revision}:{BACKEND_PATH}"
-    exec(compile(source.replace("from ._types import", "from lltm_cupy._types import"),
-                 module.__file__, "exec"), module.__dict__)
+    module.__package__ = "lltm_cupy"   # its relative imports resolve in today's package
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
     return module
 
 
