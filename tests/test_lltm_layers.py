@@ -259,6 +259,57 @@ def test_dropout_backward_reaches_every_layer():
     assert x.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_dropout_goes_between_layers_only(request, path):
+    """Training output, h_n and c_n equal the layers run by hand with F.dropout between them
+    (and none after the last) under the same seed: pins where dropout goes and which RNG
+    draws it makes, not only its mean."""
+    _path(request, path)
+    model = _model(3, True)
+    model.dropout = 0.4
+    model.train()
+    x, h0, c0 = (t.detach() for t in _inputs(model))
+    torch.manual_seed(7)
+    out, (h_n, c_n) = model(x, (h0, c0))
+    torch.manual_seed(7)
+    layer_in, hs, cs = x, [], []
+    for k in range(model.num_layers):
+        if k:
+            layer_in = torch.nn.functional.dropout(layer_in, 0.4, training=True)
+        outs = []
+        for d in range(2):
+            o, h, c = lt.lltm_sequence(layer_in, *model._layer_parameters(k, d), h0[2 * k + d],
+                                       c0[2 * k + d], reverse=d == 1)
+            outs.append(o)
+            hs.append(h)
+            cs.append(c)
+        layer_in = torch.cat(outs, dim=-1)
+    for name, a, b in (("output", out, layer_in), ("h_n", h_n, torch.stack(hs)),
+                       ("c_n", c_n, torch.stack(cs))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_no_dropout_on_the_last_layers_output(request, path, packed):
+    """At p close to 1 nearly every element of a dropped-out tensor is 0; the last layer's
+    output must have none (an LLTM's h is never exactly 0 here), and the last step of the
+    output must equal the last layer's h_n, as in eval mode."""
+    _path(request, path)
+    model = _model(2, False)
+    model.dropout = 0.99
+    model.train()
+    x, h0, c0 = (t.detach() for t in _inputs(model))
+    torch.manual_seed(3)
+    if packed:
+        packed_out, (h_n, _) = model(pack_padded_sequence(x, torch.tensor([T] * B)), (h0, c0))
+        out = pad_packed_sequence(packed_out)[0]
+    else:
+        out, (h_n, _) = model(x, (h0, c0))
+    assert int((out == 0).sum()) == 0, f"{int((out == 0).sum())} zeros of {out.numel()}"
+    torch.testing.assert_close(out[-1], h_n[-1], rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------- gradcheck, compile
 
 def test_gradcheck_on_a_packed_bidirectional_two_layer_lltm():
