@@ -8,6 +8,9 @@ import pytest
 
 from lltm_cupy import reference, verify
 from helpers import host_kernels
+from helpers.skip_gate import (GPU_PHRASE, pytest_addoption, pytest_collectreport,  # noqa: F401
+                               pytest_runtest_logreport, pytest_sessionfinish,
+                               pytest_terminal_summary)
 
 from lltm_cupy.verify import TOLERANCE, to_numpy, normalised_error as max_error  # noqa: F401 (re-exported)
 
@@ -19,7 +22,7 @@ gpu_unavailable_reason = functools.lru_cache(maxsize=None)(verify.gpu_unavailabl
 
 def _cupy_param():
     reason = gpu_unavailable_reason()
-    marks = [pytest.mark.gpu] + ([pytest.mark.skip(reason=f"GPU test: {reason}")] if reason else [])
+    marks = [pytest.mark.gpu] + ([pytest.mark.skip(reason=f"{GPU_PHRASE} {reason}")] if reason else [])
     return pytest.param("cupy", marks=marks, id="cupy")
 
 

@@ -235,7 +235,8 @@ def test_gpu_check_without_a_gpu_names_what_is_missing_and_fails(tmp_path):
     from conftest import gpu_unavailable_reason
 
     if not gpu_unavailable_reason():
-        pytest.skip("a GPU is present: gpu_check.sh would run the whole check")
+        pytest.skip("GPU test: runs only without a GPU (with one, gpu_check.sh would run the "
+                    "whole check)")
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr

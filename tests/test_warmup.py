@@ -127,7 +127,8 @@ def test_warmup_without_a_gpu_says_so():
     from conftest import gpu_unavailable_reason
 
     if not gpu_unavailable_reason():
-        pytest.skip("a GPU is present: warmup runs (tests/test_gpu_training.py)")
+        pytest.skip("GPU test: runs only without a GPU (with one, tests/test_gpu_training.py "
+                    "runs warmup)")
     with pytest.raises(RuntimeError, match="no usable GPU"):
         lltm_cupy.warmup()
 
