@@ -4,6 +4,10 @@
     grads = lltm_cupy.backward(grad_h, grad_cell, saved)
     outputs, h_n, c_n, saved = lltm_cupy.forward_sequence(inputs, weights, bias, h0, c0)
     grads = lltm_cupy.backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved)
+    params = lltm_cupy.init_parameters(features, hidden, num_layers, rng=numpy_generator)
+    outputs, h_n, c_n, saved = lltm_cupy.forward_layers(inputs, params, lengths=..., dropout=...)
+    grads = lltm_cupy.backward_layers(grad_outputs, grad_h_n, grad_c_n, saved)
+    new_h, new_cell, saved = lltm_cupy.cell_forward(gates, old_cell)   # the fused cell alone
     lltm_cupy.warmup(dtypes=("float32",))   # compile the GPU kernels now (before CUDA graphs)
 
 NumPy arrays run on the CPU backend, CuPy arrays on the GPU backend (fused CUDA kernels compiled
@@ -14,12 +18,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._aliasing import private_cell, private_sequence
 from ._checks import (check_backward, check_backward_sequence, check_forward,
                       check_forward_sequence)
-from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
+from ._parameters import init_parameters
+from ._types import (LLTMCellGrads, LLTMCellSaved, LLTMGrads, LLTMLayersGrads, LLTMLayersSaved,
+                     LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved)
 
-__all__ = ["forward", "backward", "forward_sequence", "backward_sequence", "warmup", "LLTMGrads",
-           "LLTMSaved", "LLTMSequenceGrads", "LLTMSequenceSaved", "__version__"]
+__all__ = ["forward", "backward", "forward_sequence", "backward_sequence", "forward_layers",
+           "backward_layers", "init_parameters", "cell_forward", "cell_backward", "warmup",
+           "LLTMGrads", "LLTMSaved", "LLTMSequenceGrads", "LLTMSequenceSaved", "LLTMLayersGrads",
+           "LLTMLayersSaved", "LLTMCellGrads", "LLTMCellSaved", "__version__"]
 __version__ = "0.1.0"
 
 
@@ -66,7 +75,8 @@ def forward(input, weights, bias, old_h, old_cell):
     The torch layer (``lltm_cupy.torch``) detects such a change and raises.
     """
     backend = check_forward(input, weights, bias, old_h, old_cell)
-    return _backend(backend).forward(input, weights, bias, old_h, old_cell)
+    new_h, new_cell, saved = _backend(backend).forward(input, weights, bias, old_h, old_cell)
+    return new_h, private_cell(new_cell, saved), saved
 
 
 def backward(grad_h, grad_cell, saved, *, needed=None):
@@ -111,15 +121,28 @@ def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False)
     them in place before :func:`backward_sequence` (the gradients would be silently wrong).
     """
     backend = check_forward_sequence(inputs, weights, bias, h0, c0)
+    outputs, h_n, c_n, saved = _forward_sequence(backend, inputs, weights, bias, h0, c0,
+                                                 sequence_plan(inputs, lengths, reverse))
+    return private_sequence(inputs, outputs, saved), h_n, c_n, saved
+
+
+def sequence_plan(inputs, lengths, reverse):
+    """None for the fixed-length forward path, else the packed layout of ``lengths`` (all
+    ``steps`` when None) for ``inputs`` (steps, batch, ...)."""
     if lengths is None and not reverse:
-        return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0)
+        return None
     from . import _packing
 
     steps, batch = inputs.shape[:2]
     checked = (np.full(batch, steps, np.int64) if lengths is None
                else _packing.check_lengths(lengths, steps, batch))
-    plan = _packing.plan(checked, steps, reverse=bool(reverse))
-    return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0, plan=plan)
+    return _packing.plan(checked, steps, reverse=bool(reverse))
+
+
+def _forward_sequence(backend, inputs, weights, bias, h0, c0, plan):
+    """The backend's forward_sequence on checked arguments (no copies for the caller)."""
+    kw = {} if plan is None else {"plan": plan}
+    return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0, **kw)
 
 
 def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, *, needed=None):
@@ -172,3 +195,8 @@ def warmup(dtypes=("float32",), device=None) -> None:
     else:
         device_id = getattr(device, "index", getattr(device, "id", None))
     _cupy.warmup(parsed, device_id)
+
+
+# Above the per-layer calls (they import the dispatch defined here).
+from ._cell import cell_backward, cell_forward  # noqa: E402
+from ._layers import backward_layers, forward_layers  # noqa: E402

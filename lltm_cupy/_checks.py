@@ -11,7 +11,9 @@ import numpy as np
 from ._types import LLTMSaved, LLTMSequenceSaved
 
 __all__ = ["array_backend", "check_shapes", "check_forward", "check_backward",
-           "check_sequence_shapes", "check_forward_sequence", "check_backward_sequence"]
+           "check_sequence_shapes", "check_forward_sequence", "check_backward_sequence",
+           "check_forward_layers", "check_backward_layers", "check_cell_forward",
+           "check_cell_backward"]
 
 _FORWARD_NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 _FLOATS = {
@@ -226,3 +228,74 @@ def check_backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved):
          "grad_h_n": (grad_h_n, (batch, state), "(batch, state)"),
          "grad_c_n": (grad_c_n, (batch, state), "(batch, state)")},
         saved, saved.dtype, saved.cells)
+
+
+def check_forward_layers(inputs, parameters: dict, h0, c0, structure) -> str:
+    """Validate forward_layers' arrays (the parameters' shapes were read by
+    ``_parameters.read_structure``); h0 / c0 may be None. Returns the backend name."""
+    named = {"inputs": inputs, **{f"parameters[{k!r}]": v for k, v in parameters.items()}}
+    named.update({n: a for n, a in (("h0", h0), ("c0", c0)) if a is not None})
+    backend = array_backend(named)
+    _check_dtypes(named, backend)
+    if inputs.ndim != 3:
+        raise ValueError(f"lltm_cupy: inputs must be 3-D (steps, batch, features), got shape "
+                         f"{tuple(inputs.shape)}")
+    if inputs.shape[2] != structure.input_size:
+        raise ValueError(f"lltm_cupy: inputs has {inputs.shape[2]} features, the parameters "
+                         f"take {structure.input_size} (weights_l0's columns minus hidden)")
+    count = structure.num_layers * structure.directions
+    expected = (count, inputs.shape[1], structure.hidden_size)
+    for name, a in (("h0", h0), ("c0", c0)):
+        if a is not None:
+            _expect_shape(name, a, expected, "(layers * directions, batch, hidden)")
+    if backend == "cupy":
+        _check_device(named)
+    return backend
+
+
+def check_backward_layers(grad_outputs, grad_h_n, grad_c_n, saved):
+    """Validate backward_layers' gradients; any may be None. Returns the backend name."""
+    from ._types import LLTMLayersSaved
+
+    if not isinstance(saved, LLTMLayersSaved):
+        raise TypeError(f"lltm_cupy: saved must be the LLTMLayersSaved returned by "
+                        f"lltm_cupy.forward_layers, got {type(saved).__qualname__}")
+    s = saved.structure
+    steps, batch = saved.shape[:2]
+    states = (s.num_layers * s.directions, batch, s.hidden_size)
+    return _check_gradients(
+        {"grad_outputs": (grad_outputs, (steps, batch, s.directions * s.hidden_size),
+                          "(steps, batch, directions * hidden)"),
+         "grad_h_n": (grad_h_n, states, "(layers * directions, batch, hidden)"),
+         "grad_c_n": (grad_c_n, states, "(layers * directions, batch, hidden)")},
+        saved, saved.layers[0].dtype, saved.layers[0].cells)
+
+
+def check_cell_forward(gates, old_cell) -> str:
+    """Validate cell_forward's arrays; return the backend name."""
+    named = {"gates": gates, "old_cell": old_cell}
+    backend = array_backend(named)
+    _check_dtypes(named, backend)
+    if old_cell.ndim != 2:
+        raise ValueError(f"lltm_cupy: old_cell must be 2-D (batch, state), got shape "
+                         f"{tuple(old_cell.shape)}")
+    batch, state = old_cell.shape
+    _expect_shape("gates", gates, (batch, 3 * state),
+                  "(batch, 3 * state): the input, output and candidate pre-activations, with "
+                  "batch and state from old_cell")
+    if backend == "cupy":
+        _check_device(named)
+    return backend
+
+
+def check_cell_backward(grad_h, grad_cell, saved) -> str:
+    """Validate cell_backward's arguments; either gradient may be None."""
+    from ._types import LLTMCellSaved
+
+    if not isinstance(saved, LLTMCellSaved):
+        raise TypeError(f"lltm_cupy: saved must be the LLTMCellSaved returned by "
+                        f"lltm_cupy.cell_forward, got {type(saved).__qualname__}")
+    shape = tuple(saved.new_cell.shape)
+    return _check_gradients({"grad_h": (grad_h, shape, "(batch, state) like new_cell"),
+                             "grad_cell": (grad_cell, shape, "(batch, state) like new_cell")},
+                            saved, saved.new_cell.dtype, saved.new_cell)

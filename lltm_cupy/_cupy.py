@@ -26,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._kernels import BFLOAT16, get_kernels, launch_config
-from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
+from ._types import (LLTMCellGrads, LLTMCellSaved, LLTMGrads, LLTMSaved, LLTMSequenceGrads,
+                     LLTMSequenceSaved)
 
 __all__ = ["forward", "backward", "forward_sequence", "backward_sequence", "gemm", "warmup"]
 
@@ -296,6 +297,46 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
 
 
 
+# ------------------------------------------------------------------------- the fused cell alone
+
+def cell_forward(gates, old_cell):
+    """The fused forward kernel alone on gate pre-activations (batch, 3 * state) the caller
+    computed (a zero bias: adding 0 leaves every value, rounding included, as it was)."""
+    cupy = _cupy()
+    batch, state = old_cell.shape
+    dtype = gates.dtype
+    with cupy.cuda.Device(gates.device.id):
+        z = cupy.array(gates, dtype=dtype, order="C")      # the kernel writes z + bias back
+        new_h = cupy.empty((batch, state), dtype)
+        new_cell = cupy.empty((batch, state), dtype)
+        n = batch * state
+        if n:
+            grid, block, wide = launch_config(n)
+            get_kernels(dtype, wide).fwd(grid, block, (
+                z, cupy.zeros(3 * state, dtype), cupy.ascontiguousarray(old_cell), new_h,
+                new_cell, np.int64(n), np.int32(state)))
+    return new_h, new_cell, LLTMCellSaved("cupy", z, new_cell)
+
+
+def cell_backward(grad_h, grad_cell, saved):
+    cupy = _cupy()
+    gates, new_cell = saved.gates, saved.new_cell
+    batch, state = new_cell.shape
+    dtype = new_cell.dtype
+    with cupy.cuda.Device(new_cell.device.id):
+        d_gates = cupy.empty((batch, 3 * state), dtype)
+        d_old_cell = cupy.empty((batch, state), dtype)
+        n = batch * state
+        if n:
+            grid, block, wide = launch_config(n)
+            gh = new_cell if grad_h is None else cupy.ascontiguousarray(grad_h)
+            gc = new_cell if grad_cell is None else cupy.ascontiguousarray(grad_cell)
+            get_kernels(dtype, wide).bwd(grid, block, (
+                gh, gc, gates, new_cell, d_gates, d_old_cell, np.int32(grad_h is not None),
+                np.int32(grad_cell is not None), np.int64(n), np.int32(state)))
+    return LLTMCellGrads(d_gates, d_old_cell)
+
+
 # ---------------------------------------------------------------------------------- warmup
 
 #: dtype names warmup accepts -> the backend's storage dtype
@@ -347,6 +388,9 @@ def _exercise(cupy, dtype, batch, features, state):
     for grad_h, grad_cell in ((h, c), (h, None), (None, c), (None, None)):
         backward(grad_h, grad_cell, saved)
     backward(h, c, saved, needed=(False, False, False, True, False))
+    *_, cell = cell_forward(zeros(batch, 3 * state), c)    # the fused cell alone
+    for grad_h, grad_cell in ((h, c), (None, None)):
+        cell_backward(grad_h, grad_cell, cell)
     for steps in (2, 1, 0):
         *_, saved = forward_sequence(zeros(steps, batch, features), weights, bias.reshape(1, -1),
                                      h, c)

@@ -29,7 +29,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _packing
-from ._types import LLTMGrads, LLTMSaved, LLTMSequenceGrads, LLTMSequenceSaved
+from ._types import (LLTMCellGrads, LLTMCellSaved, LLTMGrads, LLTMSaved, LLTMSequenceGrads,
+                     LLTMSequenceSaved)
 
 __all__ = ["forward", "backward", "forward_sequence", "backward_sequence"]
 
@@ -380,3 +381,29 @@ def _backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
         d_inputs = _packing.unpack_rows(mm(flat, weights[:, state:]), plan, np, *_indices(plan))
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)
+
+
+# ------------------------------------------------------------------ the fused cell alone
+
+def cell_forward(gates, old_cell):
+    """The element-wise step on gate pre-activations (batch, 3 * state) the caller computed;
+    ``saved`` holds the four products the backward multiplies by (``_activate``)."""
+    with np.errstate(all="ignore"):
+        batch, state = old_cell.shape
+        z = np.empty((3, batch, state), gates.dtype)       # _activate's scratch: a copy
+        np.copyto(z, gates.reshape(batch, 3, state).transpose(1, 0, 2))
+        new_h = np.empty((batch, state), z.dtype)
+        new_cell = np.empty((batch, state), z.dtype)
+        factors = np.empty((4, batch, state), z.dtype)
+        _activate(z, old_cell, new_h, new_cell, factors)
+    return new_h, new_cell, LLTMCellSaved("numpy", factors, new_cell)
+
+
+def cell_backward(grad_h, grad_cell, saved):
+    with np.errstate(all="ignore"):
+        batch, state = saved.new_cell.shape
+        d_acts = np.empty((3, batch, state), saved.new_cell.dtype)
+        d_old_cell = _d_gates(grad_h, grad_cell, saved.gates, d_acts)
+        d_gates = np.empty((batch, 3 * state), d_acts.dtype)
+        _gate_major_to_rows(d_acts, d_gates)
+    return LLTMCellGrads(d_gates, d_old_cell)

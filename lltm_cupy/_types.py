@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["LLTMGrads", "LLTMSaved", "LLTMSequenceGrads", "LLTMSequenceSaved"]
+__all__ = ["LLTMGrads", "LLTMSaved", "LLTMSequenceGrads", "LLTMSequenceSaved", "LLTMLayersGrads",
+           "LLTMLayersSaved", "LLTMCellGrads", "LLTMCellSaved"]
 
 
 class LLTMGrads(NamedTuple):
@@ -101,3 +102,69 @@ class LLTMSequenceSaved:
         t, b, s = self.cells.shape
         return (f"LLTMSequenceSaved(backend={self.backend!r}, steps={t}, batch={b}, state={s}, "
                 f"dtype={self.dtype}, nbytes={self.nbytes})")
+
+
+class LLTMLayersGrads(NamedTuple):
+    """Gradients of a whole model (:func:`lltm_cupy.backward_layers`)."""
+
+    d_inputs: Any       # (steps, batch, input_size)
+    d_parameters: Any   # dict, the parameters' names and order, each shaped like its parameter
+    d_h0: Any           # (layers * directions, batch, hidden)
+    d_c0: Any           # (layers * directions, batch, hidden)
+
+
+@dataclass(slots=True, eq=False, repr=False)
+class LLTMLayersSaved:
+    """What :func:`lltm_cupy.backward_layers` needs from :func:`lltm_cupy.forward_layers`.
+
+    ``layers``: one :class:`LLTMSequenceSaved` per layer and direction (in the parameters'
+    order), each holding its inputs, hidden states and gate values; ``masks``: per layer above
+    the first, the dropout mask applied to its input (None without dropout). It refers to the
+    parameters (not copies): update them after the backward. Freed when the caller drops it.
+    """
+
+    backend: str
+    structure: Any                 # lltm_cupy._parameters.Structure
+    layers: list
+    masks: list
+    shape: tuple                   # (steps, batch, input_size) of the inputs
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for backward besides the parameters."""
+        return int(sum(s.nbytes for s in self.layers)
+                   + sum(m.nbytes for m in self.masks if m is not None))
+
+    def __repr__(self) -> str:
+        s = self.structure
+        return (f"LLTMLayersSaved(backend={self.backend!r}, layers={s.num_layers}, "
+                f"bidirectional={s.bidirectional}, steps={self.shape[0]}, batch={self.shape[1]}, "
+                f"hidden={s.hidden_size}, nbytes={self.nbytes})")
+
+
+class LLTMCellGrads(NamedTuple):
+    """Gradients of the fused cell alone (:func:`lltm_cupy.cell_backward`)."""
+
+    d_gates: Any        # (batch, 3 * state), w.r.t. the gate pre-activations
+    d_old_cell: Any     # (batch, state)
+
+
+@dataclass(slots=True, eq=False, repr=False)
+class LLTMCellSaved:
+    """What :func:`lltm_cupy.cell_backward` needs from :func:`lltm_cupy.cell_forward`: the
+    backend's gate values (as in :class:`LLTMSaved`: the pre-activations (batch, 3 * state) on
+    the GPU, the four products (4, batch, state) on the CPU) and new_cell (batch, state), its own
+    copy on the GPU, where the backward reads it."""
+
+    backend: str
+    gates: Any
+    new_cell: Any
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.gates.nbytes + self.new_cell.nbytes)
+
+    def __repr__(self) -> str:
+        b, s = self.new_cell.shape
+        return (f"LLTMCellSaved(backend={self.backend!r}, batch={b}, state={s}, "
+                f"dtype={self.new_cell.dtype}, nbytes={self.nbytes})")

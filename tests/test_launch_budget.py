@@ -5,7 +5,8 @@ The budget a reviewer can read (see lltm_cupy/_cupy.py): forward = one concatena
 GEMM, the fused kernel; backward = the fused kernel, the three GEMMs and one reduction; a
 sequence = one input-projection GEMM, then per step one GEMM plus one kernel each way. No copy
 of an argument that is already contiguous, no allocation beyond the results and the values
-saved for backward.
+saved for backward, except the copies that keep the caller's arrays out of the backward
+(lltm_cupy/_aliasing.py): new_cell of a step, and a sequence's outputs and contiguous inputs.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import lltm_cupy
 from conftest import make_case
 
 NAMES = ("input", "weights", "bias", "old_h", "old_cell")
-FORWARD = ["kernel:concat", "gemm", "kernel:fwd"]
+FORWARD = ["kernel:concat", "gemm", "kernel:fwd", "copy"]   # the caller's own new_cell
 BACKWARD = ["kernel:bwd", "gemm", "gemm", "gemm", "reduce"]
 
 
@@ -33,10 +34,11 @@ def test_cell_step_budget(emulated_cupy, dtype):
     emu.reset()
     new_h, new_cell, saved = lltm_cupy.forward(*args)
     assert emu.log == FORWARD
-    # new_h, new_cell, and for backward X (B, S+F) and the gates (B, 3S): nothing else
+    # new_h, new_cell (and the caller's copy), and for backward X (B, S+F) and the gates
+    # (B, 3S): nothing else
     B, F, S = 16, 32, 128
     item = np.dtype(dtype).itemsize
-    expected = (B * (S + F), B * 3 * S, B * S, B * S)
+    expected = (B * (S + F), B * 3 * S, B * S, B * S, B * S)
     assert sorted(emu.allocations) == sorted(n * item for n in expected)
     emu.reset()
     lltm_cupy.backward(gh, gc, saved)
@@ -69,7 +71,7 @@ def test_non_contiguous_arguments_are_copied_once_each(emulated_cupy):
     args[1] = emulated_cupy.asfortranarray(args[1])   # Fortran-ordered weights: no copy needed
     emu.reset()
     lltm_cupy.forward(*args)
-    assert emu.log == ["kernel:concat", "gemm", "copy", "kernel:fwd"]
+    assert emu.log == ["kernel:concat", "gemm", "copy", "kernel:fwd", "copy"]   # + new_cell
 
 
 SEQ_FORWARD = ["gemm", "copy"]  # input projection; h0 into the hidden-state buffer
@@ -87,7 +89,8 @@ def test_sequence_budget(emulated_cupy, steps):
     emu.reset()
     outputs, h_n, c_n, saved = lltm_cupy.forward_sequence(xs, w, b, h0, c0)
     per_step = ["gemm", "kernel:fwd"]
-    assert emu.log == SEQ_FORWARD + per_step * steps + ["copy", "copy"]   # h_n, c_n
+    # h_n, c_n; then the caller's own outputs and the saved inputs (xs is contiguous)
+    assert emu.log == SEQ_FORWARD + per_step * steps + ["copy"] * 4
     g = emulated_cupy.asarray(rng.standard_normal((steps, B, S)))
     emu.reset()
     lltm_cupy.backward_sequence(g, None, None, saved)
