@@ -60,25 +60,55 @@ def emulated_cupy(monkeypatch, host_lib):
     return fake
 
 
+class _TorchStream:
+    """What the emulated ``torch.cuda.current_stream`` returns: a stream handle."""
+
+    _next_handle = 0x2000
+
+    def __init__(self, handle=None, device=None, priority=0):
+        if handle is None:
+            _TorchStream._next_handle += 0x10
+            handle = _TorchStream._next_handle
+        self.cuda_stream = handle
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 @pytest.fixture
 def emulated_cuda_torch(emulated_cupy, monkeypatch):
     """lltm_cupy.torch's CUDA path run on CPU tensors: DLPack in, the torch allocator, torch
     views out and the CuPy backend, on the emulated CuPy. ``emulator.capturing = True`` makes
-    the stream report a CUDA-graph capture (and cuBLAS refuse, as CuPy does)."""
+    the stream report a CUDA-graph capture (and cuBLAS refuse, as CuPy does).
+
+    torch's streams are emulated too: ``torch.cuda.current_stream()`` (handle 0, the default
+    stream, until ``with torch.cuda.stream(torch.cuda.Stream()):`` enters a side stream), and
+    the emulated CuPy raises on any launch or cuBLAS call that is not on torch's current stream.
+    The torch layer's own ``_stream`` runs unchanged."""
     import contextlib
+
+    import torch
 
     from lltm_cupy.torch import _interop
 
-    class Stream:
-        def is_capturing(self):
-            return emulated_cupy.emulator.capturing
+    current = [_TorchStream(0)]
 
     @contextlib.contextmanager
-    def stream(device):
-        yield Stream()
+    def stream(s):
+        current.append(s)
+        try:
+            yield s
+        finally:
+            current.pop()
 
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "Stream", _TorchStream)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(_interop, "uses_cupy", lambda device: True)
-    monkeypatch.setattr(_interop, "_stream", stream)
+    emulated_cupy.emulator.torch_stream = lambda: current[-1].cuda_stream
     return emulated_cupy
 
 

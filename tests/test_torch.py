@@ -326,18 +326,29 @@ def test_compiled_model_matches_eager(device):
 
 @needs_cuda
 def test_side_stream_and_no_default_stream():
+    """Forward and backward on a side stream while the default stream sleeps: the results are
+    read back on the side stream alone (pinned buffers, no device-wide synchronisation), so
+    work queued on the default stream, behind the sleep, would be read unfinished."""
     case = make_case(64, 32, 128, np.float32, seed=53)
     expected = run_both(case, "cuda", torch.float32)[0]
+    expected = [t.detach().cpu() for t in (expected[0], expected[1], *expected[2])]
+    got = [torch.empty_like(e, pin_memory=True) for e in expected]
     side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)                 # the default stream busy for ~1 s
     with torch.cuda.stream(side):
         args = [t.detach().requires_grad_() for t in tensors(case, "cuda")]
         h, c = lt.lltm(*args)
         torch.autograd.backward((h, c), (torch.tensor(case["grad_h"], device="cuda"),
                                          torch.tensor(case["grad_cell"], device="cuda")))
+        for buffer, t in zip(got, (h.detach(), c.detach(), *(a.grad for a in args))):
+            buffer.copy_(t, non_blocking=True)
     side.synchronize()
-    torch.testing.assert_close(h, expected[0])
-    for a, b in zip(args, expected[2]):
-        torch.testing.assert_close(a.grad, b)
+    default_still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert default_still_busy, "the sleep ended before the side stream's work: nothing shown"
+    for name, a, b in zip(("new_h", "new_cell", *NAMES), got, expected):
+        torch.testing.assert_close(a, b, msg=name)
 
 
 @pytest.mark.gpu

@@ -6,6 +6,8 @@ The same properties on a real GPU: tests/test_gpu_training.py.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -41,6 +43,11 @@ def _reference(case, dtype):
     return _run(lt.lltm_reference, args, grads)
 
 
+def _side_stream(enter=True):
+    """A side stream made torch's current stream (the emulated one: conftest's fixture)."""
+    return torch.cuda.stream(torch.cuda.Stream()) if enter else contextlib.nullcontext()
+
+
 def _assert_close(got, want, dtype, name):
     assert got.dtype == dtype, f"{name}: {got.dtype}, expected {dtype}"
     rtol, atol = DTYPES[dtype]
@@ -51,13 +58,15 @@ def _assert_close(got, want, dtype, name):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("capturing", [False, True], ids=["cublas", "captured-torch-gemm"])
 def test_cell_matches_reference(emulated_cuda_torch, compiled, capturing, dtype):
-    """Every dtype, eager and compiled, with cuBLAS and, under capture, with torch's GEMM on
-    torch views of the imported tensors (weights.T and slices of it: DLPack views)."""
+    """Every dtype, eager and compiled, with cuBLAS and, under capture (on a side stream, as
+    torch captures), with torch's GEMM on torch views of the imported tensors (weights.T and
+    slices of it: DLPack views)."""
     emulated_cuda_torch.emulator.capturing = capturing
     case = make_case(5, 7, 9, np.float64, seed=71)
     fn = torch.compile(lt.lltm, backend="aot_eager", fullgraph=True) if compiled else lt.lltm
     grads = [torch.tensor(case[n]).to(dtype) for n in ("grad_h", "grad_cell")]
-    got = _run(fn, _tensors(case, dtype=dtype), grads)
+    with _side_stream(capturing):
+        got = _run(fn, _tensors(case, dtype=dtype), grads)
     for name, a, b in zip(("new_h", "new_cell", *NAMES), got, _reference(case, dtype)):
         _assert_close(a, b, dtype, name)
     if capturing:   # cuBLAS through CuPy would have raised; torch's GEMM did the products
@@ -74,8 +83,9 @@ def test_sequence_matches_stepped_reference(emulated_cuda_torch, capturing, dtyp
     model = lt.LLTM(F, S, dtype=dtype)
     ref = lt.ReferenceLLTMCell(F, S, dtype=torch.float64)
     ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
-    out, (h_n, c_n) = model(xs)
-    (out.float().sum() + 2 * c_n.float().sum()).backward()
+    with _side_stream(capturing):
+        out, (h_n, c_n) = model(xs)
+        (out.float().sum() + 2 * c_n.float().sum()).backward()
     xr = xs.detach().double().requires_grad_()
     state, outs = None, []
     for x in xr:
@@ -200,3 +210,59 @@ def test_results_are_views_of_the_owning_torch_allocation_with_real_cupy_objects
     bits = cupy.ndarray((4,), cupy.uint16, memptr=cupy.cuda.MemoryPointer(mem, 12))
     as_bf16 = _tensor_cuda(bits)
     assert as_bf16.dtype == torch.bfloat16 and as_bf16.storage_offset() == 6
+
+
+# ---------------------------------------------------------------------------------- streams
+
+def _step_everything(kind, dtype=torch.float32):
+    """Forward and backward of a cell step, a sequence or a packed bidirectional sequence."""
+    torch.manual_seed(3)
+    x = torch.randn(4, 3, 5, dtype=dtype, requires_grad=True)
+    if kind == "cell":
+        out = lt.LLTMCell(5, 6, dtype=dtype)(x[0])[0]
+    elif kind == "sequence":
+        out = lt.LLTM(5, 6, num_layers=2, dtype=dtype)(x)[0]
+    else:
+        from torch.nn.utils.rnn import pack_padded_sequence
+
+        packed = pack_padded_sequence(x, torch.tensor([2, 4, 1]), enforce_sorted=False)
+        out = lt.LLTM(5, 6, bidirectional=True, dtype=dtype)(packed)[0].data
+    out.sum().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("kind", ["cell", "sequence", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_every_launch_and_gemm_runs_on_torchs_current_stream(emulated_cuda_torch, kind, dtype):
+    """Every kernel launch, cuBLAS call and CuPy operation of forward and backward runs on
+    torch's current stream: the default one, then a side stream, then another (the stream is
+    read on every call, never cached), then the default again."""
+    emulator = emulated_cuda_torch.emulator
+    for stream in (None, torch.cuda.Stream(), torch.cuda.Stream(), None):
+        emulator.reset()
+        with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+            handle = torch.cuda.current_stream().cuda_stream
+            _step_everything(kind, dtype)
+        assert handle == (0 if stream is None else stream.cuda_stream)
+        assert "gemm" in emulator.log and any(e.startswith("kernel:") for e in emulator.log)
+        assert len(emulator.streams) == len(emulator.log)
+        assert set(emulator.streams) == {handle}, (handle, set(emulator.streams))
+
+
+def test_the_emulator_refuses_work_off_torchs_stream(emulated_cuda_torch):
+    """The check the tests above rely on: a launch on CuPy's null stream while torch is on a
+    side stream raises."""
+    cupy = emulated_cuda_torch
+    a = cupy.zeros((2, 2), np.float32)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        with pytest.raises(AssertionError, match="torch's current stream"):
+            a + a
+        with cupy.cuda.Stream.from_external(_interop_ref(torch.cuda.current_stream())):
+            a + a
+    assert len(cupy.emulator.streams) == len(cupy.emulator.log)
+
+
+def _interop_ref(stream):
+    from lltm_cupy.torch._interop import _StreamRef
+
+    return _StreamRef(stream.cuda_stream)

@@ -28,7 +28,12 @@ them); a fill with 0 is a memset and compiles nothing. ``math_mode`` is the cuBL
 mode (``cuda.cublas.getMathMode`` / ``setMathMode``); ``gemmEx`` with 16-bit data requires the
 flag that disallows reduced-precision reductions (the emulator checks that it is set; what
 cuBLAS does with it is beyond it).
-What it cannot show: real concurrency, streams, and the NVRTC-compiled code itself.
+``streams`` holds, for every ``log`` entry, the handle of the CuPy stream it ran on (CuPy's
+current stream: ``cuda.Stream.null`` (handle 0), or one entered with ``with stream:``, e.g. one
+made by ``cuda.Stream.from_external`` over torch's current stream). When ``torch_stream`` is set
+(a callable giving torch's current stream handle, see conftest's ``emulated_cuda_torch``), device
+work on any other stream raises at once: the torch layer must run everything on torch's stream.
+What it cannot show: real concurrency, and the NVRTC-compiled code itself.
 """
 from __future__ import annotations
 
@@ -41,9 +46,32 @@ import numpy as np
 from .host_kernels import SUFFIX, ptr
 
 
+class _Log(list):
+    """The device-work log; every entry also records its stream in ``_state.streams``."""
+
+    def append(self, what):
+        stream = _current_stream().ptr
+        expected = _state.torch_stream() if _state.torch_stream is not None else stream
+        assert stream == expected, \
+            f"{what} launched on stream {stream:#x}, torch's current stream is {expected:#x}"
+        _state.streams.append(stream)
+        super().append(what)
+
+    def extend(self, entries):
+        for what in entries:
+            self.append(what)
+
+    def clear(self):
+        _state.streams.clear()
+        super().clear()
+
+
 class _State:
     def __init__(self):
-        self.log = []
+        self.streams = []
+        self.torch_stream = None
+        self.current_streams = []
+        self.log = _Log()
         self.allocations = []
         self.pool_allocations = 0
         self.allocator = None
@@ -250,6 +278,49 @@ class _Device:
         pass
 
 
+class Stream:
+    """A CUDA stream: ``ptr`` is its handle; ``with stream:`` makes it CuPy's current stream."""
+
+    _next_handle = 0x1000
+
+    def __init__(self, null=False, non_blocking=False, ptr=None):
+        if ptr is None and not null:
+            Stream._next_handle += 0x10
+            ptr = Stream._next_handle
+        self.ptr = 0 if null else ptr
+
+    @classmethod
+    def from_external(cls, obj):
+        """As CuPy 14: a stream over a foreign one offering the CUDA stream protocol."""
+        if not hasattr(obj, "__cuda_stream__"):
+            raise TypeError(f"{type(obj).__name__} does not implement __cuda_stream__")
+        version, handle = obj.__cuda_stream__()
+        assert version == 0 and isinstance(handle, int), (version, handle)
+        return cls(ptr=handle)
+
+    def is_capturing(self):
+        return _state.capturing
+
+    def __enter__(self):
+        _state.current_streams.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        popped = _state.current_streams.pop()
+        assert popped is self, "streams entered and left out of order"
+        return False
+
+    def synchronize(self):
+        pass
+
+
+Stream.null = Stream(null=True)
+
+
+def _current_stream():
+    return _state.current_streams[-1] if _state.current_streams else Stream.null
+
+
 def _empty_like_shape(a):
     return _empty(np.shape(a), np.asarray(a).dtype)
 
@@ -437,7 +508,8 @@ def make_module() -> types.ModuleType:
     cublas = types.SimpleNamespace(gemmEx=_gemm_ex, getMathMode=lambda handle: _state.math_mode,
                                    setMathMode=_set_math_mode, **_CUBLAS_CONSTANTS)
     cupy.cuda = types.SimpleNamespace(
-        Device=_Device, is_available=lambda: True, cublas=cublas,
+        Device=_Device, is_available=lambda: True, cublas=cublas, Stream=Stream,
+        get_current_stream=lambda device_id=-1: _current_stream(),
         runtime=types.SimpleNamespace(**_RUNTIME_CONSTANTS),
         device=types.SimpleNamespace(get_cublas_handle=lambda: 1),
         using_allocator=using_allocator, UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
