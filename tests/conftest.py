@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 import numpy as np
 import pytest
@@ -162,6 +163,18 @@ def reference_results(case):
     grads = reference.lltm_backward(case["grad_h"], case["grad_cell"], *fwd[1:], case["weights"])
     d_bias = grads[3].reshape(case["bias"].shape)
     return fwd[0], fwd[1], (grads[0], grads[1], grads[2], d_bias, grads[4])
+
+
+@pytest.fixture(autouse=True)
+def _no_compile_state_between_tests():
+    """Each test compiles from scratch: torch.compile's in-memory state (Dynamo's compiled code
+    and guards, AOTAutograd's graphs) is reset after every test, so no test reuses a graph an
+    earlier one compiled under other conditions (the emulated CUDA path's monkeypatches, other
+    dtypes or autocast) and the suite passes in any order."""
+    yield
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
 
 
 @pytest.fixture(scope="session")
