@@ -3,6 +3,7 @@
     new_h, new_cell, saved = lltm_cupy.forward(input, weights, bias, old_h, old_cell)
     grads = lltm_cupy.backward(grad_h, grad_cell, saved)
     outputs, h_n, c_n, saved = lltm_cupy.forward_sequence(inputs, weights, bias, h0, c0)
+    outputs, h_n, c_n, _ = lltm_cupy.forward_sequence(..., return_saved=False)   # inference
     grads = lltm_cupy.backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved)
     params = lltm_cupy.init_parameters(features, hidden, num_layers, rng=numpy_generator)
     outputs, h_n, c_n, saved = lltm_cupy.forward_layers(inputs, params, lengths=..., dropout=...)
@@ -55,7 +56,14 @@ def _needed(needed) -> tuple:
     return tuple(map(bool, values))
 
 
-def forward(input, weights, bias, old_h, old_cell):
+def _flag(name: str, value) -> bool:
+    """A boolean keyword (Python or NumPy bool); TypeError naming it otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"lltm_cupy: {name} must be True or False, got {type(value).__qualname__}")
+    return bool(value)
+
+
+def forward(input, weights, bias, old_h, old_cell, *, return_saved=True):
     """One LLTM step. Returns ``(new_h, new_cell, saved)``.
 
     input: (batch, features)
@@ -69,13 +77,21 @@ def forward(input, weights, bias, old_h, old_cell):
     :class:`LLTMSaved` to pass to :func:`backward`. No argument is modified. Infinities and NaN
     give the float64 reference's values (``lltm_cupy.reference``), with no NumPy warning.
 
+    return_saved: False for a forward only (inference): nothing is computed or kept for a
+        backward, and ``saved`` is ``None`` (the result still unpacks into three). ``new_h`` and
+        ``new_cell`` are bit for bit those of ``return_saved=True``.
+
     Warning: ``saved`` refers to ``weights`` (no copy, which would cost as much as the step's
     GEMM): modifying the weights in place between this call and :func:`backward` silently gives
     wrong gradients. Update the weights after the backward (as optimisers do), or pass a copy.
     The torch layer (``lltm_cupy.torch``) detects such a change and raises.
     """
+    keep = _flag("return_saved", return_saved)
     backend = check_forward(input, weights, bias, old_h, old_cell)
-    new_h, new_cell, saved = _backend(backend).forward(input, weights, bias, old_h, old_cell)
+    new_h, new_cell, saved = _backend(backend).forward(input, weights, bias, old_h, old_cell,
+                                                       keep=keep)
+    if saved is None:
+        return new_h, new_cell, None
     return new_h, private_cell(new_cell, saved), saved
 
 
@@ -96,7 +112,8 @@ def backward(grad_h, grad_cell, saved, *, needed=None):
     return _backend(backend).backward(grad_h, grad_cell, saved, _needed(needed))
 
 
-def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False):
+def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False, *,
+                     return_saved=True):
     """Run the cell over a whole sequence. Returns ``(outputs, h_n, c_n, saved)``.
 
     inputs: (steps, batch, features)
@@ -108,6 +125,12 @@ def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False)
         and its ``h_n``, ``c_n`` are its state after its last step (``h0``, ``c0`` for length 0)
     reverse: run each sequence from its own last valid step back to step 0 (the reverse
         direction of a bidirectional layer); outputs stay at their time positions
+    return_saved: False for a forward only (inference): ``saved`` is ``None`` (the result still
+        unpacks into four) and nothing is kept for a backward: no derivative factors are
+        computed, the cell state is one (batch, state) array updated step by step, and the
+        gate pre-activations live in one buffer of a block of steps (the input projection runs
+        one GEMM per block of steps), so that memory beyond the outputs does not grow with
+        ``steps``. The outputs and final states are bit for bit those of ``return_saved=True``.
 
     ``outputs`` (steps, batch, state) holds the hidden state after every step; ``h_n`` and
     ``c_n`` (batch, state) are the final state. Equal to stepping :func:`forward` ``steps`` times,
@@ -120,9 +143,12 @@ def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False)
     Warning: ``saved`` refers to ``weights`` and, when contiguous, to ``inputs``: do not modify
     them in place before :func:`backward_sequence` (the gradients would be silently wrong).
     """
+    keep = _flag("return_saved", return_saved)
     backend = check_forward_sequence(inputs, weights, bias, h0, c0)
     outputs, h_n, c_n, saved = _forward_sequence(backend, inputs, weights, bias, h0, c0,
-                                                 sequence_plan(inputs, lengths, reverse))
+                                                 sequence_plan(inputs, lengths, reverse), keep)
+    if saved is None:       # nothing kept: the outputs are the caller's alone
+        return outputs, h_n, c_n, None
     return private_sequence(inputs, outputs, saved), h_n, c_n, saved
 
 
@@ -139,10 +165,11 @@ def sequence_plan(inputs, lengths, reverse):
     return _packing.plan(checked, steps, reverse=bool(reverse))
 
 
-def _forward_sequence(backend, inputs, weights, bias, h0, c0, plan):
-    """The backend's forward_sequence on checked arguments (no copies for the caller)."""
+def _forward_sequence(backend, inputs, weights, bias, h0, c0, plan, keep=True):
+    """The backend's forward_sequence on checked arguments (no copies for the caller);
+    ``keep=False``: forward only, saved is None."""
     kw = {} if plan is None else {"plan": plan}
-    return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0, **kw)
+    return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0, keep=keep, **kw)
 
 
 def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, *, needed=None):

@@ -176,11 +176,15 @@ def check_forward(input, weights, bias, old_h, old_cell) -> str:
     return _check_arguments(_FORWARD_NAMES, (input, weights, bias, old_h, old_cell), check_shapes)
 
 
+_NO_SAVED = (" (a forward with return_saved=False keeps nothing for a backward: run it with "
+             "return_saved=True)")
+
+
 def check_backward(grad_h, grad_cell, saved):
     """Validate backward arguments; return the backend name. Either gradient may be None."""
     if not isinstance(saved, LLTMSaved):
         raise TypeError(f"lltm_cupy: saved must be the LLTMSaved returned by lltm_cupy.forward, "
-                        f"got {type(saved).__qualname__}")
+                        f"got {type(saved).__qualname__}{_NO_SAVED if saved is None else ''}")
     shape = tuple(saved.new_cell.shape)
     return _check_gradients({"grad_h": (grad_h, shape, "(batch, state) like new_cell"),
                              "grad_cell": (grad_cell, shape, "(batch, state) like new_cell")},
@@ -219,7 +223,8 @@ def check_backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved):
     """Validate backward_sequence arguments; return the backend name. Any gradient may be None."""
     if not isinstance(saved, LLTMSequenceSaved):
         raise TypeError(f"lltm_cupy: saved must be the LLTMSequenceSaved returned by "
-                        f"lltm_cupy.forward_sequence, got {type(saved).__qualname__}")
+                        f"lltm_cupy.forward_sequence, got {type(saved).__qualname__}"
+                        f"{_NO_SAVED if saved is None else ''}")
     state = saved.cells.shape[-1]
     steps, batch = ((saved.plan.steps, len(saved.plan.perm)) if saved.plan is not None
                     else saved.cells.shape[:2])

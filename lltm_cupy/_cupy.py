@@ -145,7 +145,7 @@ def _d_bias(cupy, d_gates, bias_shape, gemm):
     return d_gates.sum(axis=0).reshape(bias_shape)
 
 
-def forward(input, weights, bias, old_h, old_cell, gemm=gemm):
+def forward(input, weights, bias, old_h, old_cell, gemm=gemm, keep=True):
     cupy = _cupy()
     dtype = input.dtype
     batch, features = input.shape
@@ -166,6 +166,8 @@ def forward(input, weights, bias, old_h, old_cell, gemm=gemm):
             get_kernels(dtype, wide).fwd(grid, block, (
                 gates, cupy.ascontiguousarray(bias.reshape(-1)), cupy.ascontiguousarray(old_cell),
                 new_h, new_cell, np.int64(n), np.int32(state)))
+    if not keep:
+        return new_h, new_cell, None
     return new_h, new_cell, LLTMSaved("cupy", X, gates, new_cell, weights, tuple(bias.shape))
 
 
@@ -200,37 +202,62 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5, gemm=gemm):
     return LLTMGrads(d_old_h, d_input, d_weights, d_bias, d_old_cell if need_c else None)
 
 
-def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None):
+#: Rows of one block of a sequence's input projection (one GEMM per block of steps; the same
+#: blocks with and without keep, so both give the same bits). Forward only, the gate
+#: pre-activations live in one such block: 2048 * 3S values (25 MB at S = 1024 in float32).
+#: Chosen, not measured on a GPU: a GEMM of 2048 rows fills a GPU of today, and one GEMM launch
+#: per block of steps beside the per-step GEMM and kernel is a small share.
+_BLOCK_ROWS = 2048
+
+
+def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=True):
     if plan is not None:
         from ._cupy_packed import forward_packed
 
-        return forward_packed(inputs, weights, bias, h0, c0, gemm, plan)
+        return forward_packed(inputs, weights, bias, h0, c0, gemm, plan, keep)
+    from ._packing import block_steps
+
     cupy = _cupy()
     steps, batch, features = inputs.shape
     state = h0.shape[1]
     dtype = inputs.dtype
     with cupy.cuda.Device(inputs.device.id):
         x = cupy.ascontiguousarray(inputs).reshape(steps * batch, features)
-        gates = cupy.empty((steps, batch, 3 * state), dtype)
-        # every step's input projection in one GEMM
-        gemm(x, weights[:, state:].T, gates.reshape(steps * batch, 3 * state))
+        block = block_steps(batch, _BLOCK_ROWS)
+        # keep: every step's gate pre-activations (the backward reads them); forward only: one
+        # block's, reused block after block
+        gates = cupy.empty((steps if keep else min(block, steps), batch, 3 * state), dtype)
         hs = cupy.empty((steps + 1, batch, state), dtype)   # [h0, h_1, ..., h_T]
         hs[0] = h0
-        cells = cupy.empty((steps, batch, state), dtype)
+        # keep: every step's cell; forward only: two (batch, state) buffers taken in turn (the
+        # kernel's old_cell and new_cell may not alias)
+        cells = cupy.empty((steps if keep else min(2, steps), batch, state), dtype)
         n = batch * state
+        w_x_t = weights[:, state:].T
         if steps and n:
             w_h_t = weights[:, :state].T
             bias_c = cupy.ascontiguousarray(bias.reshape(-1))
             c = cupy.ascontiguousarray(c0)
-            grid, block, wide = launch_config(n)
+            grid, block_dim, wide = launch_config(n)
             fwd = get_kernels(dtype, wide).fwd
-            for t in range(steps):
-                gemm(hs[t], w_h_t, gates[t], accumulate=True)
-                fwd(grid, block, (gates[t], bias_c, c, hs[t + 1], cells[t],
-                                  np.int64(n), np.int32(state)))
-                c = cells[t]
+            for t0 in range(0, steps, block):
+                k = min(block, steps - t0)
+                g = gates[t0: t0 + k] if keep else gates[:k]
+                # the input projection of a block of steps in one GEMM
+                gemm(x[t0 * batch: (t0 + k) * batch], w_x_t, g.reshape(k * batch, 3 * state))
+                for t in range(t0, t0 + k):
+                    c_out = cells[t] if keep else cells[t % 2]
+                    gemm(hs[t], w_h_t, g[t - t0], accumulate=True)
+                    fwd(grid, block_dim, (g[t - t0], bias_c, c, hs[t + 1], c_out,
+                                          np.int64(n), np.int32(state)))
+                    c = c_out
         h_n = hs[steps].copy() if steps else cupy.array(h0, dtype=dtype)
-        c_n = cells[steps - 1].copy() if steps else cupy.array(c0, dtype=dtype)
+        if not steps:
+            c_n = cupy.array(c0, dtype=dtype)
+        else:
+            c_n = cells[(steps - 1) if keep else (steps - 1) % 2].copy()
+    if not keep:
+        return hs[1:], h_n, c_n, None
     saved = LLTMSequenceSaved("cupy", x, hs, gates, cells, weights, tuple(bias.shape))
     return hs[1:], h_n, c_n, saved
 

@@ -24,44 +24,72 @@ def _index(cupy, plan):
             cupy.asarray(plan.perm))
 
 
-def forward_packed(inputs, weights, bias, h0, c0, gemm, plan):
+def forward_packed(inputs, weights, bias, h0, c0, gemm, plan, keep=True):
+    from ._packing import step_blocks
+
     cupy = base._cupy()
     state = h0.shape[1]
     dtype = inputs.dtype
     rows = plan.rows
+    batch = len(plan.perm)
     with cupy.cuda.Device(inputs.device.id):
         index, perm = _index(cupy, plan)
         x = cupy.ascontiguousarray(pack_rows(inputs, plan, *index))      # (N, F)
-        gates = cupy.empty((rows, 3 * state), dtype)
-        gemm(x, weights[:, state:].T, gates)
+        blocks = step_blocks(plan.offsets, base._BLOCK_ROWS)
+        # keep: every packed row's gate pre-activations and cell (the backward reads them);
+        # forward only: one block's gates, and two (batch, state) cell buffers taken in turn
+        # (the kernel's old_cell and new_cell may not alias)
+        widest = max((plan.offsets[b] - plan.offsets[a] for a, b in blocks), default=0)
+        gates = cupy.empty((rows if keep else widest, 3 * state), dtype)
         h0s, c0s = h0[perm], c0[perm]
         out = cupy.empty((rows, state), dtype)
-        cells = cupy.empty((rows, state), dtype)
-        w_h_t = weights[:, :state].T
+        cells = cupy.empty((rows, state) if keep else (2, batch, state), dtype)
+        c_sorted = None if keep else c0s.copy()     # each sequence's cell after its last step
+        w_x_t, w_h_t = weights[:, state:].T, weights[:, :state].T
         bias_c = cupy.ascontiguousarray(bias.reshape(-1))
-        for tau, n in enumerate(plan.batch_sizes):
-            rows_t = plan.step(tau)
-            if tau:
-                prev = plan.offsets[tau - 1]
-                h_in, c_in = out[prev: prev + n], cells[prev: prev + n]
-            else:
-                h_in, c_in = h0s[:n], c0s[:n]
-            gemm(h_in, w_h_t, gates[rows_t], accumulate=True)
-            grid, block, wide = base.launch_config(n * state)
-            base.get_kernels(dtype, wide).fwd(grid, block, (
-                gates[rows_t], bias_c, c_in, out[rows_t], cells[rows_t], np.int64(n * state),
-                np.int32(state)))
+        sizes = plan.batch_sizes
+        for tau0, tau1 in blocks:
+            start = plan.offsets[tau0] if keep else 0
+            base_row = plan.offsets[tau0]
+            # the input projection of a block of steps in one GEMM
+            g = gates[start: start + plan.offsets[tau1] - base_row]
+            gemm(x[base_row: plan.offsets[tau1]], w_x_t, g)
+            for tau in range(tau0, tau1):
+                n = sizes[tau]
+                rows_t = plan.step(tau)
+                g_t = g[rows_t.start - base_row: rows_t.stop - base_row]
+                if tau:
+                    prev = plan.offsets[tau - 1]
+                    h_in = out[prev: prev + n]
+                    c_in = cells[prev: prev + n] if keep else cells[(tau - 1) % 2, :n]
+                else:
+                    h_in, c_in = h0s[:n], c0s[:n]
+                c_out = cells[rows_t] if keep else cells[tau % 2, :n]
+                gemm(h_in, w_h_t, g_t, accumulate=True)
+                grid, block, wide = base.launch_config(n * state)
+                base.get_kernels(dtype, wide).fwd(grid, block, (
+                    g_t, bias_c, c_in, out[rows_t], c_out, np.int64(n * state),
+                    np.int32(state)))
+                nxt = sizes[tau + 1] if tau + 1 < len(sizes) else 0
+                if not keep and nxt < n:                    # sequences ending at this step
+                    c_sorted[nxt:n] = c_out[nxt:n]
         outputs = unpack_rows(out, plan, cupy, *index)
-        h_sorted, c_sorted = h0s.copy(), c0s.copy()
+        h_sorted = h0s.copy()
         ended = np.flatnonzero(plan.last_row >= 0)
         if rows:
             last = cupy.asarray(plan.last_row[ended])
             ended_d = cupy.asarray(ended)
             h_sorted[ended_d] = out[last]
-            c_sorted[ended_d] = cells[last]
+            if keep:
+                c_sorted = c0s.copy()
+                c_sorted[ended_d] = cells[last]
+        elif keep:
+            c_sorted = c0s.copy()
         h_n, c_n = cupy.empty_like(h_sorted), cupy.empty_like(c_sorted)
         h_n[perm] = h_sorted
         c_n[perm] = c_sorted
+    if not keep:
+        return outputs, h_n, c_n, None
     saved = LLTMSequenceSaved("cupy", x, out, gates, cells, weights, tuple(bias.shape),
                               plan=plan, h0=h0s)
     return outputs, h_n, c_n, saved

@@ -35,9 +35,10 @@ from ._types import (LLTMCellGrads, LLTMCellSaved, LLTMGrads, LLTMSaved, LLTMSeq
 __all__ = ["forward", "backward", "forward_sequence", "backward_sequence"]
 
 
-def _project(x, w, bias, mm, steps, batch):
-    """Gate pre-activations ``x @ w.T + bias`` of ``steps * batch`` rows, as a new C-ordered
-    gate-major array (steps, 3, batch, state); the bias add writes the layout.
+def _project(x, w, bias, mm, steps, batch, out=None):
+    """Gate pre-activations ``x @ w.T + bias`` of ``steps * batch`` rows, as a C-ordered
+    gate-major array (steps, 3, batch, state) (``out``, or a new one); the bias add writes the
+    layout.
 
     For up to 128 rows the product is taken as ``w @ x.T``: OpenBLAS runs it up to 2x faster than
     ``x @ w.T`` at small batch, and the bias add transposes it anyway. For more rows, ``x @ w.T``,
@@ -45,7 +46,7 @@ def _project(x, w, bias, mm, steps, batch):
     than the GEMM: 43 ms against 20 ms at 4096 x 1536).
     """
     state = w.shape[0] // 3
-    out = np.empty((steps, 3, batch, state), x.dtype)
+    out = np.empty((steps, 3, batch, state), x.dtype) if out is None else out
     if x.shape[0] <= 128:
         product = mm(w, x.T).reshape(3, state, steps, batch).transpose(2, 0, 3, 1)
     else:
@@ -64,13 +65,22 @@ def _d_tanh(c, out):
     np.square(out, out)
 
 
+#: Rows of one block of the sequences' input projection: one GEMM per block of steps into a
+#: buffer reused block after block. At 256-2048 rows torch's and NumPy's single-threaded GEMMs
+#: run at their best rows per second (measured at F, S = (16, 512), (32, 128), (128, 256),
+#: (256, 512), (512, 1024)); at 4096-8192 rows the product leaves the caches and a row costs
+#: 1.2-7x more.
+_BLOCK_ROWS = 512
+
 _ZERO = {np.dtype(t): t(0) for t in (np.float32, np.float64)}   # typed: 0.5 us less than int 0
 
 
-def _activate(z, old_cell, new_h, new_cell, factors) -> None:
+def _activate(z, old_cell, new_h, new_cell, factors=None) -> None:
     """Element-wise forward of one step. z (3, B, S): the gate pre-activations, used as scratch
-    (the callers' own temporary). Writes new_h, new_cell (B, S) and ``factors`` (4, B, S), what
-    the backward multiplies by:
+    (the callers' own temporary). Writes new_h, new_cell (B, S) (``new_cell`` may be
+    ``old_cell`` itself: updated in place) and, unless ``factors`` is None (forward only: the
+    derivative work is skipped, the outputs are the same bits), ``factors`` (4, B, S), what the
+    backward multiplies by:
 
         factors = [candidate_cell * sigmoid'(z_i),  tanh(c) * sigmoid'(z_o),
                    input_gate * elu'(z_c),          output_gate * tanh'(c)]
@@ -100,17 +110,21 @@ def _activate(z, old_cell, new_h, new_cell, factors) -> None:
     g = z[0]                                # z_i is no longer needed
     np.expm1(p[2], g)
     np.maximum(g, z[2], out=g)              # candidate_cell = elu(z_c) (expm1(z) > z for z < 0)
-    np.exp(qp, qp)                          # q = exp(-max(z, 0)), p = exp(min(z, 0))
+    # q = exp(-max(z, 0)), p = exp(min(z, 0)); p_c = elu'(z_c) only for the backward
+    e = qp if factors is not None else qp[:4]
+    np.exp(e, e)
     total = z[1:]                           # p + q, in rows no longer needed
     np.add(io, q, total)
     np.divide(io, total, io)                # [input_gate, output_gate]
-    np.divide(q, total, q)                  # sigmoid(-z) of both
 
     a = scratch[5]
     np.multiply(g, io[0], a)                # candidate_cell * input_gate
     np.add(a, old_cell, new_cell)
     np.tanh(new_cell, new_h)
     np.multiply(new_h, io[1], new_h)        # new_h = tanh(new_cell) * output_gate
+    if factors is None:
+        return
+    np.divide(q, total, q)                  # sigmoid(-z) of both
     np.multiply(a, q[0], factors[0])
     np.multiply(new_h, q[1], factors[1])
     _d_tanh(new_cell, scratch[5])           # next to p_c = elu'(z_c)
@@ -149,9 +163,9 @@ def _gate_major_to_rows(d_gates, out) -> None:
 # Every entry point runs under np.errstate(all="ignore"): infinities and NaN in the arguments
 # give IEEE results (the reference's), and the library, not NumPy, decides what is an error.
 
-def forward(input, weights, bias, old_h, old_cell, mm=np.matmul):
+def forward(input, weights, bias, old_h, old_cell, mm=np.matmul, keep=True):
     with np.errstate(all="ignore"):
-        return _forward(input, weights, bias, old_h, old_cell, mm)
+        return _forward(input, weights, bias, old_h, old_cell, mm, keep)
 
 
 def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
@@ -159,11 +173,11 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
         return _backward(grad_h, grad_cell, saved, needed, mm)
 
 
-def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul, plan=None):
+def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul, plan=None, keep=True):
     with np.errstate(all="ignore"):
         if plan is not None:
-            return _forward_packed(inputs, weights, bias, h0, c0, mm, plan)
-        return _forward_sequence(inputs, weights, bias, h0, c0, mm)
+            return _forward_packed(inputs, weights, bias, h0, c0, mm, plan, keep)
+        return _forward_sequence(inputs, weights, bias, h0, c0, mm, keep)
 
 
 def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, mm=np.matmul):
@@ -173,14 +187,16 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
         return _backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm)
 
 
-def _forward(input, weights, bias, old_h, old_cell, mm):
+def _forward(input, weights, bias, old_h, old_cell, mm, keep):
     batch, state = old_h.shape
     X = np.concatenate((old_h, input), axis=1)
     z = _project(X, weights, bias, mm, 1, batch)[0]
     new_h = np.empty((batch, state), z.dtype)
     new_cell = np.empty((batch, state), z.dtype)
-    factors = np.empty((4, batch, state), z.dtype)
+    factors = np.empty((4, batch, state), z.dtype) if keep else None
     _activate(z, old_cell, new_h, new_cell, factors)
+    if not keep:
+        return new_h, new_cell, None
     return new_h, new_cell, LLTMSaved("numpy", X, factors, new_cell, weights, tuple(bias.shape))
 
 
@@ -202,25 +218,42 @@ def _backward(grad_h, grad_cell, saved, needed, mm):
     )
 
 
-def _forward_sequence(inputs, weights, bias, h0, c0, mm):
+def _forward_sequence(inputs, weights, bias, h0, c0, mm, keep):
     steps, batch, features = inputs.shape
     state = h0.shape[1]
+    dtype = inputs.dtype
     x = inputs.reshape(steps * batch, features)
-    # The input projection of every step in one GEMM, bias added, as (T, 3, B, S).
-    gates = _project(x, weights[:, state:], bias, mm, steps, batch)
-    hs = np.empty((steps + 1, batch, state), gates.dtype)   # [h0, h_1, ..., h_T]
+    w_x = weights[:, state:]
+    hs = np.empty((steps + 1, batch, state), dtype)   # [h0, h_1, ..., h_T]
     hs[0] = h0
-    cells = np.empty((steps, batch, state), gates.dtype)
-    factors = np.empty((steps, 4, batch, state), gates.dtype)   # what the backward keeps
+    if keep:    # what the backward keeps
+        cells = np.empty((steps, batch, state), dtype)
+        factors = np.empty((steps, 4, batch, state), dtype)
+        c = c0
+    else:       # forward only: one cell state, updated in place
+        c = np.array(c0, dtype, order="C")
     # h @ W_h.T with W_h.T copied to C order once: 1.3-1.9x faster per step than on the view.
     w_h_t = np.ascontiguousarray(weights[:, :state].T)
-    c = c0
-    for t in range(steps):
-        # the recurrent GEMM, added into the step's gates (its (B, 3, S) rows moved whole)
-        gates[t] += mm(hs[t], w_h_t).reshape(batch, 3, state).transpose(1, 0, 2)
-        _activate(gates[t], c, hs[t + 1], cells[t], factors[t])
-        c = cells[t]
+    # The input projection of a block of steps in one GEMM, bias added, as (K, 3, B, S), into
+    # one buffer reused block after block (the same blocks with and without keep, so both give
+    # the same bits).
+    block = _packing.block_steps(batch, _BLOCK_ROWS)
+    gates = np.empty((min(block, steps), 3, batch, state), dtype)
+    for t0 in range(0, steps, block):
+        k = min(block, steps - t0)
+        _project(x[t0 * batch: (t0 + k) * batch], w_x, bias, mm, k, batch, gates[:k])
+        for t in range(t0, t0 + k):
+            z = gates[t - t0]
+            # the recurrent GEMM, added into the step's gates (its (B, 3, S) rows moved whole)
+            z += mm(hs[t], w_h_t).reshape(batch, 3, state).transpose(1, 0, 2)
+            if keep:
+                _activate(z, c, hs[t + 1], cells[t], factors[t])
+                c = cells[t]
+            else:
+                _activate(z, c, hs[t + 1], c)
     h_n = hs[steps].copy()
+    if not keep:
+        return hs[1:], h_n, c, None
     c_n = c.copy()
     saved = LLTMSequenceSaved("numpy", x, hs, factors, cells, weights, tuple(bias.shape))
     return hs[1:], h_n, c_n, saved
@@ -269,7 +302,7 @@ def _backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
 
 # ------------------------------------------------------------------ variable-length sequences
 
-def _forward_packed(inputs, weights, bias, h0, c0, mm, plan):
+def _forward_packed(inputs, weights, bias, h0, c0, mm, plan, keep):
     """forward_sequence over the packed rows of ``plan`` (lltm_cupy._packing): per step only
     the sequences still running, a prefix of the sorted batch."""
     batch = len(plan.perm)
@@ -277,26 +310,65 @@ def _forward_packed(inputs, weights, bias, h0, c0, mm, plan):
     dtype = inputs.dtype
     rows = plan.rows
     x = _packing.pack_rows(inputs, plan, *_indices(plan))     # (N, F), one gather
-    # every packed row's input projection in one GEMM, bias added, in the GEMMs' row layout
-    projection = np.add(mm(x, np.ascontiguousarray(weights[:, state:].T)), bias.reshape(1, -1))
+    w_x_t = np.ascontiguousarray(weights[:, state:].T)
     w_h_t = np.ascontiguousarray(weights[:, :state].T)
     h0s, c0s = h0[plan.perm], c0[plan.perm]
-    out = np.empty((rows, state), dtype)
-    cells = np.empty((rows, state), dtype)
-    factors = np.empty(rows * 4 * state, dtype)
+    t_index, b_index, data_index = _indices(plan)
+    direct = plan.packed_io and data_index is None    # the packed rows are the output's rows
+    if keep or direct:
+        out = np.empty((rows, state), dtype)
+    if keep:
+        cells = np.empty((rows, state), dtype)
+        factors = np.empty(rows * 4 * state, dtype)
+    else:
+        # forward only: the sorted state, rows [:n] updated in place at each step, and each
+        # step's hidden state written straight to its place in the output
+        c_state = np.array(c0s, dtype, order="C")
+        h_state = np.array(h0s, dtype, order="C")
+        if plan.packed_io and not direct:
+            outputs = np.empty((rows, state), dtype)
+        elif not direct:
+            outputs = np.zeros((plan.steps, batch, state), dtype)
     scratch = np.empty(3 * batch * state, dtype)
-    for tau, n in enumerate(plan.batch_sizes):
-        rows_t = plan.step(tau)
-        prev = plan.step(tau - 1) if tau else None
-        h_in = h0s[:n] if not tau else out[prev.start: prev.start + n]
-        c_in = c0s[:n] if not tau else cells[prev.start: prev.start + n]
-        z = scratch[: 3 * n * state].reshape(3, n, state)
-        np.add(projection[rows_t].reshape(n, 3, state).transpose(1, 0, 2),
-               mm(h_in, w_h_t).reshape(n, 3, state).transpose(1, 0, 2), z)
-        f = factors[4 * state * rows_t.start: 4 * state * rows_t.stop].reshape(4, n, state)
-        _activate(z, c_in, out[rows_t], cells[rows_t], f)
-    outputs = _packing.unpack_rows(out, plan, np, *_indices(plan))
+    # the input projection of a block of steps in one GEMM, bias added, in the GEMMs' row
+    # layout (the same blocks with and without keep)
+    for tau0, tau1 in _packing.step_blocks(plan.offsets, _BLOCK_ROWS):
+        start = plan.offsets[tau0]
+        projection = mm(x[start: plan.offsets[tau1]], w_x_t)
+        projection += bias.reshape(1, -1)
+        for tau in range(tau0, tau1):
+            n = plan.batch_sizes[tau]
+            rows_t = plan.step(tau)
+            prev = plan.offsets[tau - 1] if tau else None
+            if keep or direct:
+                h_in = h0s[:n] if not tau else out[prev: prev + n]
+            else:
+                h_in = h_state[:n]
+            z = scratch[: 3 * n * state].reshape(3, n, state)
+            np.add(projection[rows_t.start - start: rows_t.stop - start]
+                   .reshape(n, 3, state).transpose(1, 0, 2),
+                   mm(h_in, w_h_t).reshape(n, 3, state).transpose(1, 0, 2), z)
+            if keep:
+                c_in = c0s[:n] if not tau else cells[prev: prev + n]
+                f = factors[4 * state * rows_t.start: 4 * state * rows_t.stop].reshape(4, n, state)
+                _activate(z, c_in, out[rows_t], cells[rows_t], f)
+            elif direct:
+                _activate(z, c_state[:n], out[rows_t], c_state[:n])
+                h_state[:n] = out[rows_t]
+            else:
+                _activate(z, c_state[:n], h_state[:n], c_state[:n])
+                if plan.packed_io:
+                    outputs[data_index[rows_t]] = h_state[:n]
+                else:
+                    outputs[t_index[rows_t], b_index[rows_t]] = h_state[:n]
     h_n, c_n = np.empty_like(h0s), np.empty_like(c0s)
+    if not keep:
+        if direct:
+            outputs = out
+        # each sequence's state after its last step (h0, c0 for length 0)
+        h_n[plan.perm], c_n[plan.perm] = h_state, c_state
+        return outputs, h_n, c_n, None
+    outputs = _packing.unpack_rows(out, plan, np, t_index, b_index, data_index)
     ended = plan.last_row >= 0
     h_sorted = np.where(ended[:, None], out[np.maximum(plan.last_row, 0)] if rows else h0s, h0s)
     c_sorted = np.where(ended[:, None], cells[np.maximum(plan.last_row, 0)] if rows else c0s, c0s)

@@ -26,7 +26,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["Plan", "plan", "packed_plan", "pack_rows", "unpack_rows"]
+__all__ = ["Plan", "plan", "packed_plan", "pack_rows", "unpack_rows", "block_steps",
+           "step_blocks"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,3 +146,22 @@ def unpack_rows(rows, plan: Plan, xp, t_index, b_index, data_index):
     if len(rows):
         out[t_index, b_index] = rows
     return out
+
+
+def block_steps(batch: int, rows: int) -> int:
+    """Steps per block of a fixed-length sequence's input projection: as many as fit in
+    ``rows`` rows of ``batch`` each, at least one."""
+    return max(1, rows // max(batch, 1))
+
+
+def step_blocks(offsets, rows: int) -> list:
+    """The packed steps in blocks of consecutive steps, ``[(tau0, tau1), ...]``: each block's
+    packed rows ``offsets[tau0]:offsets[tau1]`` number at most ``rows``, or one step's."""
+    blocks, tau0 = [], 0
+    for tau in range(1, len(offsets)):
+        if offsets[tau] - offsets[tau0] > rows and tau - 1 > tau0:
+            blocks.append((tau0, tau - 1))
+            tau0 = tau - 1
+    if len(offsets) > 1:
+        blocks.append((tau0, len(offsets) - 1))
+    return blocks

@@ -74,7 +74,7 @@ def test_non_contiguous_arguments_are_copied_once_each(emulated_cupy):
     assert emu.log == ["kernel:concat", "gemm", "copy", "kernel:fwd", "copy"]   # + new_cell
 
 
-SEQ_FORWARD = ["gemm", "copy"]  # input projection; h0 into the hidden-state buffer
+SEQ_FORWARD = ["copy", "gemm"]  # h0 into the hidden-state buffer; input projection
 
 
 @pytest.mark.parametrize("steps", [1, 5])
@@ -91,6 +91,9 @@ def test_sequence_budget(emulated_cupy, steps):
     per_step = ["gemm", "kernel:fwd"]
     # h_n, c_n; then the caller's own outputs and the saved inputs (xs is contiguous)
     assert emu.log == SEQ_FORWARD + per_step * steps + ["copy"] * 4
+    emu.reset()     # forward only: the same device work, and nothing to copy for a backward
+    lltm_cupy.forward_sequence(xs, w, b, h0, c0, return_saved=False)
+    assert emu.log == SEQ_FORWARD + per_step * steps + ["copy", "copy"]   # h_n, c_n
     g = emulated_cupy.asarray(rng.standard_normal((steps, B, S)))
     emu.reset()
     lltm_cupy.backward_sequence(g, None, None, saved)
