@@ -9,8 +9,8 @@ import pytest
 
 import lltm_cupy
 from lltm_cupy import reference
-from conftest import (GRAD_NAMES, assert_close, dtypes_for, make_case, reference_results,
-                      to_numpy)
+from conftest import (BACKENDS, GRAD_NAMES, assert_close, dtypes_for, make_case,
+                      reference_results, to_numpy)
 
 FORWARD_NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 
@@ -193,3 +193,35 @@ def test_results_are_contiguous_and_independent(xp):
     for name, a in zip(("new_h", "new_cell", *GRAD_NAMES), (new_h, new_cell, *grads)):
         assert a.flags.c_contiguous, name
     assert not xp.shares_memory(grads.d_old_h, grads.d_input)
+
+
+@pytest.mark.parametrize("xp", [p for p in BACKENDS if p.id != "numpy"], indirect=True)
+@pytest.mark.parametrize("kind", ["cell", "sequence"])
+def test_float16_d_bias_is_the_float32_sum_rounded_once(xp, kind):
+    """d_bias in float16 over many rows: the float32 sum of the float16 d_gates, rounded to
+    float16 once. The rows are one row repeated 3001 times, so the exact sum is 3001 times the
+    one-row d_bias (exact in float32: 11 by 12 significant bits); summing in float16 rounds at
+    every partial sum and lands many ulps away (the 1e-2 tolerance of the table would not see
+    it)."""
+    rows = 3001
+    case = make_case(1, 7, 9, np.float16, seed=23)
+    many = {n: np.repeat(a, rows, axis=0) if a.ndim == 2 and n not in ("weights",) else a
+            for n, a in case.items()}
+
+    def d_bias(c):
+        args = [xp.asarray(c[n]) for n in FORWARD_NAMES]
+        grads = [xp.asarray(c[n]) for n in ("grad_h", "grad_cell")]
+        if kind == "cell":
+            *_, saved = lltm_cupy.forward(*args)
+            return to_numpy(lltm_cupy.backward(*grads, saved).d_bias)
+        *_, saved = lltm_cupy.forward_sequence(args[0][None], *args[1:])
+        return to_numpy(lltm_cupy.backward_sequence(grads[0][None], None, grads[1],
+                                                    saved).d_bias)
+
+    one = d_bias(case)
+    want = (one.astype(np.float32) * np.float32(rows)).astype(np.float16)
+    got = d_bias(many)
+    assert got.dtype == np.float16
+    ulps = np.abs(got.astype(np.float64) - want) / np.spacing(np.abs(want)).astype(np.float64)
+    assert ulps.max() <= 1, f"d_bias off by up to {ulps.max():.0f} float16 ulps of the " \
+                            f"float32 sum rounded once"
