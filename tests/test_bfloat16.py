@@ -195,6 +195,7 @@ def test_cupy_sequence_in_bfloat16_on_the_emulator(emulated_cupy):
         caches.append((h, from_bits(xs[t]), out))
         h, c = out[0], out[1]
     assert _normalised(from_bits(outputs), np.stack(hs)) <= BF16_TOLERANCE
+    assert _normalised(from_bits(h_n), h) <= BF16_TOLERANCE
     assert _normalised(from_bits(c_n), c) <= BF16_TOLERANCE
     dh, dc = from_bits(g_h), from_bits(g_c)
     d_w = np.zeros_like(W)
@@ -321,8 +322,9 @@ def test_gpu_bfloat16_sequence_matches_float32():
     out, (h, c) = model16(xs.bfloat16())
     assert out.dtype == torch.bfloat16
     (out.float().sum() + c.float().sum()).backward()
-    err = _normalised(out.double().cpu().detach().numpy(), out32.double().cpu().detach().numpy())
-    assert err <= BF16_TOLERANCE
+    for name, a, b in (("outputs", out, out32), ("h_n", h, h32), ("c_n", c, c32)):
+        err = _normalised(a.double().cpu().detach().numpy(), b.double().cpu().detach().numpy())
+        assert err <= BF16_TOLERANCE, f"{name}: {err:.3e}"
     for p, g in zip(model16.parameters(), grads32):
         scale = g.abs().max().item()
         assert (p.grad.float() - g).abs().max().item() <= 5e-2 * max(1.0, scale)

@@ -54,8 +54,10 @@ def _data(seed, dtype=torch.float32):
     return xs, torch.randint(0, 10, (B,), device="cuda", generator=g)
 
 
-#: dtype -> (rtol, atol) of a replayed or compiled step against the eager one
-STEP_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-2, 2e-3),
+#: dtype -> (rtol, atol) of a replayed or compiled step against the eager one: float32 at the
+#: suite's table (1e-5; the captured GEMMs are torch's, compiled code fuses the Linear layers and
+#: the loss, each a few float32 roundings apart), 16-bit at the 16-bit rounding
+STEP_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-2, 2e-3),
                   torch.bfloat16: (5e-2, 1e-2)}
 STEP_DTYPES = pytest.mark.parametrize("dtype", list(STEP_TOLERANCE), ids=["f32", "f16", "bf16"])
 

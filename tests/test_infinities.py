@@ -156,7 +156,7 @@ OUT_NAMES = ("new_h", "new_cell", "d_old_h", "d_input", "d_weights", "d_bias", "
 
 
 def _assert_api_matches(got, want, dtype, label):
-    tol = 10 * TOLERANCE[np.dtype(dtype)]
+    tol = TOLERANCE[np.dtype(dtype)]
     for name, res, ref in zip(OUT_NAMES, got, want):
         assert res.shape == ref.shape, f"{label} {name}: shape"
         nan_res, nan_ref = np.isnan(res), np.isnan(ref)

@@ -95,7 +95,7 @@ def test_lengths_match_each_sequence_alone(request, array, dtype, lengths, rever
     grads = (case["grad_outputs"], case["grad_h_n"], case["grad_c_n"])
     got = _run(xp, case, lengths, reverse, grads)
     want = _reference(case, lengths, reverse, grads)
-    tol = 10 * TOLERANCE[np.dtype(dtype)]
+    tol = TOLERANCE[np.dtype(dtype)]
     for name, g, w in zip(OUT, got, want):
         assert tuple(g.shape) == w.shape and g.dtype == dtype, name
         err = max_error(g, w)

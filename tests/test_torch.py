@@ -264,7 +264,7 @@ def test_training_parity_with_reference():
             loss.backward()
             opt.step()
             losses[name].append(loss.item())
-    np.testing.assert_allclose(losses["ours"], losses["ref"], rtol=1e-4)
+    np.testing.assert_allclose(losses["ours"], losses["ref"], rtol=1e-5)
     # It trained: the last pass over the 6 batches has a lower mean loss than the first.
     assert np.mean(losses["ours"][-6:]) < 0.9 * np.mean(losses["ours"][:6])
 

@@ -76,26 +76,32 @@ def test_cell_matches_reference(emulated_cuda_torch, compiled, capturing, dtype)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("capturing", [False, True], ids=["cublas", "captured-torch-gemm"])
 def test_sequence_matches_stepped_reference(emulated_cuda_torch, capturing, dtype):
+    """outputs, h_n, c_n and the gradients of the inputs, h_0, c_0 and the parameters."""
     emulated_cuda_torch.emulator.capturing = capturing
     rng = np.random.default_rng(5)
     T, B, F, S = 4, 3, 5, 6
     xs = torch.tensor(rng.standard_normal((T, B, F))).to(dtype).requires_grad_()
+    h0, c0 = (torch.tensor(rng.standard_normal((1, B, S))).to(dtype).requires_grad_()
+              for _ in range(2))
     model = lt.LLTM(F, S, dtype=dtype)
     ref = lt.ReferenceLLTMCell(F, S, dtype=torch.float64)
     ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     with _side_stream(capturing):
-        out, (h_n, c_n) = model(xs)
-        (out.float().sum() + 2 * c_n.float().sum()).backward()
-    xr = xs.detach().double().requires_grad_()
-    state, outs = None, []
+        out, (h_n, c_n) = model(xs, (h0, c0))
+        (out.float().sum() + 3 * h_n.float().sum() + 2 * c_n.float().sum()).backward()
+    xr, hr, cr = (t.detach().double().requires_grad_() for t in (xs, h0[0], c0[0]))
+    state, outs = (hr, cr), []
     for x in xr:
         state = ref(x, state)
         outs.append(state[0])
-    (torch.stack(outs).sum() + 2 * state[1].sum()).backward()
+    (torch.stack(outs).sum() + 3 * state[0].sum() + 2 * state[1].sum()).backward()
     _assert_close(out.detach(), torch.stack(outs).detach(), dtype, "outputs")
-    assert c_n.shape == (1, *state[1].shape)   # as nn.LSTM: (num_layers, batch, S)
+    assert h_n.shape == c_n.shape == (1, *state[1].shape)   # as nn.LSTM: (num_layers, batch, S)
+    _assert_close(h_n[0].detach(), state[0].detach(), dtype, "h_n")
     _assert_close(c_n[0].detach(), state[1].detach(), dtype, "c_n")
     _assert_close(xs.grad, xr.grad, dtype, "d_inputs")
+    _assert_close(h0.grad[0], hr.grad, dtype, "d_h0")
+    _assert_close(c0.grad[0], cr.grad, dtype, "d_c0")
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         _assert_close(p.grad, q.grad, dtype, name)
     if capturing:
@@ -143,7 +149,7 @@ def test_captured_16_bit_training_step_equals_the_eager_one(emulated_cuda_torch,
         results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
     for eager, captured in zip(*results):
         assert captured.dtype == eager.dtype
-        torch.testing.assert_close(captured.float(), eager.float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(captured, eager)
 
 
 def test_memory_comes_from_torch_and_results_are_torch_allocations(emulated_cuda_torch,

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 import lltm_cupy.torch as lt  # noqa: E402
 from test_torch import DEVICES, needs_cuda  # noqa: E402
 
-TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-12)}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-10, atol=1e-12)}
 
 
 def models(device, dtype, batch_first=False, seed=0):
