@@ -161,6 +161,74 @@ __device__ __forceinline__ A lltm_d_elu(A z) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The cell of one (row, state) element: the one definition of its numerics, used by the
+// element-wise kernels below and by the fused sequence kernels of lltm_fused.cu.
+
+// Forward: g_* are the gate products (X @ W.T, in the storage type), b_* the bias, old_c the
+// previous cell in the arithmetic type. Writes the pre-activations (rounded to the storage type
+// before use, so that the backward, which recomputes the activations from the stored values,
+// sees exactly what the forward saw), the new cell and the new hidden state. The outputs may
+// alias the g_* inputs (each input is read before any output is written).
+template <typename T>
+__device__ __forceinline__ void lltm_cell_forward(T g_i, T g_o, T g_c, T b_i, T b_o, T b_c,
+                                                  typename lltm_traits<T>::acc old_c, T* z_i,
+                                                  T* z_o, T* z_c, T* new_c, T* new_h) {
+  typedef lltm_traits<T> tr;
+  typedef typename tr::acc A;
+  const T zi_t = tr::store(tr::load(g_i) + tr::load(b_i));
+  const T zo_t = tr::store(tr::load(g_o) + tr::load(b_o));
+  const T zc_t = tr::store(tr::load(g_c) + tr::load(b_c));
+  *z_i = zi_t;
+  *z_o = zo_t;
+  *z_c = zc_t;
+
+  A input_gate, output_gate, unused;
+  lltm_sigmoid(tr::load(zi_t), &input_gate, &unused);
+  lltm_sigmoid(tr::load(zo_t), &output_gate, &unused);
+  const A candidate_cell = lltm_elu(tr::load(zc_t));
+
+  const A c = old_c + candidate_cell * input_gate;
+  const T c_t = tr::store(c);
+  *new_c = c_t;
+  *new_h = tr::store(lltm_tanh(tr::load(c_t)) * output_gate);
+}
+
+// Backward: from the saved pre-activations z_*, the new cell c and the incoming gradients gh
+// (w.r.t. new_h) and gc (w.r.t. new_cell), in the arithmetic type, the gate gradients and
+// d_old_cell, each rounded once to the storage type.
+template <typename T>
+__device__ __forceinline__ void lltm_cell_backward(T z_i, T z_o, T z_c, T c_t,
+                                                   typename lltm_traits<T>::acc gh,
+                                                   typename lltm_traits<T>::acc gc, T* d_i,
+                                                   T* d_o, T* d_c, T* d_old_cell) {
+  typedef lltm_traits<T> tr;
+  typedef typename tr::acc A;
+  const A zi = tr::load(z_i);
+  const A zo = tr::load(z_o);
+  const A zc = tr::load(z_c);
+  const A c = tr::load(c_t);
+
+  A input_gate, d_sig_i, output_gate, d_sig_o;
+  lltm_sigmoid(zi, &input_gate, &d_sig_i);
+  lltm_sigmoid(zo, &output_gate, &d_sig_o);
+  const A candidate_cell = lltm_elu(zc);
+
+  const A e2 = lltm_exp(A(-2) * lltm_abs(c));
+  const A one_e2 = A(1) + e2;
+  const A d_tanh = A(4) * e2 / (one_e2 * one_e2);
+
+  const A d_output_gate = lltm_tanh(c) * gh;
+  const A d_new_cell = d_tanh * (output_gate * gh) + gc;
+
+  // Bounded factors first (sigmoid' <= 1/4, input_gate and elu' <= 1), so that no product
+  // overflows before the last multiplication unless the result itself does.
+  *d_old_cell = tr::store(d_new_cell);
+  *d_i = tr::store(candidate_cell * d_sig_i * d_new_cell);
+  *d_o = tr::store(d_output_gate * d_sig_o);
+  *d_c = tr::store(input_gate * lltm_d_elu(zc) * d_new_cell);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Index type I: `unsigned int` when every index of the 3 * B * S gate array fits in 32 bits (the
 // launcher decides), else `unsigned long long`. 64-bit integer division is emulated on the GPU
 // (tens of instructions per element), which a memory-bound kernel cannot afford when it need not.
@@ -171,31 +239,14 @@ __global__ void lltm_fwd_kernel(T* __restrict__ gates, const T* __restrict__ bia
                                 const T* __restrict__ old_cell, T* __restrict__ new_h,
                                 T* __restrict__ new_cell, long long n_elements, int state_size) {
   typedef lltm_traits<T> tr;
-  typedef typename tr::acc A;
   const I n = (I)n_elements;
   const I S = (I)state_size;
   for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (I)blockDim.x * gridDim.x) {
     const I b = i / S;
     const I s = i - b * S;
     T* g = gates + b * 3 * S + s;
-    // Round the pre-activations to the storage type before using them, so that the backward,
-    // which recomputes the activations from the stored values, sees exactly what the forward saw.
-    const T zi_t = tr::store(tr::load(g[0]) + tr::load(bias[s]));
-    const T zo_t = tr::store(tr::load(g[S]) + tr::load(bias[S + s]));
-    const T zc_t = tr::store(tr::load(g[2 * S]) + tr::load(bias[2 * S + s]));
-    g[0] = zi_t;
-    g[S] = zo_t;
-    g[2 * S] = zc_t;
-
-    A input_gate, output_gate, unused;
-    lltm_sigmoid(tr::load(zi_t), &input_gate, &unused);
-    lltm_sigmoid(tr::load(zo_t), &output_gate, &unused);
-    const A candidate_cell = lltm_elu(tr::load(zc_t));
-
-    const A c = tr::load(old_cell[i]) + candidate_cell * input_gate;
-    const T c_t = tr::store(c);
-    new_cell[i] = c_t;
-    new_h[i] = tr::store(lltm_tanh(tr::load(c_t)) * output_gate);
+    lltm_cell_forward<T>(g[0], g[S], g[2 * S], bias[s], bias[S + s], bias[2 * S + s],
+                         tr::load(old_cell[i]), g, g + S, g + 2 * S, new_cell + i, new_h + i);
   }
 }
 
@@ -216,31 +267,10 @@ __global__ void lltm_bwd_kernel(const T* __restrict__ grad_h, const T* __restric
     const I b = i / S;
     const I s = i - b * S;
     const I row = b * 3 * S + s;
-    const A zi = tr::load(gates[row]);
-    const A zo = tr::load(gates[row + S]);
-    const A zc = tr::load(gates[row + 2 * S]);
-    const A c = tr::load(new_cell[i]);
-    const A gh = has_grad_h ? tr::load(grad_h[i]) : A(0);
-    const A gc = has_grad_cell ? tr::load(grad_cell[i]) : A(0);
-
-    A input_gate, d_sig_i, output_gate, d_sig_o;
-    lltm_sigmoid(zi, &input_gate, &d_sig_i);
-    lltm_sigmoid(zo, &output_gate, &d_sig_o);
-    const A candidate_cell = lltm_elu(zc);
-
-    const A e2 = lltm_exp(A(-2) * lltm_abs(c));
-    const A one_e2 = A(1) + e2;
-    const A d_tanh = A(4) * e2 / (one_e2 * one_e2);
-
-    const A d_output_gate = lltm_tanh(c) * gh;
-    const A d_new_cell = d_tanh * (output_gate * gh) + gc;
-
-    // Bounded factors first (sigmoid' <= 1/4, input_gate and elu' <= 1), so that no product
-    // overflows before the last multiplication unless the result itself does.
-    d_old_cell[i] = tr::store(d_new_cell);
-    d_gates[row] = tr::store(candidate_cell * d_sig_i * d_new_cell);
-    d_gates[row + S] = tr::store(d_output_gate * d_sig_o);
-    d_gates[row + 2 * S] = tr::store(input_gate * lltm_d_elu(zc) * d_new_cell);
+    lltm_cell_backward<T>(gates[row], gates[row + S], gates[row + 2 * S], new_cell[i],
+                          has_grad_h ? tr::load(grad_h[i]) : A(0),
+                          has_grad_cell ? tr::load(grad_cell[i]) : A(0), d_gates + row,
+                          d_gates + row + S, d_gates + row + 2 * S, d_old_cell + i);
   }
 }
 

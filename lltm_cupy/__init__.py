@@ -113,7 +113,7 @@ def backward(grad_h, grad_cell, saved, *, needed=None):
 
 
 def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False, *,
-                     return_saved=True):
+                     return_saved=True, fused=False):
     """Run the cell over a whole sequence. Returns ``(outputs, h_n, c_n, saved)``.
 
     inputs: (steps, batch, features)
@@ -140,13 +140,21 @@ def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False,
     (sorted by length once; the caller's order comes back): each step's GEMM and kernel run on
     the sequences still running only, so padded positions cost nothing.
 
+    fused: GPU only (CuPy arrays; the CPU backend ignores it): run all steps in one launch of
+        the fused sequence kernel per call, the recurrent weights held in shared memory for every
+        step, and its backward the same way; state sizes whose weights do not fit one block's
+        shared memory (above 195 in 16-bit types, 138 in float32, 97 in float64 on H100/H200;
+        165, 117, 82 on A100) run the stepped path as without it. Off by default: the stepped
+        path is the one measured on a GPU so far (see docs/performance.md).
+
     Warning: ``saved`` refers to ``weights`` and, when contiguous, to ``inputs``: do not modify
     them in place before :func:`backward_sequence` (the gradients would be silently wrong).
     """
     keep = _flag("return_saved", return_saved)
     backend = check_forward_sequence(inputs, weights, bias, h0, c0)
     outputs, h_n, c_n, saved = _forward_sequence(backend, inputs, weights, bias, h0, c0,
-                                                 sequence_plan(inputs, lengths, reverse), keep)
+                                                 sequence_plan(inputs, lengths, reverse), keep,
+                                                 _flag("fused", fused))
     if saved is None:       # nothing kept: the outputs are the caller's alone
         return outputs, h_n, c_n, None
     return private_sequence(inputs, outputs, saved), h_n, c_n, saved
@@ -165,10 +173,13 @@ def sequence_plan(inputs, lengths, reverse):
     return _packing.plan(checked, steps, reverse=bool(reverse))
 
 
-def _forward_sequence(backend, inputs, weights, bias, h0, c0, plan, keep=True):
+def _forward_sequence(backend, inputs, weights, bias, h0, c0, plan, keep=True, fused=False):
     """The backend's forward_sequence on checked arguments (no copies for the caller);
-    ``keep=False``: forward only, saved is None."""
+    ``keep=False``: forward only, saved is None; ``fused``: the GPU's fused sequence kernels
+    (the CPU backend has one path)."""
     kw = {} if plan is None else {"plan": plan}
+    if fused and backend == "cupy":
+        kw["fused"] = True
     return _backend(backend).forward_sequence(inputs, weights, bias, h0, c0, keep=keep, **kw)
 
 

@@ -210,7 +210,13 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5, gemm=gemm):
 _BLOCK_ROWS = 2048
 
 
-def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=True):
+def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=True,
+                     fused=False):
+    if fused:
+        from . import _cupy_fused
+
+        if _cupy_fused.usable(h0.shape[1], inputs.dtype):
+            return _cupy_fused.forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep)
     if plan is not None:
         from ._cupy_packed import forward_packed
 
@@ -263,6 +269,10 @@ def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=T
 
 
 def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, gemm=gemm):
+    if saved.fused:
+        from ._cupy_fused import backward_fused
+
+        return backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
     if saved.plan is not None:
         from ._cupy_packed import backward_packed
 
@@ -306,19 +316,11 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
             d_h0 = cupy.zeros((batch, state), dtype) if grad_h_n is None else cupy.array(grad_h_n)
             d_c0 = cupy.zeros((batch, state), dtype) if grad_c_n is None else cupy.array(grad_c_n)
         need_x, need_w, need_b, need_h0, need_c0 = needed
-        flat = d_gates.reshape(steps * batch, 3 * state)
-        d_weights = d_bias = d_inputs = None
-        if need_w:
-            # both halves written in place by their GEMMs (zeros when there are no rows)
-            d_weights = cupy.empty(weights.shape, dtype)
-            gemm(flat.T, hs[:-1].reshape(steps * batch, state), d_weights[:, :state])
-            gemm(flat.T, x, d_weights[:, state:])
-        if need_b:
-            d_bias = _d_bias(cupy, flat, saved.bias_shape, gemm)
+        d_inputs, d_weights, d_bias = parameter_grads(
+            cupy, d_gates.reshape(steps * batch, 3 * state),
+            hs[:-1].reshape(steps * batch, state), x, weights, saved.bias_shape, needed, gemm)
         if need_x:
-            d_inputs = gemm(flat, weights[:, state:],
-                            cupy.empty((steps * batch, features), dtype)).reshape(
-                                steps, batch, features)
+            d_inputs = d_inputs.reshape(steps, batch, features)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)
 
@@ -362,6 +364,26 @@ def cell_backward(grad_h, grad_cell, saved):
                 gh, gc, gates, new_cell, d_gates, d_old_cell, np.int32(grad_h is not None),
                 np.int32(grad_cell is not None), np.int64(n), np.int32(state)))
     return LLTMCellGrads(d_gates, d_old_cell)
+
+
+def parameter_grads(cupy, flat, h_in, x, weights, bias_shape, needed, gemm):
+    """(d_inputs (rows, F), d_weights, d_bias) of a sequence from every step's d_gates ``flat``
+    (rows, 3S), the hidden state each row read ``h_in`` (rows, S) and the inputs ``x`` (rows, F):
+    one GEMM (or reduction) each over all steps; None where ``needed`` says so."""
+    need_x, need_w, need_b = needed[:3]
+    state = weights.shape[0] // 3
+    dtype = flat.dtype
+    d_weights = d_bias = d_inputs = None
+    if need_w:
+        # both halves written in place by their GEMMs (zeros when there are no rows)
+        d_weights = cupy.empty(weights.shape, dtype)
+        gemm(flat.T, h_in, d_weights[:, :state])
+        gemm(flat.T, x, d_weights[:, state:])
+    if need_b:
+        d_bias = _d_bias(cupy, flat, bias_shape, gemm)
+    if need_x:
+        d_inputs = gemm(flat, weights[:, state:], cupy.empty((flat.shape[0], x.shape[1]), dtype))
+    return d_inputs, d_weights, d_bias
 
 
 # ---------------------------------------------------------------------------------- warmup

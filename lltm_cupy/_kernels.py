@@ -15,7 +15,8 @@ import numpy as np
 
 __all__ = ["SOURCE_NAME", "KERNEL_NAMES", "Kernels", "BFLOAT16", "CUDA_TYPE", "INDEX_TYPE",
            "source_path", "source", "name_expression", "get_kernels", "launch_config", "needs_wide_index", "compile_offline",
-           "ARCHITECTURES"]
+           "ARCHITECTURES", "FUSED_SOURCE_NAME", "FUSED_KERNEL_NAMES", "FusedKernels",
+           "fused_source", "fused_name_expression", "get_fused_kernels", "compile_offline_fused"]
 
 SOURCE_NAME = "lltm.cu"
 KERNEL_NAMES = ("lltm_fwd_kernel", "lltm_bwd_kernel", "lltm_concat_kernel", "lltm_add_kernel")
@@ -51,13 +52,14 @@ _lock = threading.Lock()
 _cache: dict = {}
 
 
-def source_path() -> Path:
-    """Path of lltm.cu: inside the installed package, or ``cuda_src/`` of a source checkout."""
+def source_path(name: str = SOURCE_NAME) -> Path:
+    """Path of lltm.cu (or another file of cuda_src): inside the installed package, or
+    ``cuda_src/`` of a source checkout."""
     for folder in (_HERE / "cuda_src", _HERE.parent / "cuda_src"):
-        path = folder / SOURCE_NAME
+        path = folder / name
         if path.is_file():
             return path
-    raise FileNotFoundError(f"lltm_cupy: CUDA source {SOURCE_NAME} not found in "
+    raise FileNotFoundError(f"lltm_cupy: CUDA source {name} not found in "
                             f"{_HERE / 'cuda_src'} or {_HERE.parent / 'cuda_src'}")
 
 
@@ -132,11 +134,14 @@ def compile_offline(dtype, arch: int, output: str = "cubin") -> bytes:
     ``output`` is "cubin" (machine code, ``--gpu-architecture=sm_XX``) or "ptx"
     (``compute_XX``). Raises RuntimeError with NVRTC's log when compilation fails.
     """
+    return _nvrtc(source(), SOURCE_NAME, _all_names(dtype), arch, output)
+
+
+def _nvrtc(code: str, filename: str, names, arch: int, output: str) -> bytes:
     from cupy_backends.cuda.libs import nvrtc
 
     kind = {"cubin": "sm", "ptx": "compute"}[output]
-    names = _all_names(dtype)
-    prog = nvrtc.createProgram(source(), SOURCE_NAME, [], [])
+    prog = nvrtc.createProgram(code, filename, [], [])
     try:
         for name in names:
             nvrtc.addNameExpression(prog, name)
@@ -151,3 +156,67 @@ def compile_offline(dtype, arch: int, output: str = "cubin") -> bytes:
         return nvrtc.getCUBIN(prog) if output == "cubin" else nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+# ------------------------------------------------------------------------- fused sequence kernels
+
+FUSED_SOURCE_NAME = "lltm_fused.cu"
+FUSED_KERNEL_NAMES = ("lltm_seq_fwd_kernel", "lltm_seq_bwd_kernel")
+
+
+class FusedKernels(NamedTuple):
+    """The compiled whole-sequence kernels of one (device, dtype), in FUSED_KERNEL_NAMES order."""
+
+    fwd: Any
+    bwd: Any
+
+
+@functools.lru_cache(maxsize=None)
+def fused_source() -> str:
+    """lltm.cu followed by lltm_fused.cu: one translation unit, so that the fused kernels use
+    lltm.cu's scalar types and cell functions (the textual include NVRTC gets without an include
+    path; the host build of the tests #includes both files the same way)."""
+    return (source() + f'\n#line 1 "{FUSED_SOURCE_NAME}"\n'
+            + source_path(FUSED_SOURCE_NAME).read_text(encoding="utf-8"))
+
+
+def fused_name_expression(kernel: str, dtype) -> str:
+    return f"{kernel}<{CUDA_TYPE[np.dtype(dtype)]}>"
+
+
+def get_fused_kernels(dtype):
+    """The :class:`FusedKernels` for ``dtype`` on the current device, compiled once; each kernel
+    is allowed the device's whole opt-in shared memory per block (``max_dynamic_shared_size_bytes``,
+    needed above 48 KB)."""
+    import cupy
+
+    dtype = np.dtype(dtype)
+    key = ("fused", cupy.cuda.Device().id, dtype.str)
+    kernels = _cache.get(key)
+    if kernels is None:
+        with _lock:
+            kernels = _cache.get(key)
+            if kernels is None:
+                names = [fused_name_expression(k, dtype) for k in FUSED_KERNEL_NAMES]
+                module = cupy.RawModule(code=fused_source(), options=RAWMODULE_OPTIONS,
+                                        name_expressions=names)
+                fns = [module.get_function(n) for n in names]
+                limit = shared_memory_limit(cupy.cuda.Device().id)
+                for fn in fns:
+                    fn.max_dynamic_shared_size_bytes = limit - fn.shared_size_bytes
+                kernels = _cache[key] = FusedKernels(*fns)
+    return kernels
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_limit(device_id: int) -> int:
+    """Bytes of shared memory one block may use on this device (the opt-in maximum)."""
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+
+
+def compile_offline_fused(dtype, arch: int, output: str = "cubin") -> bytes:
+    """As :func:`compile_offline`, for the fused sequence kernels (``lltm_fused.cu``)."""
+    return _nvrtc(fused_source(), FUSED_SOURCE_NAME,
+                  [fused_name_expression(k, dtype) for k in FUSED_KERNEL_NAMES], arch, output)

@@ -84,6 +84,8 @@ class LLTMSequenceSaved:
     #: then inputs, hs (the outputs), gates and cells hold packed rows, and h0 is the sorted h0
     plan: Any = None
     h0: Any = None
+    #: the forward ran the fused sequence kernel (``fused=True``): so does the backward
+    fused: bool = False
 
     @property
     def dtype(self):

@@ -1,0 +1,216 @@
+"""GPU backend, fused sequences: one launch of ``cuda_src/lltm_fused.cu`` per layer and direction
+runs every step, with the recurrent weights W_h in each block's shared memory for all steps.
+
+Chosen by :func:`lltm_cupy._cupy.forward_sequence` when the caller asks for it (``fused=True``)
+and :func:`usable` says the state size fits; the backward of a sequence whose forward was fused is
+fused too. Device work per call:
+
+- forward: the input projection of every step (one GEMM, as on the stepped path), then one fused
+  kernel; with variable lengths also the gathers and scatters of the packed layout;
+- backward: one fused kernel (the reverse recurrence, writing every step's d_gates), then the
+  weight, bias and input gradients as one GEMM (or reduction) each over all steps.
+
+Results are the stepped path's up to the order of the recurrent product's sums (float32
+accumulation for the 16-bit types, as cuBLAS; the same rounding points).
+
+Shared memory per block (bytes; T the storage type, A the arithmetic type: float32 for the 16-bit
+types): W_h, 3 S^2 sizeof(T) rounded up to 16, plus per batch row of the block's tile 3 S sizeof(A)
+(forward) or 5 S sizeof(A) (backward). A state size is accepted when the backward of a one-row
+tile fits the device's opt-in limit per block (``MaxSharedMemoryPerBlockOptin``); the tile is the
+batch spread over the SMs, as many rows as fit. Largest accepted S (:func:`max_state`):
+
+    architecture        opt-in bytes per block   float16 / bfloat16   float32   float64
+    sm_80  (A100)              166,912                  165            117        82
+    sm_90  (H100, H200)        232,448                  195            138        97
+    sm_100 (B200)              232,448                  195            138        97
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _cupy as base
+from . import _kernels
+from ._packing import pack_rows, unpack_rows
+from ._types import LLTMSequenceGrads, LLTMSequenceSaved
+
+__all__ = ["ARCH_SHARED_MEMORY", "shared_bytes", "max_state", "usable", "forward_fused",
+           "backward_fused"]
+
+#: Opt-in shared memory per block (bytes) of the architectures the tests check the bound for
+#: (CUDA C++ Programming Guide, "Compute Capabilities", maximum shared memory per thread block).
+ARCH_SHARED_MEMORY = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+#: Threads per block at most (fewer when the tile has fewer elements).
+THREADS = 256
+
+
+def _acc_size(dtype) -> int:
+    return 8 if np.dtype(dtype) == np.float64 else 4
+
+
+def shared_bytes(state: int, dtype, tile: int, backward: bool) -> int:
+    """Dynamic shared memory of one block of the fused kernels (see the module docstring)."""
+    weights = -(-3 * state * state * np.dtype(dtype).itemsize // 16) * 16
+    return weights + tile * (5 if backward else 3) * state * _acc_size(dtype)
+
+
+def max_state(limit: int, dtype) -> int:
+    """The largest state size whose backward (the larger kernel) fits ``limit`` bytes per block
+    with a one-row tile."""
+    state = 0
+    while shared_bytes(state + 1, dtype, 1, True) <= limit:
+        state += 1
+    return state
+
+
+def usable(state: int, dtype) -> bool:
+    """True when the fused kernels run this state size in this dtype on the current device."""
+    import cupy
+
+    return 0 < state <= max_state(_kernels.shared_memory_limit(cupy.cuda.Device().id), dtype)
+
+
+def _geometry(cupy, batch: int, state: int, dtype, backward: bool):
+    """(blocks, threads, tile, shared bytes): the batch spread over the SMs, one tile per block,
+    as many rows per tile as shared memory holds."""
+    device = cupy.cuda.Device().id
+    limit = _kernels.shared_memory_limit(device)
+    per_row = shared_bytes(state, dtype, 1, backward) - shared_bytes(state, dtype, 0, backward)
+    fits = (limit - shared_bytes(state, dtype, 0, backward)) // per_row
+    tile = max(1, min(-(-batch // _kernels._sm_count(device)), fits))
+    threads = min(THREADS, -(-tile * state // 32) * 32)
+    return -(-batch // tile), threads, tile, shared_bytes(state, dtype, tile, backward)
+
+
+def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True):
+    """The fused forward of one layer and direction. ``keep``: everything the backward reads is
+    kept (one input-projection GEMM and one launch); forward only (``keep=False``): the steps
+    run in blocks of the stepped path's size, one GEMM and one launch per block, into one reused
+    block of pre-activations and cells, so that memory beyond the outputs does not grow with
+    the number of steps (one launch for sequences of up to 2048 / batch steps)."""
+    from ._packing import block_steps
+
+    cupy = base._cupy()
+    dtype = inputs.dtype
+    state = h0.shape[1]
+    with cupy.cuda.Device(inputs.device.id):
+        if plan is None:
+            steps, batch, features = inputs.shape
+            x = cupy.ascontiguousarray(inputs).reshape(steps * batch, features)
+            hs = cupy.empty((steps + 1, batch, state), dtype)     # [h0, h_1, ..., h_T]
+            hs[0] = h0
+            out = hs[1:].reshape(steps * batch, state)
+            starts = [t * batch for t in range(steps + 1)]
+            h_prev, c_prev = hs[0], cupy.ascontiguousarray(c0)
+            offsets, packed = cupy.zeros(1, np.int64), np.int32(0)   # not read
+        else:
+            index, perm = _index(cupy, plan)
+            steps, batch = len(plan.batch_sizes), len(plan.perm)
+            x = cupy.ascontiguousarray(pack_rows(inputs, plan, *index))
+            out = cupy.empty((plan.rows, state), dtype)
+            starts = plan.offsets
+            h_prev, c_prev = h0[perm], c0[perm]
+            offsets, packed = cupy.asarray(np.asarray(starts, np.int64)), np.int32(1)
+        h0s = h_prev
+        block = steps if keep else min(steps, block_steps(batch, base._BLOCK_ROWS))
+        spans = [(t0, min(t0 + block, steps)) for t0 in range(0, steps, max(block, 1))]
+        rows = max([starts[t1] - starts[t0] for t0, t1 in spans], default=0)
+        gates = cupy.empty((rows, 3 * state), dtype)
+        cells = cupy.empty((rows, state), dtype)
+        finals = [(cupy.empty((batch, state), dtype), cupy.empty((batch, state), dtype))
+                  for _ in range(min(len(spans), 2))]
+        w_x_t = weights[:, state:].T
+        if batch and spans:
+            kernel = _kernels.get_fused_kernels(dtype).fwd
+            blocks, threads, tile, smem = _geometry(cupy, batch, state, dtype, backward=False)
+            w = cupy.ascontiguousarray(weights)
+            bias_c = cupy.ascontiguousarray(bias.reshape(-1))
+        for i, (t0, t1) in enumerate(spans):
+            r0, r1 = starts[t0], starts[t1]
+            g, c = gates[: r1 - r0], cells[: r1 - r0]
+            gemm(x[r0:r1], w_x_t, g)     # the input projection of the block's steps
+            h_last, c_last = finals[i % 2]
+            if batch:
+                kernel((blocks,), (threads,), (
+                    w, np.int64(weights.shape[1]), bias_c, g, h_prev, c_prev, out[r0:r1], c,
+                    h_last, c_last, offsets[t0: t1 + 1] if packed else offsets, packed,
+                    np.int32(t1 - t0), np.int32(batch), np.int32(state), np.int32(tile)),
+                    shared_mem=smem)
+            h_prev, c_prev = h_last, c_last
+        if not spans:                    # no step: the final state is the initial one
+            h_prev, c_prev = cupy.array(h_prev), cupy.array(c_prev)
+        if plan is None:
+            outputs, h_n, c_n = hs[1:], h_prev, c_prev
+            saved = LLTMSequenceSaved("cupy", x, hs, gates.reshape(steps, batch, 3 * state),
+                                      cells.reshape(steps, batch, state), weights,
+                                      tuple(bias.shape), fused=True) if keep else None
+        else:
+            outputs = unpack_rows(out, plan, cupy, *index)
+            h_n, c_n = cupy.empty_like(h_prev), cupy.empty_like(c_prev)
+            h_n[perm] = h_prev
+            c_n[perm] = c_prev
+            saved = LLTMSequenceSaved("cupy", x, out, gates, cells, weights, tuple(bias.shape),
+                                      plan=plan, h0=h0s, fused=True) if keep else None
+    return outputs, h_n, c_n, saved
+
+
+def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
+    cupy = base._cupy()
+    plan, x, hs, weights = saved.plan, saved.inputs, saved.hs, saved.weights
+    state = weights.shape[0] // 3
+    dtype = hs.dtype
+    with cupy.cuda.Device(hs.device.id):
+        if plan is None:
+            steps, batch = saved.cells.shape[:2]
+            grad_out = None if grad_outputs is None else cupy.ascontiguousarray(grad_outputs)
+            ghn, gcn = grad_h_n, grad_c_n
+        else:
+            index, perm = _index(cupy, plan)
+            steps, batch = len(plan.batch_sizes), len(plan.perm)
+            grad_out = (None if grad_outputs is None
+                        else cupy.ascontiguousarray(pack_rows(grad_outputs, plan, *index)))
+            ghn = None if grad_h_n is None else grad_h_n[perm]
+            gcn = None if grad_c_n is None else grad_c_n[perm]
+        rows = x.shape[0]
+        d_gates = cupy.empty((rows, 3 * state), dtype)
+        d_h0, d_c0 = cupy.empty((batch, state), dtype), cupy.empty((batch, state), dtype)
+        if batch:
+            offsets, packed = ((cupy.zeros(1, np.int64), np.int32(0)) if plan is None else
+                               (cupy.asarray(np.asarray(plan.offsets, np.int64)), np.int32(1)))
+            blocks, threads, tile, smem = _geometry(cupy, batch, state, dtype, backward=True)
+            gates = saved.gates.reshape(rows, 3 * state)
+            cells = saved.cells.reshape(rows, state)
+            present = [a for a in (grad_out, ghn, gcn) if a is not None]
+            placeholder = cells if not present else present[0]   # read only where flagged
+            _kernels.get_fused_kernels(dtype).bwd((blocks,), (threads,), (
+                cupy.ascontiguousarray(weights), np.int64(weights.shape[1]), gates, cells,
+                placeholder if grad_out is None else grad_out,
+                placeholder if ghn is None else cupy.ascontiguousarray(ghn),
+                placeholder if gcn is None else cupy.ascontiguousarray(gcn), d_gates, d_h0, d_c0,
+                offsets, packed, np.int32(grad_out is not None), np.int32(ghn is not None),
+                np.int32(gcn is not None), np.int32(steps), np.int32(batch), np.int32(state),
+                np.int32(tile)), shared_mem=smem)
+        if plan is None:
+            h_in = hs[:-1].reshape(rows, state)
+        else:
+            parts = [saved.h0[:n] if not tau else hs[plan.offsets[tau - 1]:
+                                                     plan.offsets[tau - 1] + n]
+                     for tau, n in enumerate(plan.batch_sizes)]
+            h_in = cupy.concatenate(parts) if parts else hs[:0]
+            d_h0s, d_c0s = d_h0, d_c0
+            d_h0, d_c0 = cupy.empty_like(d_h0s), cupy.empty_like(d_c0s)
+            d_h0[perm] = d_h0s
+            d_c0[perm] = d_c0s
+        need_x, need_w, need_b, need_h0, need_c0 = needed
+        d_inputs, d_weights, d_bias = base.parameter_grads(cupy, d_gates, h_in, x, weights,
+                                                           saved.bias_shape, needed, gemm)
+        if need_x:
+            d_inputs = (d_inputs.reshape(steps, batch, -1) if plan is None
+                        else unpack_rows(d_inputs, plan, cupy, *index))
+    return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
+                             d_c0 if need_c0 else None)
+
+
+def _index(cupy, plan):
+    from ._cupy_packed import _index as index
+
+    return index(cupy, plan)

@@ -1,0 +1,98 @@
+"""cuda_src/lltm_fused.cu built as host C++ with block semantics (tests/host_shim/shim.h's
+shim_launch_block: one context per thread, __syncthreads() a real barrier, per-block dynamic
+shared memory poisoned with 0xFF) and loaded with ctypes; and a stand-in for
+lltm_cupy._kernels.get_fused_kernels that launches it from the emulated CuPy
+(tests/helpers/emulated_cupy.py), as strict about arguments as a RawKernel launch."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from lltm_cupy import _kernels
+from .host_kernels import SHIM, SUFFIX, ptr
+
+#: scheduling orders of the shim: threads ascending, descending, a random permutation per barrier
+SCHEDULES = {"ascending": 0, "descending": 1, "random": 2}
+
+
+def build(out_dir: Path, source_dir: Path | None = None) -> ctypes.CDLL:
+    """Compile tests/host_shim/harness_fused.cpp into out_dir and load it. ``source_dir``: a
+    folder whose lltm_fused.cu (and lltm.cu, if present) replace cuda_src's (mutation tests)."""
+    cxx = shutil.which("g++")
+    assert cxx, "g++ is required to run the CUDA source on the CPU (apt-get install g++)"
+    out = Path(out_dir) / "lltm_fused_host.so"
+    includes = ([f"-I{source_dir}"] if source_dir else []) + [
+        f"-I{_kernels.source_path().parent}", f"-I{SHIM}"]
+    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
+           *includes, str(SHIM / "harness_fused.cpp"), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, f"host build failed: {' '.join(cmd)}\n{proc.stderr}"
+    lib = ctypes.CDLL(str(out))
+    lib.lltm_host_last_error.restype = ctypes.c_char_p
+    lib.lltm_host_barriers.restype = ctypes.c_longlong
+    return lib
+
+
+def set_schedule(lib, name: str, seed: int = 1) -> None:
+    lib.lltm_host_set_schedule(ctypes.c_int(SCHEDULES[name]), ctypes.c_ulonglong(seed))
+
+
+# argument kinds of the two kernels, in order ("array": of the kernel's dtype; "index": int64)
+_FWD = ["array", "int64"] + ["array"] * 8 + ["index"] + ["int32"] * 5
+_FWD_OUTPUTS = (3, 6, 7, 8, 9)
+_BWD = ["array", "int64"] + ["array"] * 8 + ["index"] + ["int32"] * 8
+_BWD_OUTPUTS = (7, 8, 9)
+
+
+def host_get_fused_kernels(lib, limit: int):
+    """A replacement for lltm_cupy._kernels.get_fused_kernels launching the host build; a launch
+    asking for more than ``limit`` bytes of shared memory fails as on a device with that limit."""
+    from helpers import emulated_cupy as emu
+
+    def convert(args, dtype, kinds, outputs):
+        assert len(args) == len(kinds), f"kernel takes {len(kinds)} arguments, got {len(args)}"
+        arrays = [a for a in args if isinstance(a, np.ndarray)]
+        for i in outputs:
+            for other in arrays:
+                assert other is args[i] or not np.shares_memory(args[i], other), \
+                    f"kernel output argument {i} overlaps another argument (restrict pointers)"
+        converted = []
+        for a, kind in zip(args, kinds):
+            if kind in ("array", "index"):
+                want = dtype if kind == "array" else np.dtype(np.int64)
+                assert isinstance(a, emu.ndarray) and a.dtype == want, \
+                    f"kernel array argument of dtype {getattr(a, 'dtype', type(a))}, expected {want}"
+                converted.append(ptr(a))
+            elif kind == "int32":
+                assert type(a) is np.int32, f"expected numpy.int32, got {type(a).__name__}"
+                converted.append(ctypes.c_int(int(a)))
+            else:
+                assert type(a) is np.int64, f"expected numpy.int64, got {type(a).__name__}"
+                converted.append(ctypes.c_longlong(int(a)))
+        return converted
+
+    def kernel(fn, name, kinds, outputs, dtype):
+        def launch(grid, block, args, shared_mem=0):
+            assert grid[0] > 0 and block[0] > 0, "a launch with an empty grid is an error"
+            assert block[0] <= 1024, "more than 1024 threads per block"
+            assert 0 <= shared_mem <= limit, f"{shared_mem} bytes of shared memory > {limit}"
+            emu._state.log.append(f"kernel:{name}")
+            fn(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), ctypes.c_ulonglong(shared_mem),
+               *convert(args, dtype, kinds, outputs))
+            error = lib.lltm_host_last_error()
+            assert error is None, f"{name}: {error.decode()}"
+        return launch
+
+    def get_fused_kernels(dtype):
+        dtype = np.dtype(dtype)
+        emu._state.compile("lltm_fused.cu", dtype.str)
+        suffix = SUFFIX[dtype]
+        return _kernels.FusedKernels(
+            kernel(getattr(lib, f"lltm_seq_fwd_{suffix}"), "seq_fwd", _FWD, _FWD_OUTPUTS, dtype),
+            kernel(getattr(lib, f"lltm_seq_bwd_{suffix}"), "seq_bwd", _BWD, _BWD_OUTPUTS, dtype))
+
+    return get_fused_kernels

@@ -1,0 +1,44 @@
+// C entry points that launch the fused sequence kernels of cuda_src/lltm_fused.cu on the CPU
+// with real block semantics (shim_launch_block of shim.h). Built by tests/helpers/host_fused.py
+// with: g++ -O2 -std=c++17 -shared -fPIC -I<cuda_src> -I<this folder> harness_fused.cpp
+#include "shim.h"
+#include "lltm.cu"
+#include "lltm_fused.cu"
+
+#define LLTM_FUSED_ENTRY_POINTS(T, SUFFIX)                                                     \
+  extern "C" void lltm_seq_fwd_##SUFFIX(                                                       \
+      unsigned grid, unsigned block, unsigned long long shared, const T* w, long long w_stride,\
+      const T* bias, T* gates, const T* h0, const T* c0, T* out, T* cells, T* h_last,          \
+      T* c_last, const long long* offsets, int packed, int steps, int batch, int state,        \
+      int tile) {                                                                              \
+    shim_launch_block(grid, block, shared, [&] {                                               \
+      lltm_seq_fwd_kernel<T>(w, w_stride, bias, gates, h0, c0, out, cells, h_last, c_last,     \
+                             offsets, packed, steps, batch, state, tile);                     \
+    });                                                                                        \
+  }                                                                                            \
+  extern "C" void lltm_seq_bwd_##SUFFIX(                                                       \
+      unsigned grid, unsigned block, unsigned long long shared, const T* w, long long w_stride,\
+      const T* gates, const T* cells, const T* grad_out, const T* grad_h_n,                    \
+      const T* grad_c_n, T* d_gates, T* d_h0, T* d_c0, const long long* offsets, int packed,   \
+      int has_grad_out, int has_grad_h_n, int has_grad_c_n, int steps, int batch, int state,   \
+      int tile) {                                                                              \
+    shim_launch_block(grid, block, shared, [&] {                                               \
+      lltm_seq_bwd_kernel<T>(w, w_stride, gates, cells, grad_out, grad_h_n, grad_c_n, d_gates, \
+                             d_h0, d_c0, offsets, packed, has_grad_out, has_grad_h_n,          \
+                             has_grad_c_n, steps, batch, state, tile);                        \
+    });                                                                                        \
+  }
+
+LLTM_FUSED_ENTRY_POINTS(double, f64)
+LLTM_FUSED_ENTRY_POINTS(float, f32)
+LLTM_FUSED_ENTRY_POINTS(lltm_half, f16)
+LLTM_FUSED_ENTRY_POINTS(lltm_bf16, bf16)
+
+// The shim's scheduling order (0 ascending, 1 descending, 2 random with the seed), the error of
+// the last launch (NULL if none) and the barriers it passed.
+extern "C" void lltm_host_set_schedule(int order, unsigned long long seed) {
+  shim_schedule = order;
+  shim_seed = seed;
+}
+extern "C" const char* lltm_host_last_error(void) { return shim_error; }
+extern "C" long long lltm_host_barriers(void) { return shim_barriers; }

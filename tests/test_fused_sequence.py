@@ -1,0 +1,389 @@
+"""The fused whole-sequence kernels (cuda_src/lltm_fused.cu, lltm_cupy/_cupy_fused.py), without a
+GPU: the CUDA source built as host C++ with real block semantics (tests/host_shim/shim.h:
+a context per thread, __syncthreads() a barrier, per-block shared memory) and launched from the
+GPU backend on the emulated CuPy; against the stepped path and the float64 reference, forward
+and every gradient. Also: a missing __syncthreads() is caught, NVRTC compiles the kernels for
+every architecture and dtype, ptxas reports no spill, and the shared-memory bound per
+architecture. The last test runs the fused path on a real GPU where there is one.
+
+Runs everywhere (g++, the NVRTC wheel and nvcc, no GPU); only the GPU test may skip.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from lltm_cupy import _cupy_fused, _kernels, _packing
+from conftest import TOLERANCE, gpu_unavailable_reason, max_error, to_numpy
+from helpers import host_fused
+from test_lengths import _reference
+
+ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed (pip install .[test])")
+
+BF16 = _kernels.BFLOAT16
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32),
+          "float64": np.dtype(np.float64)}
+#: the emulated device's opt-in shared memory per block: an H100/H200's (sm_90)
+LIMIT = _cupy_fused.ARCH_SHARED_MEMORY[90]
+#: fused vs stepped (they differ in the order of the recurrent product's sums, then in what the
+#: roundings of a 16-bit type make of that), per dtype
+AGREE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2,
+         BF16: 2e-2}
+OUT = ("outputs", "h_n", "c_n", "d_inputs", "d_weights", "d_bias", "d_h0", "d_c0")
+
+
+@pytest.fixture(scope="session")
+def fused_lib(tmp_path_factory):
+    return host_fused.build(tmp_path_factory.mktemp("fused_host"))
+
+
+@pytest.fixture
+def fused_cupy(emulated_cupy, monkeypatch, fused_lib):
+    """The emulated CuPy with the fused kernels' host build, on a device of LIMIT bytes of shared
+    memory per block and one SM (``monkeypatch`` _kernels._sm_count for more)."""
+    monkeypatch.setattr(_kernels, "get_fused_kernels",
+                        host_fused.host_get_fused_kernels(fused_lib, LIMIT))
+    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
+    host_fused.set_schedule(fused_lib, "ascending")
+    yield emulated_cupy
+    host_fused.set_schedule(fused_lib, "ascending")
+
+
+def to_bits(a):
+    return np.ascontiguousarray(np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+                                .view(np.uint16))
+
+
+def values(a):
+    """float64 values of an array of the backend (bfloat16 as its bits)."""
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        return a.view(ml_dtypes.bfloat16).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def make(T, B, F, S, dtype, seed):
+    """(storage arrays for the backend, the same values in float64)."""
+    rng = np.random.default_rng(seed)
+    k = S + F
+    case = dict(inputs=rng.standard_normal((T, B, F)),
+                weights=rng.uniform(-1, 1, (3 * S, k)) / np.sqrt(k),
+                bias=rng.uniform(-1, 1, 3 * S), h0=rng.uniform(-1, 1, (B, S)),
+                c0=rng.standard_normal((B, S)), grad_outputs=rng.standard_normal((T, B, S)),
+                grad_h_n=rng.standard_normal((B, S)), grad_c_n=rng.standard_normal((B, S)))
+    stored = {n: to_bits(v) if dtype == BF16 else v.astype(dtype) for n, v in case.items()}
+    return stored, {n: values(v) for n, v in stored.items()}
+
+
+def run(xp, stored, lengths, reverse, fused, grads=("grad_outputs", "grad_h_n", "grad_c_n")):
+    """The GPU backend's forward_sequence and backward_sequence: the 8 results as NumPy arrays."""
+    from lltm_cupy import _cupy
+
+    T, B = stored["inputs"].shape[:2]
+    plan = (None if lengths is None and not reverse else _packing.plan(
+        np.full(B, T, np.int64) if lengths is None else np.asarray(lengths, np.int64), T,
+        reverse))
+    a = {k: xp.asarray(v) for k, v in stored.items()}
+    outputs, h_n, c_n, saved = _cupy.forward_sequence(
+        *(a[n] for n in ("inputs", "weights", "bias", "h0", "c0")), plan=plan, fused=fused)
+    assert saved.fused == fused
+    g = _cupy.backward_sequence(*(a[n] if n else None for n in grads), saved)
+    return [to_numpy(v) for v in (outputs, h_n, c_n, *g)]
+
+
+def compare(fused, stepped, want, dtype, label):
+    """fused equals stepped within AGREE, and is as close to the float64 reference as stepped is
+    (within the dtype's tolerance, 10x for the sequences' accumulation in float32 / float64)."""
+    for name, f, s, w in zip(OUT, fused, stepped, want):
+        assert f.shape == w.shape and f.dtype == s.dtype, f"{label} {name}: shape/dtype"
+        assert not np.isnan(values(f)).any(), f"{label} {name}: NaN"
+        err = max_error(values(f), values(s))
+        assert err <= AGREE[dtype], f"{label} {name}: fused vs stepped {err:.2e}"
+        ref_f, ref_s = max_error(values(f), w), max_error(values(s), w)
+        bound = (10 * TOLERANCE[dtype] if dtype in (np.float32, np.float64)
+                 else 2 * ref_s + AGREE[dtype] / 4)
+        assert ref_f <= bound, f"{label} {name}: fused vs reference {ref_f:.2e} > {bound:.1e}" \
+                               f" (stepped: {ref_s:.2e})"
+
+
+LENGTHS = {"full": None, "zeros and ties": [3, 0, 5, 1, 5, 0, 2], "all zero": [0] * 7}
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_fused_equals_stepped_and_reference(fused_cupy, monkeypatch, dtype, lengths, reverse):
+    """7 rows over 3 "SMs": tiles of 3 rows, the last block with 1 (a tile that does not divide
+    the batch); lengths with zeros, both directions, all dtypes."""
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 3)
+    stored, case = make(5, 7, 4, 6, dtype, seed=3 + reverse)
+    fused = run(fused_cupy, stored, lengths, reverse, True)
+    stepped = run(fused_cupy, stored, lengths, reverse, False)
+    full = [5] * 7 if lengths is None else lengths
+    want = _reference(case, full, reverse, (case["grad_outputs"], case["grad_h_n"],
+                                            case["grad_c_n"]))
+    compare(fused, stepped, want, dtype, f"{np.dtype(dtype)}")
+
+
+def _bound_sizes():
+    return [pytest.param(dtype, state, id=f"{name}-S{state}") for name, dtype in DTYPES.items()
+            for top in [_cupy_fused.max_state(LIMIT, dtype)] for state in (top - 1, top)]
+
+
+@pytest.mark.parametrize("dtype,state", _bound_sizes())
+def test_fused_at_the_shared_memory_bound(fused_cupy, dtype, state):
+    """The largest state sizes the bound accepts on sm_90 (one-row tiles, full shared memory)."""
+    stored, case = make(3, 2, 3, state, dtype, seed=state)
+    emu = fused_cupy.emulator
+    emu.reset()
+    fused = run(fused_cupy, stored, None, False, True)
+    assert emu.log.count("kernel:seq_fwd") == 1 and emu.log.count("kernel:seq_bwd") == 1
+    stepped = run(fused_cupy, stored, None, False, False)
+    want = _reference(case, [3, 3], False, (case["grad_outputs"], case["grad_h_n"],
+                                            case["grad_c_n"]))
+    compare(fused, stepped, want, dtype, f"S={state}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_above_the_bound_runs_the_stepped_path(fused_cupy, dtype):
+    from lltm_cupy import _cupy
+
+    state = _cupy_fused.max_state(LIMIT, dtype) + 1
+    stored, _ = make(2, 1, 2, state, dtype, seed=1)
+    emu = fused_cupy.emulator
+    a = {k: fused_cupy.asarray(v) for k, v in stored.items()}
+    emu.reset()
+    *_, saved = _cupy.forward_sequence(*(a[n] for n in ("inputs", "weights", "bias", "h0", "c0")),
+                                       fused=True)
+    assert not saved.fused and "kernel:seq_fwd" not in emu.log
+    assert emu.log.count("kernel:fwd") == 2
+
+
+@pytest.mark.parametrize("grads", [("grad_outputs", None, None), (None, "grad_h_n", None),
+                                   (None, None, "grad_c_n"), (None, None, None)],
+                         ids=["outputs", "h_n", "c_n", "none"])
+@pytest.mark.parametrize("lengths", [None, [2, 0, 4]], ids=["full", "ragged"])
+def test_fused_with_missing_gradients(fused_cupy, grads, lengths):
+    stored, _ = make(4, 3, 2, 5, np.dtype(np.float64), seed=9)
+    fused = run(fused_cupy, stored, lengths, False, True, grads)
+    stepped = run(fused_cupy, stored, lengths, False, False, grads)
+    for name, f, s in zip(OUT, fused, stepped):
+        assert max_error(f, s) <= 1e-13, name
+
+
+def test_fused_results_do_not_depend_on_the_thread_order(fused_cupy, fused_lib, monkeypatch):
+    """A kernel free of data races gives bit-identical results whatever order the threads of a
+    block run in between barriers; the shim runs them ascending, descending and shuffled."""
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 2)
+    stored, _ = make(6, 5, 3, 9, np.dtype(np.float32), seed=5)
+    results = {}
+    for order in host_fused.SCHEDULES:
+        host_fused.set_schedule(fused_lib, order, seed=7)
+        results[order] = run(fused_cupy, stored, [6, 2, 0, 6, 3], True, True)
+    for order, got in results.items():
+        for name, a, b in zip(OUT, got, results["ascending"]):
+            assert np.array_equal(a, b), f"{name} differs between ascending and {order} order"
+
+
+@pytest.mark.parametrize("steps", [1, 4, 9])
+def test_launches_per_sequence_do_not_depend_on_the_length(fused_cupy, steps):
+    """One fused kernel per call each way plus the batched GEMMs: nothing per step."""
+    emu = fused_cupy.emulator
+    stored, _ = make(steps, 3, 2, 4, np.dtype(np.float32), seed=steps)
+    a = {k: fused_cupy.asarray(v) for k, v in stored.items()}
+    from lltm_cupy import _cupy
+
+    emu.reset()
+    *_, saved = _cupy.forward_sequence(*(a[n] for n in ("inputs", "weights", "bias", "h0", "c0")),
+                                       fused=True)
+    forward = [e for e in emu.log if e.startswith(("kernel", "gemm"))]
+    assert forward == ["gemm", "kernel:seq_fwd"]
+    emu.reset()
+    _cupy.backward_sequence(a["grad_outputs"], a["grad_h_n"], a["grad_c_n"], saved)
+    backward = [e for e in emu.log if e.startswith(("kernel", "gemm"))]
+    assert backward == ["kernel:seq_bwd", "gemm", "gemm", "gemm"]   # d_W (2 halves), d_inputs
+    assert emu.log.count("reduce") == 1                               # d_bias
+
+
+def test_public_api_selects_the_fused_path(fused_cupy):
+    import lltm_cupy
+
+    stored, _ = make(3, 2, 2, 4, np.dtype(np.float32), seed=2)
+    a = {k: fused_cupy.asarray(v) for k, v in stored.items()}
+    args = [a[n] for n in ("inputs", "weights", "bias", "h0", "c0")]
+    assert not lltm_cupy.forward_sequence(*args)[3].fused, "the default stays the stepped path"
+    for kw in ({}, {"lengths": [3, 1]}, {"reverse": True}):
+        *_, saved = lltm_cupy.forward_sequence(*args, fused=True, **kw)
+        assert saved.fused
+        lltm_cupy.backward_sequence(a["grad_outputs"], None, None, saved)
+    # the CPU backend has one path and ignores the flag
+    host = [np.asarray(x) for x in args]
+    out_f = lltm_cupy.forward_sequence(*host, fused=True)[0]
+    np.testing.assert_array_equal(out_f, lltm_cupy.forward_sequence(*host)[0])
+
+
+# ------------------------------------------------------------------------ a missing barrier
+
+def _barriers(text: str) -> list:
+    return [m.start() for m in re.finditer(r"__syncthreads\(\);", text)]
+
+
+_FUSED_TEXT = _kernels.source_path(_kernels.FUSED_SOURCE_NAME).read_text()
+
+
+@pytest.mark.parametrize("which", range(len(_barriers(_FUSED_TEXT))))
+def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatch):
+    """Each __syncthreads() of lltm_fused.cu deleted in turn (a mutation of the source): the host
+    run with block semantics gives wrong numbers (or reports a divergent barrier)."""
+    at = _barriers(_FUSED_TEXT)[which]
+    (tmp_path / _kernels.FUSED_SOURCE_NAME).write_text(
+        _FUSED_TEXT[:at] + _FUSED_TEXT[at + len("__syncthreads();"):])
+    lib = host_fused.build(tmp_path, source_dir=tmp_path)
+    monkeypatch.setattr(_kernels, "get_fused_kernels", host_fused.host_get_fused_kernels(lib, LIMIT))
+    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
+    stored, case = make(4, 3, 3, 8, np.dtype(np.float64), seed=1)
+    want = _reference(case, [4, 4, 4], False, (case["grad_outputs"], case["grad_h_n"],
+                                               case["grad_c_n"]))
+    try:
+        got = run(emulated_cupy, stored, None, False, True)
+    except AssertionError as exc:       # the shim's divergence report
+        assert "__syncthreads" in str(exc)
+        return
+    errors = {name: max_error(g, w) for name, g, w in zip(OUT, got, want)}
+    assert max(e if np.isfinite(e) else np.inf for e in errors.values()) > 1e-6, \
+        f"barrier {which} deleted, yet every result matches the reference: {errors}"
+
+
+def test_unmutated_source_passes_the_mutation_check(emulated_cupy, fused_lib, monkeypatch):
+    """The control of the test above: the same run with every barrier in place is exact."""
+    monkeypatch.setattr(_kernels, "get_fused_kernels",
+                        host_fused.host_get_fused_kernels(fused_lib, LIMIT))
+    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
+    stored, case = make(4, 3, 3, 8, np.dtype(np.float64), seed=1)
+    want = _reference(case, [4, 4, 4], False, (case["grad_outputs"], case["grad_h_n"],
+                                               case["grad_c_n"]))
+    got = run(emulated_cupy, stored, None, False, True)
+    for name, g, w in zip(OUT, got, want):
+        assert max_error(g, w) <= 1e-12, name
+
+
+def test_a_divergent_barrier_is_reported(tmp_path, emulated_cupy, monkeypatch):
+    """A __syncthreads() that only some threads reach stops the host launch with an error."""
+    text = _FUSED_TEXT.replace("      if (r >= active) {             // finished:",
+                               "      if (r >= active) { __syncthreads();  //", 1)
+    assert text != _FUSED_TEXT
+    (tmp_path / _kernels.FUSED_SOURCE_NAME).write_text(text)
+    lib = host_fused.build(tmp_path, source_dir=tmp_path)
+    monkeypatch.setattr(_kernels, "get_fused_kernels", host_fused.host_get_fused_kernels(lib, LIMIT))
+    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
+    stored, _ = make(3, 2, 2, 4, np.dtype(np.float64), seed=1)
+    with pytest.raises(AssertionError, match="divergent __syncthreads"):
+        run(emulated_cupy, stored, [3, 1], False, True)
+
+
+# -------------------------------------------------------------- compilers and the bound
+
+ARCHS = (80, 90, 100)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_nvrtc_compiles_the_fused_kernels(dtype, arch):
+    cubin = _kernels.compile_offline_fused(dtype, arch, output="cubin")
+    assert cubin[:4] == b"\x7fELF", "NVRTC did not return an ELF cubin"
+
+
+def test_shared_memory_bound_table():
+    """The bound documented in lltm_cupy/_cupy_fused.py and the public docstring."""
+    table = {arch: tuple(_cupy_fused.max_state(limit, d) for d in DTYPES.values())
+             for arch, limit in _cupy_fused.ARCH_SHARED_MEMORY.items()}
+    assert table == {80: (165, 165, 117, 82), 90: (195, 195, 138, 97), 100: (195, 195, 138, 97)}
+    doc = _cupy_fused.__doc__
+    for arch, (half, _, single, double) in table.items():
+        assert re.search(rf"sm_{arch} .*\s{half}\s+{single}\s+{double}\n", doc), arch
+
+
+def _ptxas_report(arch: int) -> dict:
+    """ptxas -v of every fused kernel for sm_<arch> (nvcc 13.0's, on the same source text as
+    NVRTC's): {mangled name: (registers, spill stores, spill loads, static shared bytes)}."""
+    nvcc = shutil.which("nvcc")
+    assert nvcc, "nvcc (CUDA toolkit) is required for the ptxas check"
+    return _run_ptxas(nvcc, arch)
+
+
+def _run_ptxas(nvcc, arch):
+    import tempfile
+    from pathlib import Path
+
+    keep = ", ".join(f"(void*)&{_kernels.fused_name_expression(k, d)}"
+                     for d in DTYPES.values() for k in _kernels.FUSED_KERNEL_NAMES)
+    with tempfile.TemporaryDirectory() as folder:
+        src = Path(folder) / "fused.cu"
+        src.write_text(_kernels.fused_source() + f"\nvoid* lltm_instances[] = {{{keep}}};\n")
+        proc = subprocess.run([nvcc, "--cubin", f"-arch=sm_{arch}", "-Xptxas", "-v",
+                               "-ftz=true", "-std=c++17", str(src), "-o",
+                               str(Path(folder) / "fused.cubin")],
+                              capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report, name = {}, None
+    for line in proc.stderr.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            name = m.group(1)
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and name:
+            report.setdefault(name, {})["spills"] = (int(m.group(1)), int(m.group(2)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name:
+            smem = re.search(r"(\d+) bytes smem", line)
+            report[name]["registers"] = int(m.group(1))
+            report[name]["smem"] = int(smem.group(1)) if smem else 0
+    return report
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ptxas_reports_no_spill_and_shared_memory_within_the_limit(arch):
+    report = _ptxas_report(arch)
+    assert len(report) == len(DTYPES) * len(_kernels.FUSED_KERNEL_NAMES), sorted(report)
+    limit = _cupy_fused.ARCH_SHARED_MEMORY[arch]
+    for name, r in report.items():
+        assert r["spills"] == (0, 0), f"sm_{arch} {name}: spills {r['spills']}"
+        assert r["registers"] * _cupy_fused.THREADS <= 65536, f"sm_{arch} {name}: registers"
+        backward = "bwd" in name
+        for dtype in DTYPES.values():
+            # every size the selection accepts, with the largest tile it would choose
+            top = _cupy_fused.max_state(limit, dtype)
+            per_row = (_cupy_fused.shared_bytes(top, dtype, 1, backward)
+                       - _cupy_fused.shared_bytes(top, dtype, 0, backward))
+            worst = max(_cupy_fused.shared_bytes(s, dtype, 1, backward) for s in range(1, top + 1))
+            assert r["smem"] + worst <= limit and per_row > 0, f"sm_{arch} {name} {dtype}"
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+_GPU_REASON = gpu_unavailable_reason()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_GPU_REASON is not None, reason=f"GPU test: {_GPU_REASON}")
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("lengths", [None, [7, 0, 3, 7, 1]], ids=["full", "ragged"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("state", [5, 128])
+def test_gpu_fused_equals_the_stepped_path(dtype, lengths, reverse, state):
+    """The fused kernels on a real GPU (NVRTC, dynamic shared memory above 48 KB at S = 128)
+    against the stepped path and the float64 reference, forward and every gradient."""
+    import cupy
+
+    dtype = DTYPES[dtype]
+    stored, case = make(7, 5, 6, state, dtype, seed=state)
+    fused = run(cupy, stored, lengths, reverse, True)
+    stepped = run(cupy, stored, lengths, reverse, False)
+    full = [7] * 5 if lengths is None else lengths
+    want = _reference(case, full, reverse, (case["grad_outputs"], case["grad_h_n"],
+                                            case["grad_c_n"]))
+    compare(fused, stepped, want, dtype, "gpu")
