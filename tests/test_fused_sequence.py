@@ -226,6 +226,28 @@ def test_public_api_selects_the_fused_path(fused_cupy):
     np.testing.assert_array_equal(out_f, lltm_cupy.forward_sequence(*host)[0])
 
 
+@pytest.mark.parametrize("lengths", [None, [9, 0, 4]], ids=["full", "ragged"])
+def test_forward_only_runs_blocks_of_steps_with_the_same_bits(fused_cupy, monkeypatch, lengths):
+    """return_saved=False: the fused forward in blocks of steps (one GEMM and one launch each,
+    the final state of one block the initial state of the next) gives the bits of the one
+    launch that keeps everything."""
+    import lltm_cupy
+    from lltm_cupy import _cupy
+
+    monkeypatch.setattr(_cupy, "_BLOCK_ROWS", 6)        # 2 steps of 3 rows per block
+    emu = fused_cupy.emulator
+    stored, _ = make(9, 3, 2, 5, np.dtype(np.float32), seed=4)
+    a = {k: fused_cupy.asarray(v) for k, v in stored.items()}
+    args = [a[n] for n in ("inputs", "weights", "bias", "h0", "c0")]
+    kept = lltm_cupy.forward_sequence(*args, lengths=lengths, fused=True)
+    emu.reset()
+    only = lltm_cupy.forward_sequence(*args, lengths=lengths, fused=True, return_saved=False)
+    assert only[3] is None
+    assert emu.log.count("kernel:seq_fwd") == 5 and emu.log.count("gemm") == 5   # 9 steps / 2
+    for name, x, y in zip(OUT, only[:3], kept[:3]):
+        assert np.array_equal(np.asarray(x), np.asarray(y)), name
+
+
 # ------------------------------------------------------------------------ a missing barrier
 
 def _barriers(text: str) -> list:
