@@ -17,10 +17,12 @@ imports neither CuPy nor torch and compiles nothing.
 """
 from __future__ import annotations
 
+import reprlib
+
 import numpy as np
 
 from ._aliasing import private_cell, private_sequence
-from ._checks import (check_backward, check_backward_sequence, check_forward,
+from ._checks import (check_backward, check_backward_sequence, check_flag, check_forward,
                       check_forward_sequence)
 from ._parameters import init_parameters
 from ._types import (LLTMCellGrads, LLTMCellSaved, LLTMGrads, LLTMLayersGrads, LLTMLayersSaved,
@@ -42,7 +44,8 @@ def _backend(name: str):
 
 
 def _needed(needed) -> tuple:
-    """``needed``: None, or any iterable of 5 booleans (list, tuple, generator, array)."""
+    """``needed``: None, or any iterable of exactly 5 booleans (``bool`` or ``numpy.bool_``: a
+    list, tuple, generator or boolean array); TypeError for anything else."""
     if needed is None:
         return (True,) * 5
     try:
@@ -50,9 +53,9 @@ def _needed(needed) -> tuple:
     except TypeError:
         raise TypeError(f"lltm_cupy: needed must be an iterable of 5 booleans (one per gradient "
                         f"field), got {type(needed).__qualname__}") from None
-    if len(values) != 5:
-        raise ValueError(f"lltm_cupy: needed must hold 5 booleans (one per gradient field), "
-                         f"got {len(values)}")
+    if len(values) != 5 or not all(isinstance(v, (bool, np.bool_)) for v in values):
+        raise TypeError(f"lltm_cupy: needed must hold 5 booleans (one per gradient field), "
+                        f"got {len(values)} values: {reprlib.repr(values)}")
     return tuple(map(bool, values))
 
 
@@ -152,6 +155,7 @@ def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False,
     """
     keep = _flag("return_saved", return_saved)
     backend = check_forward_sequence(inputs, weights, bias, h0, c0)
+    reverse = check_flag("lltm_cupy.forward_sequence", "reverse", reverse)
     outputs, h_n, c_n, saved = _forward_sequence(backend, inputs, weights, bias, h0, c0,
                                                  sequence_plan(inputs, lengths, reverse), keep,
                                                  _flag("fused", fused))

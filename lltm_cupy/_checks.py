@@ -13,7 +13,7 @@ from ._types import LLTMSaved, LLTMSequenceSaved
 __all__ = ["array_backend", "check_shapes", "check_forward", "check_backward",
            "check_sequence_shapes", "check_forward_sequence", "check_backward_sequence",
            "check_forward_layers", "check_backward_layers", "check_cell_forward",
-           "check_cell_backward"]
+           "check_cell_backward", "check_flag"]
 
 _FORWARD_NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 _FLOATS = {
@@ -31,6 +31,15 @@ def _kind(x) -> str | None:
     if isinstance(x, np.ndarray):
         return "numpy"
     return None
+
+
+def check_flag(where: str, name: str, value) -> bool:
+    """A yes/no argument: a bool (or NumPy's bool); TypeError naming it for anything else, where
+    ``bool(value)`` would quietly read "no" or 0 as a choice."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__qualname__} "
+                        f"{value!r}")
+    return bool(value)
 
 
 def _refuse_subclass(name: str, x) -> None:

@@ -183,7 +183,7 @@ def test_needed_skips_fields_and_keeps_the_others(xp):
                 assert a is None, name
             else:
                 np.testing.assert_array_equal(to_numpy(a), to_numpy(b), err_msg=name)
-    with pytest.raises(ValueError, match="needed must hold 5 booleans"):
+    with pytest.raises(TypeError, match="needed must hold 5 booleans"):
         lltm_cupy.backward(None, None, saved, needed=(True,))
 
 

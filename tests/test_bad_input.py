@@ -92,7 +92,9 @@ def test_array_api_forward_sequence(label, override, error, words):
 NEEDED_CASES = [
     ("a generator of 5", (v for v in (True, False, True, True, False)), None, None),
     ("a NumPy array of 5", np.array([1, 0, 1, 1, 0], bool), None, None),
-    ("4 values", (True,) * 4, ValueError, "needed must hold 5 booleans"),
+    ("4 values", (True,) * 4, TypeError, "needed must hold 5 booleans"),
+    ("5 characters", "abcde", TypeError, "needed must hold 5 booleans"),
+    ("5 integers", (2, 0, 0, 0, 0), TypeError, "needed must hold 5 booleans"),
     ("an int", 5, TypeError, "needed must be an iterable of 5 booleans"),
 ]
 

@@ -241,7 +241,7 @@ def test_cell_without_bias_and_factory_kwargs():
     ref.load_state_dict(cell.state_dict())
     x = torch.randn(2, 3, dtype=torch.float64)
     torch.testing.assert_close(cell(x), ref(x))
-    with pytest.raises(ValueError, match="state_size >= 1"):
+    with pytest.raises(ValueError, match="hidden_size must be >= 1"):
         lt.LLTMCell(3, 0)
 
 

@@ -59,9 +59,10 @@ def check(tensors, names=NAMES, check_shapes=check_shapes) -> None:
         listing = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
         raise ValueError(f"lltm_cupy.torch: all tensors must be on one device, got {listing}")
     device = tensors[0].device
-    if device.type not in DTYPES:
+    if device.type not in DTYPES and device.type != "meta":
         raise ValueError(f"lltm_cupy.torch: tensors on {device} are not supported (CPU or CUDA only)")
-    kind = "cuda" if uses_cupy(device) else "cpu"
+    # meta: shape inference only (the custom operators' fake implementations), any CUDA dtype
+    kind = "cuda" if uses_cupy(device) or device.type == "meta" else "cpu"
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
         listing = ", ".join(f"{n}={t.dtype}" for n, t in zip(names, tensors))

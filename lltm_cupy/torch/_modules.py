@@ -4,37 +4,61 @@ both directions, dropout between layers, packed variable-length input)."""
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from ._ops import lltm, lltm_packed, lltm_sequence
+from ._ops import eager_only, lltm, lltm_packed, lltm_sequence
 
 __all__ = ["LLTMCell", "LLTM"]
 
 
-def _rename_hook(renames: dict):
-    """A load_state_dict pre-hook that renames keys (old name -> new name) under the prefix."""
-    def hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-             error_msgs):
-        for old, new in renames.items():
-            if prefix + old in state_dict and prefix + new not in state_dict:
-                state_dict[prefix + new] = state_dict.pop(prefix + old)
-    return hook
+def _rename_old_keys(state_dict, prefix: str, renames: dict) -> None:
+    """Rename keys of an older layout (old name -> new name) under ``prefix``, in place, before
+    ``load_state_dict`` reads them. Called from the modules' ``_load_from_state_dict`` (a method,
+    not a registered hook: a closure hook in the instance would make the module unpicklable)."""
+    for old, new in renames.items():
+        if prefix + old in state_dict and prefix + new not in state_dict:
+            state_dict[prefix + new] = state_dict.pop(prefix + old)
 
 
-def _sizes(name, input_size, hidden_size, input_features, state_size):
+def _check_int(module: str, name: str, value, minimum: int) -> int:
+    """A size argument: an int (not a bool, float or NumPy integer: TypeError, as nn.LSTM) of
+    at least ``minimum`` (ValueError)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{module}: {name} should be of type int, got: {type(value).__name__} "
+                        f"{value!r}")
+    if value < minimum:
+        raise ValueError(f"{module}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_bool(module: str, name: str, value) -> bool:
+    """A flag: a bool (TypeError otherwise, as nn.LSTM's bias and batch_first)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{module}: {name} should be of type bool, got: {type(value).__name__} "
+                        f"{value!r}")
+    return value
+
+
+def _sizes(name, input_size, hidden_size, input_features, state_size, min_input: int = 1):
     """nn.LSTM's names, or the tutorial's (``input_features``, ``state_size``)."""
     input_size = input_features if input_size is None else input_size
     hidden_size = state_size if hidden_size is None else hidden_size
     if input_size is None or hidden_size is None:
         raise TypeError(f"{name}: input_size and hidden_size are required")
-    if input_size < 0 or hidden_size < 1:
-        raise ValueError(f"{name}: need input_size >= 0 and hidden_size >= 1 (state_size >= 1), "
-                         f"got {input_size} and {hidden_size}")
-    return int(input_size), int(hidden_size)
+    return (_check_int(name, "input_size", input_size, min_input),
+            _check_int(name, "hidden_size", hidden_size, 1))
+
+
+def _refuse_torchscript(module):
+    raise RuntimeError(f"{type(module).__name__} does not support TorchScript (torch.jit.script): "
+                       f"its forward runs NumPy or CuPy code, which TorchScript cannot compile. "
+                       f"Run the model eagerly or with torch.compile (padded input without "
+                       f"graph breaks)")
 
 
 class _CellBase(nn.Module):
@@ -44,8 +68,10 @@ class _CellBase(nn.Module):
                  bias: bool = True, device=None, dtype=None, *, input_features=None,
                  state_size=None):
         super().__init__()
-        input_size, hidden_size = _sizes(type(self).__name__, input_size, hidden_size,
-                                         input_features, state_size)
+        name = type(self).__name__
+        input_size, hidden_size = _sizes(name, input_size, hidden_size, input_features,
+                                         state_size, min_input=0)
+        bias = _check_bool(name, "bias", bias)
         factory = {"device": device, "dtype": dtype}
         self.input_size = input_size
         self.hidden_size = hidden_size
@@ -54,10 +80,12 @@ class _CellBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(1, 3 * hidden_size, **factory))
         else:
             self.register_parameter("bias", None)
-        # a one-layer LLTM's state_dict (weights_l0, bias_l0) loads too
-        self._register_load_state_dict_pre_hook(_rename_hook({"weights_l0": "weights",
-                                                              "bias_l0": "bias"}))
         self.reset_parameters()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a one-layer LLTM's state_dict (weights_l0, bias_l0) loads too
+        _rename_old_keys(state_dict, prefix, {"weights_l0": "weights", "bias_l0": "bias"})
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def input_features(self) -> int:
@@ -73,6 +101,8 @@ class _CellBase(nn.Module):
         stdv = 1.0 / math.sqrt(self.hidden_size)
         for weight in self.parameters():
             weight.data.uniform_(-stdv, stdv)
+
+    __prepare_scriptable__ = _refuse_torchscript   # torch.jit.script calls it first
 
     def _check_input(self, input, dims: str) -> None:
         """input: a tensor of ``len(dims)`` dimensions whose last is input_size."""
@@ -119,6 +149,34 @@ def _check_input(name, input, dims, features) -> None:
     if input.shape[-1] != features:
         raise ValueError(f"{name}: input has {input.shape[-1]} features, the module expects "
                          f"{features} (input_size)")
+    if not input.is_floating_point():
+        raise TypeError(f"{name}: input must be a floating-point tensor, got {input.dtype} (as "
+                        f"for nn.LSTM, convert it: input.float(), or embed integer tokens first)")
+
+
+def _check_packed(input, features: int) -> None:
+    """A PackedSequence's parts agree: data (N, features) with N the sum of batch_sizes, a 1-D
+    non-increasing batch_sizes of positive integers, indices of batch_sizes[0] entries."""
+    _check_input("LLTM", input.data, "(rows, input_size)", features)
+    sizes = input.batch_sizes
+    if (not isinstance(sizes, Tensor) or sizes.dim() != 1 or sizes.is_floating_point()
+            or sizes.device.type != "cpu"):
+        raise ValueError(f"LLTM: the PackedSequence's batch_sizes must be a 1-D integer CPU tensor "
+                         f"(as pack_padded_sequence makes it), got {sizes!r}")
+    if len(sizes) and (sizes.min() < 1 or (sizes[1:] > sizes[:-1]).any()):
+        raise ValueError(f"LLTM: the PackedSequence's batch_sizes must be positive and "
+                         f"non-increasing, got {sizes.tolist()}")
+    rows = int(sizes.sum())
+    if input.data.shape[0] != rows:
+        raise ValueError(f"LLTM: the PackedSequence's data has {input.data.shape[0]} rows, but its "
+                         f"batch_sizes {sizes.tolist()} sum to {rows}: build it with "
+                         f"pack_padded_sequence / pack_sequence")
+    batch = int(sizes[0]) if len(sizes) else 0
+    for name in ("sorted_indices", "unsorted_indices"):
+        index = getattr(input, name)
+        if index is not None and tuple(index.shape) != (batch,):
+            raise ValueError(f"LLTM: the PackedSequence's {name} must have shape ({batch},) "
+                             f"(batch_sizes[0] sequences), got {tuple(index.shape)}")
 
 
 def _check_pair(name, state) -> None:
@@ -162,8 +220,12 @@ class LLTM(nn.Module):
     """The LLTM over whole sequences with ``nn.LSTM``'s interface.
 
     ``LLTM(input_size, hidden_size, num_layers=1, bias=True, batch_first=False, dropout=0.0,
-    bidirectional=False, device=None, dtype=None)``; the tutorial's ``input_features=`` /
-    ``state_size=`` are accepted too, and readable as attributes.
+    bidirectional=False, proj_size=0, device=None, dtype=None)``, checked as nn.LSTM checks them
+    (TypeError for a size that is not an int or a flag that is not a bool, ValueError for a
+    value out of range; proj_size must be 0); the tutorial's ``input_features=`` /
+    ``state_size=`` are accepted too, and readable as attributes. nn.LSTM's ``mode``
+    ("LLTM"), ``proj_size`` (0), ``all_weights`` and ``flatten_parameters()`` (a no-op) are
+    there for code written for nn.LSTM; whole models pickle and ``torch.save``.
 
     Parameters per layer k and direction: ``weights_l{k}`` (3 * hidden_size, hidden_size +
     in_k), ``bias_l{k}`` (1, 3 * hidden_size), and ``weights_l{k}_reverse`` / ``bias_l{k}_reverse``
@@ -190,21 +252,36 @@ class LLTM(nn.Module):
 
     def __init__(self, input_size: Optional[int] = None, hidden_size: Optional[int] = None,
                  num_layers: int = 1, bias: bool = True, batch_first: bool = False,
-                 dropout: float = 0.0, bidirectional: bool = False, device=None, dtype=None, *,
-                 input_features=None, state_size=None):
+                 dropout: float = 0.0, bidirectional: bool = False, proj_size: int = 0,
+                 device=None, dtype=None, *, input_features=None, state_size=None):
         super().__init__()
         input_size, hidden_size = _sizes("LLTM", input_size, hidden_size, input_features,
                                          state_size)
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool):
+            raise TypeError(f"LLTM: num_layers should be of type int, got: "
+                            f"{type(num_layers).__name__} {num_layers!r}")
+        if num_layers < 1:
             raise ValueError(f"LLTM: num_layers must be an integer >= 1, got {num_layers!r}")
-        if not 0 <= dropout <= 1 or isinstance(dropout, bool):
-            raise ValueError(f"LLTM: dropout must be a number in [0, 1], got {dropout!r}")
+        if (not isinstance(dropout, numbers.Real) or isinstance(dropout, bool)
+                or not 0 <= dropout <= 1):
+            raise ValueError(f"LLTM: dropout must be a number in [0, 1] (the probability of an "
+                             f"element being zeroed), got {dropout!r}")
+        for flag, value in (("bias", bias), ("batch_first", batch_first),
+                            ("bidirectional", bidirectional)):
+            _check_bool("LLTM", flag, value)
+        if not isinstance(proj_size, int) or isinstance(proj_size, bool):
+            raise TypeError(f"LLTM: proj_size should be of type int, got: "
+                            f"{type(proj_size).__name__} {proj_size!r}")
+        if proj_size != 0:
+            raise ValueError(f"LLTM: proj_size={proj_size} is not supported (nn.LSTM's output "
+                             f"projection has no LLTM counterpart); only proj_size=0")
         if dropout > 0 and num_layers == 1:
             warnings.warn(f"LLTM: dropout={dropout} applies between layers, and num_layers=1 "
                           f"has none: it does nothing (as in nn.LSTM)", UserWarning, stacklevel=2)
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
         self.batch_first, self.dropout = bool(batch_first), float(dropout)
         self.bidirectional = bool(bidirectional)
+        self.mode, self.proj_size = "LLTM", 0   # as nn.LSTM's mode ("LSTM") and proj_size
         factory = {"device": device, "dtype": dtype}
         directions = 2 if bidirectional else 1
         self._names = []
@@ -217,10 +294,14 @@ class LLTM(nn.Module):
                 self.register_parameter(b, nn.Parameter(torch.empty(1, 3 * hidden_size, **factory))
                                         if bias else None)
                 self._names.append((w, b))
-        if num_layers == 1 and not bidirectional:
-            self._register_load_state_dict_pre_hook(_rename_hook({"weights": "weights_l0",
-                                                                  "bias": "bias_l0"}))
         self.reset_parameters()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.num_layers == 1 and not self.bidirectional:
+            # a state_dict of the tutorial's module, of LLTMCell or of a one-layer LLTM with
+            # weights / bias loads too
+            _rename_old_keys(state_dict, prefix, {"weights": "weights_l0", "bias": "bias_l0"})
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     input_features = property(lambda self: self.input_size, doc="The tutorial's input_size")
     state_size = property(lambda self: self.hidden_size, doc="The tutorial's hidden_size")
@@ -230,6 +311,34 @@ class LLTM(nn.Module):
     @property
     def num_directions(self) -> int:
         return 2 if self.bidirectional else 1
+
+    @property
+    def _all_weights(self) -> list[list[str]]:
+        """nn.LSTM's: the parameter names of each layer and direction (weights, then bias)."""
+        return [[n for n in pair if getattr(self, n) is not None] for pair in self._names]
+
+    @property
+    def _flat_weights_names(self) -> list[str]:
+        """nn.LSTM's: every parameter name, layer by layer, forward before reverse."""
+        return [n for names in self._all_weights for n in names]
+
+    @property
+    def _flat_weights(self) -> list[Tensor]:
+        """nn.LSTM's: every parameter, in the order of ``_flat_weights_names``."""
+        return [getattr(self, n) for n in self._flat_weights_names]
+
+    @property
+    def all_weights(self) -> list[list[nn.Parameter]]:
+        """As nn.LSTM's: the parameters of each layer and direction, ``[weights_l{k}{suffix},
+        bias_l{k}{suffix}]`` (no bias when ``bias=False``)."""
+        return [[getattr(self, n) for n in names] for names in self._all_weights]
+
+    __prepare_scriptable__ = _refuse_torchscript   # torch.jit.script calls it first
+
+    def flatten_parameters(self) -> None:
+        """Does nothing, and is there for code written for nn.LSTM (which calls it after loading
+        or moving a model): nn.LSTM packs its weights into one cuDNN buffer here; the LLTM's
+        kernels take each layer's parameters as they are."""
 
     def reset_parameters(self) -> None:
         stdv = 1.0 / math.sqrt(self.hidden_size)
@@ -272,10 +381,18 @@ class LLTM(nn.Module):
             return self._forward_packed(input, hx)
         return self._forward(input, hx, False)
 
-    @torch.compiler.disable
+    @eager_only
     def _forward_packed(self, input, hx):
         """PackedSequence input runs eagerly (a graph break under torch.compile): its layout
         depends on the lengths' values."""
+        _check_packed(input, self.input_size)
+        if input.data.device.type == "meta" and input.sorted_indices is not None:
+            # shape inference: the sequences' order (values a meta tensor lacks) changes no shape
+            from torch.nn.utils.rnn import PackedSequence
+
+            out, state = self._forward(PackedSequence(input.data, input.batch_sizes), hx, True)
+            return PackedSequence(out.data, out.batch_sizes, input.sorted_indices,
+                                  input.unsorted_indices), state
         return self._forward(input, hx, True)
 
     def _forward(self, input, hx, packed: bool):
@@ -340,3 +457,8 @@ class LLTM(nn.Module):
         if self.bidirectional:
             text += ", bidirectional=True"
         return text
+
+
+# Pickles (torch.save of a whole model) name the classes by their public home, so that they load
+# whatever file inside lltm_cupy.torch defines them.
+LLTMCell.__module__ = LLTM.__module__ = "lltm_cupy.torch"

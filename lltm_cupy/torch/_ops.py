@@ -17,13 +17,14 @@ results rounded to bfloat16.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import _interop
-from .._checks import check_packed_shapes, check_sequence_shapes
+from .._checks import check_flag, check_packed_shapes, check_sequence_shapes
 from .._types import LLTMSaved, LLTMSequenceSaved
 
 __all__ = ["lltm", "LLTMFunction", "lltm_sequence", "LLTMSequenceFunction", "autocast_dtype"]
@@ -208,7 +209,7 @@ def lltm(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
         new_h, new_cell = lltm(*(t.float() for t in tensors))
         return new_h.bfloat16(), new_cell.bfloat16()
     _interop.check(tensors)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or tensors[0].device.type == "meta":
         new_h, new_cell, _, _ = _lltm_forward_op(*tensors)
         return new_h, new_cell
     return LLTMFunction.apply(*tensors)
@@ -316,7 +317,25 @@ _sequence_forward_op.register_autograd(_sequence_backward_autograd,
                                        setup_context=_sequence_setup_context)
 
 
-@torch.compiler.disable
+def eager_only(fn):
+    """``fn`` run eagerly under torch.compile (a graph break), as ``torch.compiler.disable(fn)``,
+    but without importing torch's compiler at import time or in eager calls (``disable`` imports
+    ``torch._dynamo`` and with it sympy and more, which doubled the import of this module):
+    ``disable`` is applied only when dynamo, already loaded, traces the call."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return wrapper
+
+
+@eager_only
 def _packed_sequence(tensors, lengths, reverse: bool):
     """Variable lengths run eagerly (a graph break under torch.compile; an error with
     fullgraph=True): the packed layout depends on the lengths' values."""
@@ -339,6 +358,14 @@ def lltm_packed(data: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Ten
     if _in_float32(tensors):
         return tuple(t.bfloat16() for t in lltm_packed(*(t.float() for t in tensors), plan))
     _interop.check(tensors, _SEQ_NAMES, check_packed_shapes)
+    if tensors[0].device.type == "meta":
+        # shape inference: the N rows as one step of N sequences (the first state row each)
+        # gives every result its shape and dtype, connected to every argument for autograd
+        data, weights, bias, h0, c0 = tensors
+        rows, batch = data.shape[0], h0.shape[0]
+        hs, h_n, c_n, _, _ = _sequence_forward_op(data[None], weights, bias,
+                                                  h0[:1].expand(rows, -1), c0[:1].expand(rows, -1))
+        return hs[1], h_n[:batch], c_n[:batch]
     return LLTMSequenceFunction.apply(*tensors, plan)
 
 
@@ -358,13 +385,17 @@ def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0:
     outputs: (steps, batch, state), the hidden state after every step; h_n, c_n: (batch, state).
     Same device, dtype and autocast rules as :func:`lltm`.
     """
+    reverse = check_flag("lltm_cupy.torch.lltm_sequence", "reverse", reverse)
     tensors = _autocast((inputs, weights, bias, h0, c0))
     if _in_float32(tensors):
         return tuple(t.bfloat16() for t in lltm_sequence(*(t.float() for t in tensors),
                                                            lengths=lengths, reverse=reverse))
     _interop.check(tensors, _SEQ_NAMES, check_sequence_shapes)
+    if tensors[0].device.type == "meta":   # shape inference: lengths, direction change none
+        hs, h_n, c_n, _, _ = _sequence_forward_op(*tensors)
+        return hs[1:], h_n, c_n
     if lengths is not None:
-        return _packed_sequence(tensors, lengths, bool(reverse))
+        return _packed_sequence(tensors, lengths, reverse)
     if reverse:     # every sequence full length: run the time-reversed sequence
         outputs, h_n, c_n = lltm_sequence(tensors[0].flip(0), *tensors[1:])
         return outputs.flip(0), h_n, c_n
