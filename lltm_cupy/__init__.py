@@ -61,9 +61,7 @@ def _needed(needed) -> tuple:
 
 def _flag(name: str, value) -> bool:
     """A boolean keyword (Python or NumPy bool); TypeError naming it otherwise."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"lltm_cupy: {name} must be True or False, got {type(value).__qualname__}")
-    return bool(value)
+    return check_flag("lltm_cupy", name, value)
 
 
 def forward(input, weights, bias, old_h, old_cell, *, return_saved=True):
@@ -155,7 +153,7 @@ def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False,
     """
     keep = _flag("return_saved", return_saved)
     backend = check_forward_sequence(inputs, weights, bias, h0, c0)
-    reverse = check_flag("lltm_cupy.forward_sequence", "reverse", reverse)
+    reverse = _flag("reverse", reverse)
     outputs, h_n, c_n, saved = _forward_sequence(backend, inputs, weights, bias, h0, c0,
                                                  sequence_plan(inputs, lengths, reverse), keep,
                                                  _flag("fused", fused))

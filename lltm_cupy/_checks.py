@@ -4,6 +4,7 @@ Checks run once, at the public boundary; the backends and kernel launchers trust
 """
 from __future__ import annotations
 
+import reprlib
 import sys
 
 import numpy as np
@@ -37,8 +38,8 @@ def check_flag(where: str, name: str, value) -> bool:
     """A yes/no argument: a bool (or NumPy's bool); TypeError naming it for anything else, where
     ``bool(value)`` would quietly read "no" or 0 as a choice."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__qualname__} "
-                        f"{value!r}")
+        raise TypeError(f"{where}: {name} must be True or False, got "
+                        f"{type(value).__qualname__} {reprlib.repr(value)}")
     return bool(value)
 
 
