@@ -186,14 +186,17 @@ def test_memory_comes_from_torch_and_results_are_torch_allocations(emulated_cuda
 
 
 def test_torch_layer_adds_no_device_work(emulated_cuda_torch):
-    """Through the torch layer, a step costs what the array API's does (no conversion copies)."""
+    """Through the torch layer, a step costs what the array API's does, less the copy of new_cell
+    that the array API makes for its caller (no conversion copies)."""
     emu = emulated_cuda_torch.emulator
     case = make_case(16, 32, 128, np.float32, seed=79)
     args = _tensors(case, dtype=torch.float32)
     grads = [torch.tensor(case[n]) for n in ("grad_h", "grad_cell")]
     emu.reset()
     h, c = lt.lltm(*args)
-    assert emu.log == FORWARD
+    # the array API's forward ends with a copy of new_cell for its caller (its backward reads
+    # new_cell); the torch layer's autograd version counters protect it instead: no copy
+    assert FORWARD[-1] == "copy" and emu.log == FORWARD[:-1]
     emu.reset()
     torch.autograd.backward((h, c), grads)
     assert emu.log == BACKWARD
