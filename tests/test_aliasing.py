@@ -68,3 +68,15 @@ def test_step_backward_reads_no_caller_array(request, array):
     for x in (args[0], args[3], args[4]):
         x[...] = 3.0
     _same(lltm_cupy.backward(a["gh"], a["gh"], saved), want)
+
+
+def test_copy_cost_script_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "copy_cost.py"), "--sizes",
+                           "3x2x3x4", "--rounds", "2"], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "with them x" in proc.stdout and "a weights copy: forward x" in proc.stdout

@@ -1,0 +1,253 @@
+"""Does it learn without torch? The digits classifier of :mod:`lltm_cupy.digits` trained with the
+array API alone (NumPy or CuPy): :func:`lltm_cupy.forward_layers` / :func:`backward_layers`, a
+linear head and softmax cross-entropy written out, and Adam written out as ``torch.optim.Adam``
+computes it. Parameters start from :func:`lltm_cupy.init_parameters`; the head from the same
+generator, U(-1/sqrt(fan_in), 1/sqrt(fan_in)) as ``nn.Linear``.
+
+With ``compare_torch`` the torch ``LLTM`` (and ``nn.Linear``, ``torch.optim.Adam``) trains beside
+it from the same parameters on the same batches: the same model, so the per-step losses agree
+to float rounding and the accuracies within :data:`ACCURACY_MARGIN`.
+
+``scripts/train_digits_array.py`` is the command line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+import lltm_cupy
+
+from ._extras import require
+from .digits import LOSS_GAP_TOLERANCE, load_data
+
+__all__ = ["ArrayConfig", "ARRAY_MODEL", "TORCH_MODEL", "ACCURACY_MARGIN", "Adam", "train",
+           "format_table"]
+
+ARRAY_MODEL, TORCH_MODEL = "LLTM (array API)", "LLTM (torch)"
+#: The largest test-accuracy difference allowed between the array model and the torch LLTM
+#: trained from the same parameters on the same batches: 0.02 (7 of the 360 test images). Their
+#: losses agree step by step to float rounding (LOSS_GAP_TOLERANCE of lltm_cupy.digits over the
+#: first epoch); later epochs may let rounding flip a few borderline test images.
+ACCURACY_MARGIN = 0.02
+
+
+@dataclasses.dataclass
+class ArrayConfig:
+    epochs: int = 10
+    batch_size: int = 32
+    state_size: int = 64
+    num_layers: int = 1
+    bidirectional: bool = False
+    seed: int = 0
+    array: str = "numpy"          # or "cupy"
+    dtype: str = "float32"
+    lr: float = 1e-2
+    compare_torch: bool = False
+    progress: bool = True
+
+
+class Adam:
+    """Adam as ``torch.optim.Adam`` (defaults betas (0.9, 0.999), eps 1e-8, no weight decay)
+    on a dict of arrays, updated in place."""
+
+    def __init__(self, params: dict, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+        self.params, self.lr, self.betas, self.eps = params, lr, betas, eps
+        self.m = {k: v * 0 for k, v in params.items()}
+        self.v = {k: v * 0 for k, v in params.items()}
+        self.t = 0
+
+    def step(self, grads: dict) -> None:
+        self.t += 1
+        b1, b2 = self.betas
+        step_size = self.lr / (1 - b1 ** self.t)
+        root_bc2 = (1 - b2 ** self.t) ** 0.5
+        for k, p in self.params.items():
+            g = grads[k]
+            m, v = self.m[k], self.v[k]
+            m *= b1
+            m += (1 - b1) * g
+            v *= b2
+            v += (1 - b2) * g * g
+            p -= step_size * m / (v ** 0.5 / root_bc2 + self.eps)
+
+
+def _xp(name: str):
+    if name == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
+class _Model:
+    """forward_layers, then a linear head on the last layer's final states (both directions)."""
+
+    def __init__(self, cfg: ArrayConfig, xp):
+        rng = np.random.default_rng(cfg.seed)
+        D = 2 if cfg.bidirectional else 1
+        self.D, self.xp, self.dtype = D, xp, cfg.dtype
+        params = lltm_cupy.init_parameters(8, cfg.state_size, cfg.num_layers,
+                                           bidirectional=cfg.bidirectional, rng=rng, xp=xp,
+                                           dtype=cfg.dtype)
+        bound = 1 / np.sqrt(D * cfg.state_size)
+        params["head.weight"] = xp.asarray(rng.uniform(-bound, bound, (10, D * cfg.state_size))
+                                           .astype(cfg.dtype))
+        params["head.bias"] = xp.asarray(rng.uniform(-bound, bound, 10).astype(cfg.dtype))
+        self.params = params
+
+    def rnn_parameters(self):
+        return {k: v for k, v in self.params.items() if not k.startswith("head.")}
+
+    def logits(self, xs):
+        """xs (8, B, 8) -> logits (B, 10) and what the backward needs."""
+        _, h_n, _, saved = lltm_cupy.forward_layers(xs, self.rnn_parameters())
+        h = self.xp.concatenate(list(h_n[-self.D:]), axis=1)     # (B, D * H), forward first
+        p = self.params
+        return h @ p["head.weight"].T + p["head.bias"], (h, h_n.shape, saved)
+
+    def loss_and_grads(self, xs, ys):
+        """Mean softmax cross-entropy and the gradient of every parameter."""
+        xp = self.xp
+        logits, (h, shape, saved) = self.logits(xs)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_z = xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+        batch = len(ys)
+        rows = xp.arange(batch)
+        loss = -(shifted[rows, ys] - log_z[:, 0]).mean()
+        d_logits = xp.exp(shifted - log_z)
+        d_logits[rows, ys] -= 1
+        d_logits /= batch
+        grads = {"head.weight": d_logits.T @ h, "head.bias": d_logits.sum(axis=0)}
+        d_h = d_logits @ self.params["head.weight"]
+        grad_h_n = xp.zeros(shape, d_h.dtype)
+        H = shape[2]
+        for d in range(self.D):
+            grad_h_n[shape[0] - self.D + d] = d_h[:, d * H:(d + 1) * H]
+        g = lltm_cupy.backward_layers(None, grad_h_n, None, saved)
+        grads.update(g.d_parameters)
+        return float(loss), grads
+
+
+def _torch_twin(model: _Model, cfg: ArrayConfig):
+    """The torch LLTM + nn.Linear with the array model's parameters, and its Adam."""
+    import torch
+
+    from .torch import LLTM
+
+    dtype = getattr(torch, cfg.dtype)
+    rnn = LLTM(8, cfg.state_size, cfg.num_layers, bidirectional=cfg.bidirectional, dtype=dtype)
+    rnn.load_state_dict({k: torch.tensor(_host(v)) for k, v in model.rnn_parameters().items()})
+    head = torch.nn.Linear(model.D * cfg.state_size, 10, dtype=dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor(_host(model.params["head.weight"])))
+        head.bias.copy_(torch.tensor(_host(model.params["head.bias"])))
+
+    def logits(xs):
+        h_n = rnn(xs)[1][0]
+        return head(torch.cat(list(h_n[-model.D:]), dim=1))
+
+    params = list(rnn.parameters()) + list(head.parameters())
+    return logits, torch.optim.Adam(params, lr=cfg.lr)
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def train(cfg: ArrayConfig) -> dict:
+    """Train the array model (and with ``compare_torch`` its torch twin); a JSON-ready record
+    in :func:`lltm_cupy.digits.train`'s layout (per model every step's loss, the test accuracy
+    after every epoch, times), plus the first epoch's largest relative loss gap when compared."""
+    (tqdm,) = require("tqdm")
+    xp = _xp(cfg.array)
+    x_tr, y_tr, x_te, y_te = load_data(cfg.seed)
+    x_tr = x_tr.transpose(1, 0, 2).astype(cfg.dtype)        # (8 rows, N, 8)
+    x_te = x_te.transpose(1, 0, 2).astype(cfg.dtype)
+    x_tr_d, x_te_d = xp.asarray(x_tr), xp.asarray(x_te)
+    y_tr_d = xp.asarray(y_tr)
+    model = _Model(cfg, xp)
+    adam = Adam(model.params, lr=cfg.lr)
+    names = [ARRAY_MODEL] + ([TORCH_MODEL] if cfg.compare_torch else [])
+    record = {name: {"loss": [], "test_accuracy": [], "train_seconds": 0.0} for name in names}
+    if cfg.compare_torch:
+        import torch
+
+        twin, twin_adam = _torch_twin(model, cfg)
+        x_tr_t, x_te_t = torch.from_numpy(x_tr), torch.from_numpy(x_te)
+        y_tr_t = torch.from_numpy(y_tr)
+    n = x_tr.shape[1]
+    steps_per_epoch = -(-n // cfg.batch_size)
+    order_rng = np.random.default_rng(cfg.seed + 1)
+    sync = (lambda: xp.cuda.Device().synchronize()) if cfg.array == "cupy" else (lambda: None)
+    bar = tqdm.tqdm(total=cfg.epochs * steps_per_epoch, desc="training (array API)",
+                    unit="step", disable=not cfg.progress)
+    for epoch in range(cfg.epochs):
+        order = order_rng.permutation(n)
+        for start in range(0, n, cfg.batch_size):
+            idx = order[start:start + cfg.batch_size]
+            sync()
+            t0 = time.perf_counter()
+            loss, grads = model.loss_and_grads(x_tr_d[:, xp.asarray(idx)], y_tr_d[xp.asarray(idx)])
+            adam.step(grads)
+            sync()
+            record[ARRAY_MODEL]["train_seconds"] += time.perf_counter() - t0
+            record[ARRAY_MODEL]["loss"].append(loss)
+            if cfg.compare_torch:
+                t0 = time.perf_counter()
+                twin_adam.zero_grad()
+                t_idx = torch.from_numpy(idx)
+                t_loss = torch.nn.functional.cross_entropy(twin(x_tr_t[:, t_idx]), y_tr_t[t_idx])
+                t_loss.backward()
+                twin_adam.step()
+                record[TORCH_MODEL]["train_seconds"] += time.perf_counter() - t0
+                record[TORCH_MODEL]["loss"].append(t_loss.item())
+            bar.update(1)
+        logits, _ = model.logits(x_te_d)
+        record[ARRAY_MODEL]["test_accuracy"].append(float((_host(logits.argmax(axis=1)) == y_te)
+                                                          .mean()))
+        if cfg.compare_torch:
+            with torch.no_grad():
+                pred = twin(x_te_t).argmax(dim=1).numpy()
+            record[TORCH_MODEL]["test_accuracy"].append(float((pred == y_te).mean()))
+        bar.set_postfix({"epoch": epoch + 1,
+                         "test acc": f"{record[ARRAY_MODEL]['test_accuracy'][-1]:.3f}"})
+    bar.close()
+    total = cfg.epochs * steps_per_epoch
+    for r in record.values():
+        r["final_loss"] = r["loss"][-1]
+        r["seconds_per_step"] = r["train_seconds"] / total
+    result = {"config": dataclasses.asdict(cfg), "train_samples": int(n),
+              "test_samples": int(len(y_te)), "steps_per_epoch": steps_per_epoch,
+              "models": record}
+    if cfg.compare_torch:
+        a = np.array(record[ARRAY_MODEL]["loss"][:steps_per_epoch])
+        t = np.array(record[TORCH_MODEL]["loss"][:steps_per_epoch])
+        result["first_epoch_loss_gap"] = float(np.max(np.abs(a - t) / np.abs(t)))
+        result["loss_gap_tolerance"] = LOSS_GAP_TOLERANCE[cfg.dtype]
+        result["accuracy_gap"] = abs(record[ARRAY_MODEL]["test_accuracy"][-1]
+                                     - record[TORCH_MODEL]["test_accuracy"][-1])
+        result["accuracy_margin"] = ACCURACY_MARGIN
+        result["gap_label"] = "array API vs torch"
+    return result
+
+
+def format_table(result: dict) -> str:
+    head = (f"{'model':<20}{'test accuracy':>15}{'final loss':>12}{'training time':>15}"
+            f"{'time per step':>15}")
+    lines = [head, "-" * len(head)]
+    for name, r in result["models"].items():
+        lines.append(f"{name:<20}{r['test_accuracy'][-1]:>15.4f}{r['final_loss']:>12.4f}"
+                     f"{r['train_seconds']:>14.2f}s{r['seconds_per_step'] * 1e3:>13.2f}ms")
+    cfg = result["config"]
+    lines.append(f"{result['train_samples']} training and {result['test_samples']} test images, "
+                 f"{cfg['epochs']} epochs of {result['steps_per_epoch']} steps (batch "
+                 f"{cfg['batch_size']}), state {cfg['state_size']}, {cfg['num_layers']} layer(s)"
+                 f"{', bidirectional' if cfg['bidirectional'] else ''}, {cfg['dtype']} on "
+                 f"{cfg['array']}, Adam lr {cfg['lr']}, seed {cfg['seed']}")
+    if "first_epoch_loss_gap" in result:
+        lines.append(f"array API vs torch LLTM from the same parameters: largest relative gap "
+                     f"between the per-step losses over epoch one {result['first_epoch_loss_gap']:.2e}"
+                     f" (tolerance {result['loss_gap_tolerance']:.0e}); test accuracy gap "
+                     f"{result['accuracy_gap']:.4f} (margin {result['accuracy_margin']})")
+    return "\n".join(lines)

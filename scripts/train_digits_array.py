@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""Train the digits classifier (scikit-learn's 8x8 digits read as 8-row sequences) with the
+array API alone, NumPy or CuPy, no torch: forward_layers / backward_layers, a linear head and
+Adam written out; print a table, optionally plot. With --compare-torch the torch LLTM trains
+beside it from the same parameters on the same batches; exit 1 if their losses or accuracies
+part by more than rounding allows.
+
+Needs the examples extra (pip install '.[examples]'); exits 2 without it (or without a GPU for
+--array cupy, or without torch for --compare-torch).
+Usage: python scripts/train_digits_array.py [--array numpy|cupy] [--epochs N] [--plot FILE.png]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from lltm_cupy import digits, digits_array  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--array", choices=("numpy", "cupy"), default="numpy",
+                   help="NumPy on the CPU or CuPy on the GPU (default numpy)")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--state-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--bidirectional", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
+    p.add_argument("--compare-torch", action="store_true",
+                   help="train the torch LLTM beside it from the same parameters (needs torch)")
+    p.add_argument("--json", metavar="FILE", help="write every loss and accuracy as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="loss and accuracy curves, one figure")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if min(args.epochs, args.batch_size, args.state_size, args.layers) < 1:
+        p.error("--epochs, --batch-size, --state-size and --layers must be positive")
+    try:
+        digits.require("sklearn", "tqdm", *(("matplotlib",) if args.plot else ()))
+    except digits.MissingExtra as exc:
+        print(f"train_digits_array.py: {exc}", file=sys.stderr)
+        return 2
+    if args.compare_torch:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            print("--compare-torch needs torch: pip install '.[torch]'", file=sys.stderr)
+            return 2
+    if args.array == "cupy":
+        from lltm_cupy.verify import gpu_unavailable_reason
+
+        reason = gpu_unavailable_reason()
+        if reason:
+            print(f"--array cupy needs a GPU: {reason}", file=sys.stderr)
+            return 2
+    cfg = digits_array.ArrayConfig(
+        epochs=args.epochs, batch_size=args.batch_size, state_size=args.state_size,
+        num_layers=args.layers, bidirectional=args.bidirectional, seed=args.seed,
+        array=args.array, dtype=args.dtype, lr=args.lr, compare_torch=args.compare_torch,
+        progress=not args.no_progress)
+    result = digits_array.train(cfg)
+    if args.array == "cupy":
+        import cupy
+
+        result["machine"] = cupy.cuda.runtime.getDeviceProperties(
+            cupy.cuda.Device().id)["name"].decode()
+    else:
+        from lltm_cupy.benchmark import machine_name
+
+        result["machine"] = machine_name(False)
+    print(digits_array.format_table(result))
+    print(f"on {result['machine']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    if args.plot:
+        width, height = digits.plot_curves(result, args.plot, result["machine"])
+        print(f"wrote {args.plot} ({width}x{height} pixels)")
+    if args.compare_torch and (result["first_epoch_loss_gap"] > result["loss_gap_tolerance"]
+                               or result["accuracy_gap"] > result["accuracy_margin"]):
+        print("FAIL: the array model and the torch LLTM parted by more than rounding allows",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
