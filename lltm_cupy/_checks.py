@@ -274,7 +274,8 @@ def check_backward_layers(grad_outputs, grad_h_n, grad_c_n, saved):
 
     if not isinstance(saved, LLTMLayersSaved):
         raise TypeError(f"lltm_cupy: saved must be the LLTMLayersSaved returned by "
-                        f"lltm_cupy.forward_layers, got {type(saved).__qualname__}")
+                        f"lltm_cupy.forward_layers, got {type(saved).__qualname__}"
+                        f"{_NO_SAVED if saved is None else ''}")
     s = saved.structure
     steps, batch = saved.shape[:2]
     states = (s.num_layers * s.directions, batch, s.hidden_size)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _backend, _forward_sequence, sequence_plan
+from . import _backend, _flag, _forward_sequence, sequence_plan
 from ._aliasing import private_sequence
 from ._checks import check_backward_layers, check_forward_layers
 from ._parameters import array_module, read_structure
@@ -36,7 +36,7 @@ def _dropout_mask(rng, p: float, shape, dtype, xp):
 
 
 def forward_layers(inputs, parameters, h0=None, c0=None, *, lengths=None, dropout=0.0,
-                   rng=None):
+                   rng=None, return_saved=True):
     """Run a whole model: every layer, both directions if bidirectional. Returns
     ``(outputs, h_n, c_n, saved)``.
 
@@ -52,6 +52,10 @@ def forward_layers(inputs, parameters, h0=None, c0=None, *, lengths=None, dropou
     rng: a ``numpy.random.Generator`` (or ``cupy.random.Generator`` for CuPy arrays): one
         ``rng.random((steps, batch, directions * H))`` per layer above the first, in order, so a
         seeded generator repeats a run
+    return_saved: False for inference: every layer runs forward_sequence's forward-only mode
+        (nothing computed or kept for a backward, memory beyond each layer's outputs
+        independent of ``steps``) and ``saved`` is None; the outputs and states are bit for bit
+        those of ``return_saved=True``
 
     ``outputs`` (steps, batch, directions * H): the last layer's hidden states, forward
     direction first, zero past each sequence's length; ``h_n``, ``c_n`` (layers * directions,
@@ -61,6 +65,7 @@ def forward_layers(inputs, parameters, h0=None, c0=None, *, lengths=None, dropou
     is read by the backward (modify or refill them freely); the parameters are referenced, not
     copied: update them after the backward.
     """
+    keep = _flag("return_saved", return_saved)
     structure = read_structure(parameters)
     backend = check_forward_layers(inputs, parameters, h0, c0, structure)
     dropout = _check_dropout(dropout, rng, structure.num_layers)
@@ -89,13 +94,15 @@ def forward_layers(inputs, parameters, h0=None, c0=None, *, lengths=None, dropou
         weights = parameters[layer.weights]
         bias = (parameters[layer.bias] if structure.bias else xp.zeros(3 * H, dtype))
         out, h, c, saved = _forward_sequence(backend, x, weights, bias, h0[layer.index],
-                                             c0[layer.index], plans[layer.reverse])
-        if layer.layer == 0:
+                                             c0[layer.index], plans[layer.reverse], keep)
+        if layer.layer == 0 and keep:
             private_sequence(inputs, out, saved, copy_outputs=False)
         outs.append(out)
         h_n[layer.index], c_n[layer.index] = h, c
         layers.append(saved)
     outputs = outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=-1)
+    if not keep:
+        return outputs, h_n, c_n, None
     if len(outs) == 1 and plans[0] is None:
         outputs = outputs.copy()      # the saved hidden states' memory: the caller gets its own
     saved = LLTMLayersSaved(backend, structure, layers, masks, tuple(inputs.shape))

@@ -204,3 +204,25 @@ def test_bad_states_dropout_and_gradients():
         lltm_cupy.backward_layers(None, np.zeros((1, B, H)), None, saved)
     with pytest.raises(TypeError, match="LLTMLayersSaved"):
         lltm_cupy.backward_layers(None, None, None, object())
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=LENGTHS.keys())
+@pytest.mark.parametrize("array", ["numpy", "emulated"])
+def test_forward_only_gives_the_same_numbers(request, array, lengths):
+    """return_saved=False: saved is None, outputs and states bit for bit the training
+    forward's (3 layers, bidirectional, dropout from the same seed), and a backward on the
+    None says why."""
+    xp = np if array == "numpy" else request.getfixturevalue("emulated_cupy")
+    params, a = _case(3, True, np.float32, 4)
+    p = {k: xp.asarray(v) for k, v in params.items()}
+    x = xp.asarray(a["x"])
+    kw = dict(lengths=LENGTHS[lengths], dropout=0.3)
+    train = lltm_cupy.forward_layers(x, p, rng=np.random.default_rng(9), **kw)
+    infer = lltm_cupy.forward_layers(x, p, rng=np.random.default_rng(9), return_saved=False, **kw)
+    assert infer[3] is None
+    for name, u, v in zip(("outputs", "h_n", "c_n"), infer[:3], train[:3]):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=name)
+    with pytest.raises(TypeError, match="return_saved"):
+        lltm_cupy.backward_layers(None, None, None, infer[3])
+    with pytest.raises(TypeError, match="return_saved"):
+        lltm_cupy.forward_layers(x, p, return_saved="no")
