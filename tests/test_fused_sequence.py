@@ -409,3 +409,82 @@ def test_gpu_fused_equals_the_stepped_path(dtype, lengths, reverse, state):
     want = _reference(case, full, reverse, (case["grad_outputs"], case["grad_h_n"],
                                             case["grad_c_n"]))
     compare(fused, stepped, want, dtype, "gpu")
+
+
+# ------------------------------------------------------------------------- the torch layer
+
+def _torch_case(torch, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T, B, F, H = 5, 4, 3, 6
+    xs = torch.randn(T, B, F, generator=g).to(dtype)
+    hx = tuple(torch.randn(4, B, H, generator=g).to(dtype) for _ in range(2))
+    return xs, hx
+
+
+def _torch_run(torch, model, xs, hx, lengths):
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    xs, hx = xs.clone().requires_grad_(), tuple(h.clone().requires_grad_() for h in hx)
+    if lengths is None:
+        out, (h_n, c_n) = model(xs, hx)
+    else:
+        packed = pack_padded_sequence(xs, torch.tensor(lengths), enforce_sorted=False)
+        out, (h_n, c_n) = model(packed, hx)
+        out = pad_packed_sequence(out, total_length=xs.shape[0])[0]
+    (out.float().sum() + 3 * h_n.float().sum() + 2 * c_n.float().sum()).backward()
+    grads = [xs.grad, hx[0].grad, hx[1].grad] + [p.grad for p in model.parameters()]
+    return [t.detach().double().numpy() for t in [out, h_n, c_n, *grads]]
+
+
+@pytest.mark.parametrize("lengths", [None, [5, 2, 1, 4]], ids=["padded", "packed"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_lltm_fused_equals_the_default(fused_cupy, emulated_cuda_torch, dtype, lengths):
+    """LLTM(..., fused=True), 2 layers, bidirectional, on the emulated CUDA path: one fused
+    launch per layer and direction each way, results equal to the default path's."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+    import lltm_cupy.torch as lt
+
+    dtype = getattr(torch, dtype)
+    xs, hx = _torch_case(torch, dtype)
+    torch.manual_seed(1)
+    default = lt.LLTM(3, 6, num_layers=2, bidirectional=True, dtype=dtype)
+    fused = lt.LLTM(3, 6, num_layers=2, bidirectional=True, dtype=dtype, fused=True)
+    fused.load_state_dict(default.state_dict())
+    assert "fused=True" in repr(fused) and fused.fused and not default.fused
+    emu = fused_cupy.emulator
+    want = _torch_run(torch, default, xs, hx, lengths)
+    assert "kernel:seq_fwd" not in emu.log
+    emu.reset()
+    got = _torch_run(torch, fused, xs, hx, lengths)
+    assert emu.log.count("kernel:seq_fwd") == 4 and emu.log.count("kernel:seq_bwd") == 4
+    assert "kernel:fwd" not in emu.log and "kernel:bwd" not in emu.log
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert max_error(g, w) <= tol, f"result {i}: {max_error(g, w):.2e}"
+
+
+def test_torch_compiled_sequence_runs_fused(fused_cupy, emulated_cuda_torch):
+    """Under torch.compile the sequence op carries ``fused`` to the backend, both ways."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+    import lltm_cupy.torch as lt
+
+    xs, hx = _torch_case(torch, torch.float32)
+    w = (torch.rand(18, 9) - 0.5).requires_grad_()
+    b = (torch.rand(18) - 0.5).requires_grad_()
+
+    def loss(fused):
+        fn = torch.compile(lambda *a: lt.lltm_sequence(*a, fused=fused), backend="aot_eager",
+                           fullgraph=True)
+        out, h_n, c_n = fn(xs, w, b, hx[0][0], hx[1][0])
+        (out.sum() + h_n.sum() + c_n.sum()).backward()
+        result = [out.detach(), w.grad.clone(), b.grad.clone()]
+        w.grad = b.grad = None
+        return result
+
+    emu = fused_cupy.emulator
+    want = loss(False)
+    emu.reset()
+    got = loss(True)
+    assert emu.log.count("kernel:seq_fwd") == 1 and emu.log.count("kernel:seq_bwd") == 1
+    for g, v in zip(got, want):
+        assert max_error(g.double().numpy(), v.double().numpy()) <= 1e-5

@@ -220,12 +220,16 @@ class LLTM(nn.Module):
     """The LLTM over whole sequences with ``nn.LSTM``'s interface.
 
     ``LLTM(input_size, hidden_size, num_layers=1, bias=True, batch_first=False, dropout=0.0,
-    bidirectional=False, proj_size=0, device=None, dtype=None)``, checked as nn.LSTM checks them
+    bidirectional=False, proj_size=0, device=None, dtype=None, *, fused=False)``, checked as
+    nn.LSTM checks them
     (TypeError for a size that is not an int or a flag that is not a bool, ValueError for a
     value out of range; proj_size must be 0); the tutorial's ``input_features=`` /
     ``state_size=`` are accepted too, and readable as attributes. nn.LSTM's ``mode``
     ("LLTM"), ``proj_size`` (0), ``all_weights`` and ``flatten_parameters()`` (a no-op) are
     there for code written for nn.LSTM; whole models pickle and ``torch.save``.
+    ``fused=True`` (an attribute too): on CUDA, each layer and direction runs all its steps,
+    forward and backward, in one launch of the fused sequence kernel (the recurrent weights held
+    in shared memory), where the hidden size fits (see :func:`lltm_sequence`); off by default.
 
     Parameters per layer k and direction: ``weights_l{k}`` (3 * hidden_size, hidden_size +
     in_k), ``bias_l{k}`` (1, 3 * hidden_size), and ``weights_l{k}_reverse`` / ``bias_l{k}_reverse``
@@ -253,10 +257,12 @@ class LLTM(nn.Module):
     def __init__(self, input_size: Optional[int] = None, hidden_size: Optional[int] = None,
                  num_layers: int = 1, bias: bool = True, batch_first: bool = False,
                  dropout: float = 0.0, bidirectional: bool = False, proj_size: int = 0,
-                 device=None, dtype=None, *, input_features=None, state_size=None):
+                 device=None, dtype=None, *, input_features=None, state_size=None,
+                 fused: bool = False):
         super().__init__()
         input_size, hidden_size = _sizes("LLTM", input_size, hidden_size, input_features,
                                          state_size)
+        self.fused = _check_bool("LLTM", "fused", fused)
         if not isinstance(num_layers, int) or isinstance(num_layers, bool):
             raise TypeError(f"LLTM: num_layers should be of type int, got: "
                             f"{type(num_layers).__name__} {num_layers!r}")
@@ -425,10 +431,10 @@ class LLTM(nn.Module):
                 i = k * self.num_directions + d
                 if packed:
                     out, h, c = lltm_packed(x, *self._layer_parameters(k, d), h0[i], c0[i],
-                                            plans[d])
+                                            plans[d], fused=getattr(self, "fused", False))
                 else:
                     out, h, c = lltm_sequence(x, *self._layer_parameters(k, d), h0[i], c0[i],
-                                              reverse=d == 1)
+                                              reverse=d == 1, fused=getattr(self, "fused", False))
                 outs.append(out)
                 h_n.append(h)
                 c_n.append(c)
@@ -456,6 +462,8 @@ class LLTM(nn.Module):
             text += f", dropout={self.dropout}"
         if self.bidirectional:
             text += ", bidirectional=True"
+        if getattr(self, "fused", False):
+            text += ", fused=True"
         return text
 
 
