@@ -9,7 +9,8 @@ import pytest
 
 from lltm_cupy import reference, verify
 from helpers import host_kernels
-from helpers.skip_gate import (GPU_PHRASE, pytest_addoption, pytest_collectreport,  # noqa: F401
+from helpers import skip_gate
+from helpers.skip_gate import (GPU_PHRASE, pytest_collectreport,  # noqa: F401
                                pytest_runtest_logreport, pytest_sessionfinish,
                                pytest_terminal_summary)
 
@@ -19,6 +20,26 @@ GRAD_NAMES = ("d_old_h", "d_input", "d_weights", "d_bias", "d_old_cell")
 
 
 gpu_unavailable_reason = functools.lru_cache(maxsize=None)(verify.gpu_unavailable_reason)
+
+
+def pytest_addoption(parser):
+    skip_gate.pytest_addoption(parser)
+    parser.addoption("--shuffle", type=int, default=None, metavar="SEED",
+                     help="run the collected tests in an order shuffled with SEED (across "
+                          "modules), to show that no test depends on another's leftovers")
+
+
+def pytest_collection_modifyitems(config, items):
+    seed = config.getoption("--shuffle")
+    if seed is not None:
+        import random
+
+        random.Random(seed).shuffle(items)
+
+
+def pytest_report_header(config):
+    seed = config.getoption("--shuffle")
+    return None if seed is None else f"tests shuffled with --shuffle {seed}"
 
 
 def _cupy_param():

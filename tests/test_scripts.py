@@ -299,3 +299,15 @@ def test_python_m_lltm_cupy_fails_on_a_wrong_gradient(monkeypatch, capsys):
     monkeypatch.setattr(lltm_cupy, "backward", wrong)
     assert self_check.main(["--no-torch"]) == 1
     assert "FAILED: numpy float64" in capsys.readouterr().out
+
+
+def test_mutation_audit_lists_mutants_that_all_still_apply():
+    """Every mutant of scripts/mutation_audit.py still finds its text: a change to the code it
+    mutates must update the mutant (the audit is how the next kernel or layer change is
+    checked against realistic bugs)."""
+    proc = script("mutation_audit.py", "--list")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) >= 20, proc.stdout
+    stale = [line for line in lines if "[NOT FOUND]" in line]
+    assert not stale, "update these mutants in scripts/mutation_audit.py:\n" + "\n".join(stale)

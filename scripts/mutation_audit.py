@@ -1,0 +1,338 @@
+"""Mutation audit: put small, realistic bugs into a temporary copy of the repository, one at a
+time, run the tests each one concerns, and report which bugs no test (or too few tests) caught.
+
+    python scripts/mutation_audit.py                    # every mutant (slow: tens of minutes)
+    python scripts/mutation_audit.py --list             # the mutants, nothing run
+    python scripts/mutation_audit.py --only dropout-after-last-layer stream-null
+    python scripts/mutation_audit.py --limit 5 --markdown audit.md
+
+Run from a clone with the README's test set-up (its virtual environment active). The copy holds
+the files git tracks plus untracked ones it does not ignore; the tests run there with the copy
+first on PYTHONPATH, so its lltm_cupy (and its cuda_src) is the one tested. First a baseline
+run of every selected test file on the unmodified copy: a test that fails there is left out of
+every mutant's count. Then, per mutant, ``python -m pytest`` on its files; a failing test is a
+"kill". A mutant is reported as
+
+- survived: no test failed;
+- weak: fewer than two *value* tests failed (tests that count operations, check an error
+  message or compile the source are not value tests: see ``NOT_VALUE_TESTS``; for a removed
+  argument check, which only error tests can see, every failing test counts);
+- killed: two or more value tests failed;
+- not applied: its text is no longer in the file (the code moved on: update the mutant).
+
+Exit status 1 if a mutant survived or was weak, 2 if one did not apply.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Test files or node-id prefixes whose failures do not count as value checks: they count
+#: device operations, check error types and messages, compile the source, or gate the suite.
+NOT_VALUE_TESTS = (
+    "tests/test_launch_budget.py",
+    "tests/test_torch_cuda_path.py::test_torch_layer_adds_no_device_work",
+    "tests/test_torch_cuda_path.py::test_every_launch_and_gemm_runs_on_torchs_current_stream",
+    "tests/test_torch_cuda_path.py::test_the_emulator_refuses_work_off_torchs_stream",
+    "tests/test_cuda_compile.py",
+    "tests/test_bad_input.py",
+    "tests/test_errors.py",
+    "tests/test_ci_gate.py",
+)
+
+KERNEL_TESTS = ("tests/test_host_kernels.py", "tests/test_accuracy.py", "tests/test_backends.py",
+                "tests/test_sequence.py", "tests/test_torch_cuda_path.py",
+                "tests/test_launch_budget.py")
+NUMPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
+               "tests/test_torch.py", "tests/test_torch_sequence.py")
+CUPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
+              "tests/test_torch_cuda_path.py", "tests/test_launch_budget.py",
+              "tests/test_bfloat16.py")
+LAYER_TESTS = ("tests/test_lltm_layers.py", "tests/test_torch_sequence.py",
+               "tests/test_torch_cuda_path.py")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple
+    what: str
+    nth: int = 0        # which occurrence of ``old`` (0: the text must occur exactly once)
+    values: bool = True     # False: a bug only error tests can see (a check removed)
+
+
+MUTANTS = [
+    # ------------------------------------------------------------------ kernels (cuda_src)
+    Mutant("kernel-gates-swapped", "cuda_src/lltm.cu",
+           "    lltm_sigmoid(tr::load(zi_t), &input_gate, &unused);\n"
+           "    lltm_sigmoid(tr::load(zo_t), &output_gate, &unused);",
+           "    lltm_sigmoid(tr::load(zo_t), &input_gate, &unused);\n"
+           "    lltm_sigmoid(tr::load(zi_t), &output_gate, &unused);",
+           KERNEL_TESTS, "forward kernel: input and output gates swapped"),
+    Mutant("kernel-drop-grad-cell", "cuda_src/lltm.cu",
+           "const A d_new_cell = d_tanh * (output_gate * gh) + gc;",
+           "const A d_new_cell = d_tanh * (output_gate * gh);",
+           KERNEL_TESTS, "backward kernel: grad_cell dropped from d_new_cell"),
+    Mutant("kernel-d-elu-branches", "cuda_src/lltm.cu",
+           "return z > A(0) ? A(1) : lltm_exp(z);", "return z > A(0) ? lltm_exp(z) : A(1);",
+           KERNEL_TESTS, "elu' with its branches swapped"),
+    Mutant("kernel-d-sigmoid", "cuda_src/lltm.cu", "*ds = e * r * r;", "*ds = e * r;",
+           KERNEL_TESTS, "sigmoid' = e / (1 + e) instead of e / (1 + e)^2"),
+    Mutant("kernel-bf16-truncates", "cuda_src/lltm.cu",
+           "h.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);",
+           "h.bits = (unsigned short)(u >> 16);",
+           KERNEL_TESTS + ("tests/test_bfloat16.py",), "bfloat16 store truncates"),
+    Mutant("kernel-bf16-ties-away", "cuda_src/lltm.cu",
+           "h.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);",
+           "h.bits = (unsigned short)((u + 0x8000u) >> 16);",
+           KERNEL_TESTS + ("tests/test_bfloat16.py",),
+           "bfloat16 store rounds ties away from zero, not to even"),
+    Mutant("kernel-f64-factor-1e-13", "cuda_src/lltm.cu",
+           "const A d_tanh = A(4) * e2 / (one_e2 * one_e2);",
+           "const A d_tanh = A(4.0000000000004) * e2 / (one_e2 * one_e2);",
+           KERNEL_TESTS, "tanh' 1e-13 too large (float64 only: the factor rounds to 4 in float)"),
+    Mutant("kernel-grid-stride", "cuda_src/lltm.cu",
+           "i += (I)blockDim.x * gridDim.x) {\n    const I b = i / S;\n    const I s = i - b * S;\n"
+           "    T* g",
+           "i += (I)blockDim.x) {\n    const I b = i / S;\n    const I s = i - b * S;\n    T* g",
+           KERNEL_TESTS, "forward kernel strides by one block, not the grid"),
+    # --------------------------------------------------------------- NumPy backend
+    Mutant("numpy-drop-grad-cell", "lltm_cupy/_numpy.py",
+           "            np.add(d_new_cell, grad_cell, d_new_cell)\n", "            pass\n",
+           NUMPY_TESTS, "NumPy backward: grad_cell dropped from d_new_cell"),
+    Mutant("numpy-sigmoid-wrong-gate", "lltm_cupy/_numpy.py",
+           "np.multiply(new_h, q[1], factors[1])", "np.multiply(new_h, q[0], factors[1])",
+           NUMPY_TESTS, "NumPy: the output gate's sigmoid' uses sigmoid(-z_i)"),
+    Mutant("numpy-bptt-overwrites", "lltm_cupy/_numpy.py",
+           "            grad_h[t - 1] += mm(d_gates, w_h)",
+           "            grad_h[t - 1] = mm(d_gates, w_h)",
+           NUMPY_TESTS, "NumPy sequence backward: the recurrent gradient replaces grad_outputs"),
+    Mutant("numpy-d-weights-h-shifted", "lltm_cupy/_numpy.py",
+           "mm(flat.T, hs[:-1].reshape(steps * batch, state))",
+           "mm(flat.T, hs[1:].reshape(steps * batch, state))",
+           NUMPY_TESTS, "NumPy sequence d_weights: h_t in place of h_(t-1)"),
+    # ---------------------------------------------------------------- CuPy backend
+    Mutant("cupy-f16-d-bias-in-f16", "lltm_cupy/_cupy.py",
+           "return d_gates.sum(axis=0, dtype=np.float32).astype(np.float16).reshape(bias_shape)",
+           "return d_gates.sum(axis=0).reshape(bias_shape)",
+           CUPY_TESTS, "float16 d_bias accumulated in float16"),
+    Mutant("cupy-recurrent-gemm-overwrites", "lltm_cupy/_cupy.py",
+           "gemm(hs[t], w_h_t, g[t - t0], accumulate=True)",
+           "gemm(hs[t], w_h_t, g[t - t0], accumulate=False)",
+           CUPY_TESTS, "CuPy sequence: the recurrent GEMM overwrites the input projection"),
+    Mutant("cupy-d-h0-last-step", "lltm_cupy/_cupy.py", "d_h0 = gemm(d_gates[0], w_h,",
+           "d_h0 = gemm(d_gates[-1], w_h,", CUPY_TESTS,
+           "CuPy sequence: d_h0 from the last step's d_gates"),
+    Mutant("cupy-no-16bit-math-mode", "lltm_cupy/_cupy.py",
+           "        mode = restore | _DISALLOW_REDUCED_PRECISION\n",
+           "        mode = restore\n", CUPY_TESTS + ("tests/test_warmup.py",),
+           "16-bit GEMMs allow reduced-precision reductions"),
+    # ------------------------------------------------------------------- packing
+    Mutant("packing-reverse-index", "lltm_cupy/_packing.py",
+           "t_index = lengths[b_index] - 1 - tau if reverse else tau",
+           "t_index = steps - 1 - tau if reverse else tau",
+           ("tests/test_lengths.py", "tests/test_lltm_layers.py", "tests/test_layers.py"),
+           "reverse direction starts at the padded end, not each sequence's own last step"),
+    # -------------------------------------------------------------------- torch layer
+    Mutant("dropout-after-last-layer", "lltm_cupy/torch/_modules.py",
+           "and k < self.num_layers - 1:", "and self.num_layers > 1:",
+           LAYER_TESTS, "LLTM applies dropout after the last layer too"),
+    Mutant("stream-null", "lltm_cupy/torch/_interop.py",
+           "    with cupy.cuda.Stream.from_external(\n"
+           "            _StreamRef(torch.cuda.current_stream(device).cuda_stream)) as stream:",
+           "    with cupy.cuda.Stream.null as stream:",
+           ("tests/test_torch_cuda_path.py", "tests/test_lltm_layers.py"),
+           "CuPy work on the null stream, not torch's current stream"),
+    Mutant("stream-cached", "lltm_cupy/torch/_interop.py",
+           "_StreamRef(torch.cuda.current_stream(device).cuda_stream)",
+           "_StreamRef(_stream.__dict__.setdefault("
+           "'handle', torch.cuda.current_stream(device).cuda_stream))",
+           ("tests/test_torch_cuda_path.py", "tests/test_lltm_layers.py"),
+           "torch's stream read once and cached across calls"),
+    Mutant("h-n-directions-swapped", "lltm_cupy/torch/_modules.py",
+           "                h_n.append(h)\n", "                h_n.insert(len(h_n) - d, h)\n",
+           LAYER_TESTS, "bidirectional h_n: reverse direction stored before the forward one"),
+    Mutant("autograd-grads-order", "lltm_cupy/torch/_ops.py",
+           "    return g[1], g[2], g[3], g[0], g[4]", "    return g[0], g[2], g[3], g[1], g[4]",
+           ("tests/test_torch.py", "tests/test_torch_sequence.py"),
+           "LLTMFunction returns d_old_h as the input's gradient and vice versa"),
+    # --------------------------------------------------------------- checks, reference
+    Mutant("check-dtypes-removed", "lltm_cupy/_checks.py",
+           "    if any(d != first for d in dtypes.values()):",
+           "    if False:",
+           ("tests/test_bad_input.py", "tests/test_errors.py", "tests/test_torch.py"),
+           "the same-dtype check removed (a mixed-dtype call computes silently)",
+           values=False),
+    Mutant("reference-d-tanh", "lltm_cupy/reference.py",
+           "    return (1.0 / np.cosh(z)) ** 2", "    return 1.0 / np.cosh(z)",
+           ("tests/test_finite_differences.py", "tests/test_backends.py"),
+           "the reference's tanh' = sech instead of sech^2 (the spec itself wrong)"),
+]
+
+
+def copy_repository(dest: Path) -> None:
+    """Copy the files git tracks plus untracked ones it does not ignore."""
+    listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard"], cwd=ROOT, check=True,
+                             capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listing):
+        source = ROOT / name
+        if source.is_file():
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def apply(copy: Path, mutant: Mutant) -> str | None:
+    """Apply ``mutant`` to ``copy``; return the original text, or None if it does not apply."""
+    path = copy / mutant.path
+    text = path.read_text()
+    count = text.count(mutant.old)
+    if count == 0 or (mutant.nth == 0 and count != 1) or mutant.nth >= max(count, 1):
+        return None
+    start = -1
+    for _ in range(mutant.nth + 1):
+        start = text.index(mutant.old, start + 1)
+    path.write_text(text[:start] + mutant.new + text[start + len(mutant.old):])
+    return text
+
+
+def run_tests(copy: Path, tests, timeout: float):
+    """Run pytest on ``tests`` in ``copy``: (failed node ids, outcome, seconds)."""
+    report = copy / ".audit-junit.xml"
+    report.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(copy)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
+        PYTHONDONTWRITEBYTECODE="1")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "-p", "no:randomly", f"--junitxml={report}", *tests], cwd=copy,
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return set(), "timeout", time.monotonic() - start
+    seconds = time.monotonic() - start
+    failed = set()
+    if report.exists():
+        for case in ET.parse(report).getroot().iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                module = case.get("classname", "").replace(".", "/")
+                failed.add(f"{module}.py::{case.get('name')}")
+    if proc.returncode not in (0, 1) and not failed:
+        return {f"(pytest exit {proc.returncode}: {proc.stdout.strip().splitlines()[-1:]})"}, \
+            "error", seconds
+    return failed, "ran", seconds
+
+
+def is_value_test(node: str) -> bool:
+    return not node.startswith(NOT_VALUE_TESTS) and not node.startswith("(")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
+    parser.add_argument("--limit", type=int, help="run the first N (selected) mutants only")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--timeout", type=float, default=1200,
+                        help="seconds per pytest run (default 1200); a timeout is not a kill")
+    parser.add_argument("--markdown", type=Path, help="also write the table to this file")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    args = parser.parse_args(argv)
+
+    mutants = MUTANTS
+    if args.only:
+        unknown = set(args.only) - {m.name for m in MUTANTS}
+        if unknown:
+            parser.error(f"unknown mutant(s): {', '.join(sorted(unknown))}")
+        mutants = [m for m in MUTANTS if m.name in args.only]
+    if args.limit is not None:
+        mutants = mutants[:args.limit]
+    if args.list:
+        for m in MUTANTS:
+            count = (ROOT / m.path).read_text().count(m.old)
+            applies = count == 1 or (m.nth and count > m.nth)
+            print(f"{m.name:32} {m.path:30} {'' if applies else '[NOT FOUND] '}{m.what}")
+        return 0
+
+    copy = Path(tempfile.mkdtemp(prefix="lltm-audit-"))
+    try:
+        copy_repository(copy)
+        probe = subprocess.run([sys.executable, "-c", "import lltm_cupy; print(lltm_cupy.__file__)"],
+                               cwd=copy, capture_output=True, text=True,
+                               env=dict(os.environ, PYTHONPATH=str(copy)))
+        if not probe.stdout.strip().startswith(str(copy)):
+            print(f"audit: lltm_cupy imports from {probe.stdout.strip() or probe.stderr}, not "
+                  f"the copy {copy}", file=sys.stderr)
+            return 2
+        files = sorted({t for m in mutants for t in m.tests})
+        print(f"baseline: {len(files)} test files on the unmodified copy ...", flush=True)
+        baseline, outcome, seconds = run_tests(copy, files, args.timeout)
+        print(f"baseline: {len(baseline)} failing ({outcome}, {seconds:.0f} s)"
+              + "".join(f"\n  {n}" for n in sorted(baseline)), flush=True)
+        rows, bad, stale = [], 0, 0
+        for m in mutants:
+            original = apply(copy, m)
+            if original is None:
+                rows.append((m, "not applied", 0, 0, 0.0, []))
+                stale += 1
+                print(f"{m.name}: not applied (text not found once in {m.path})", flush=True)
+                continue
+            try:
+                failed, outcome, seconds = run_tests(copy, m.tests, args.timeout)
+            finally:
+                (copy / m.path).write_text(original)
+            failed -= baseline
+            values = sorted(n for n in failed if is_value_test(n) or not m.values)
+            if outcome == "timeout":
+                verdict = "timeout"
+            elif not failed:
+                verdict = "survived"
+            elif len(values) < 2:
+                verdict = "weak"
+            else:
+                verdict = "killed"
+            bad += verdict in ("survived", "weak", "timeout")
+            rows.append((m, verdict, len(failed), len(values), seconds, values))
+            print(f"{m.name}: {verdict}, {len(failed)} failing ({len(values)} value tests), "
+                  f"{seconds:.0f} s", flush=True)
+        table = format_table(rows, baseline)
+        print("\n" + table)
+        if args.markdown:
+            args.markdown.write_text(table + "\n")
+    finally:
+        if args.keep:
+            print(f"copy kept at {copy}")
+        else:
+            shutil.rmtree(copy, ignore_errors=True)
+    return 2 if stale else 1 if bad else 0
+
+
+def format_table(rows, baseline) -> str:
+    lines = ["| mutant | where | bug | verdict | failing tests | of them value tests | "
+             "seconds |", "|---|---|---|---|---|---|---|"]
+    for m, verdict, failed, values, seconds, _ in rows:
+        lines.append(f"| `{m.name}` | `{m.path}` | {m.what} | {verdict} | {failed} | {values} | "
+                     f"{seconds:.0f} |")
+    if baseline:
+        lines.append("")
+        lines.append("Left out (failing before any mutation): "
+                     + ", ".join(f"`{n}`" for n in sorted(baseline)))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
