@@ -76,12 +76,10 @@ class Mutant:
 
 MUTANTS = [
     # ------------------------------------------------------------------ kernels (cuda_src)
-    Mutant("kernel-gates-swapped", "cuda_src/lltm.cu",
-           "    lltm_sigmoid(tr::load(zi_t), &input_gate, &unused);\n"
-           "    lltm_sigmoid(tr::load(zo_t), &output_gate, &unused);",
-           "    lltm_sigmoid(tr::load(zo_t), &input_gate, &unused);\n"
-           "    lltm_sigmoid(tr::load(zi_t), &output_gate, &unused);",
-           KERNEL_TESTS, "forward kernel: input and output gates swapped"),
+    Mutant("kernel-input-gate-from-z-o", "cuda_src/lltm.cu",
+           "lltm_sigmoid(tr::load(zi_t), &input_gate, &unused);",
+           "lltm_sigmoid(tr::load(zo_t), &input_gate, &unused);",
+           KERNEL_TESTS, "forward kernel: the input gate from the output gate's pre-activation"),
     Mutant("kernel-drop-grad-cell", "cuda_src/lltm.cu",
            "const A d_new_cell = d_tanh * (output_gate * gh) + gc;",
            "const A d_new_cell = d_tanh * (output_gate * gh);",
