@@ -434,3 +434,166 @@ def test_needed_must_be_exactly_five_booleans(needed):
     grads = lltm_cupy.backward_sequence(outputs, None, None, saved,
                                         needed=np.array([0, 1, 0, 0, 1], bool))
     assert grads.d_inputs is None and grads.d_weights is not None and grads.d_c0 is not None
+
+
+# ----------------------------------------------- usage patterns of real nn.LSTM scripts
+# (pytorch/examples' word_language_model and time_sequence_prediction, on data made here)
+
+V, E = 11, 8     # vocabulary, embedding = hidden size (tied weights need them equal)
+
+
+class TinyLM(nn.Module):
+    """word_language_model's RNNModel with LLTM in nn.LSTM's place: embedding, dropout, a
+    2-layer LLTM with dropout, a decoder whose weight is the embedding's (tied)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.2)
+        self.encoder = nn.Embedding(V, E)
+        self.rnn = LLTM(E, E, 2, dropout=0.2)
+        self.decoder = nn.Linear(E, V)
+        self.decoder.weight = self.encoder.weight
+
+    def forward(self, tokens, hidden):
+        output, hidden = self.rnn(self.drop(self.encoder(tokens)), hidden)
+        return self.decoder(self.drop(output)).view(-1, V), hidden
+
+    def init_hidden(self, batch):
+        weight = next(self.parameters())
+        return (weight.new_zeros(2, batch, E), weight.new_zeros(2, batch, E))
+
+
+def _corpus(batch=4, length=241):
+    """Token columns (length, batch) of a learnable pattern: each column counts up mod V from
+    its own start, with a few random tokens."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randint(V, (batch,), generator=g)
+    data = (start + torch.arange(length)[:, None]) % V
+    noise = torch.rand(length, batch, generator=g) < 0.05
+    return torch.where(noise, torch.randint(V, (length, batch), generator=g), data)
+
+
+def _train(model, data, batches, bptt=10, lr=1.0, seed=0):
+    """main.py's train(): state carried across batches and detached, clipped SGD; the losses."""
+    torch.manual_seed(seed)
+    model.train()
+    hidden, losses = model.init_hidden(data.shape[1]), []
+    for i in range(0, bptt * batches, bptt):
+        x, y = data[i:i + bptt], data[i + 1:i + 1 + bptt].reshape(-1)
+        hidden = tuple(h.detach() for h in hidden)       # repackage_hidden
+        model.zero_grad()
+        output, hidden = model(x, hidden)
+        loss = nn.functional.cross_entropy(output, y)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-lr)
+        losses.append(loss.item())
+    return losses
+
+
+def test_carried_state_equals_one_long_sequence():
+    """Two batches with the state carried (detached) give the outputs of one call on their
+    concatenation (eval mode); without the detach the second backward would reach the first
+    batch's freed graph."""
+    torch.manual_seed(6)
+    model = TinyLM().eval()
+    data = _corpus()
+    whole, whole_state = model(data[:20], model.init_hidden(4))
+    first, state = model(data[:10], model.init_hidden(4))
+    second, state = model(data[10:20], tuple(h.detach() for h in state))
+    torch.testing.assert_close(torch.cat([first, second]), whole, rtol=1e-6, atol=1e-6)
+    for a, b in zip(state, whole_state):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    second.sum().backward()                               # only the second batch's graph
+    model.zero_grad()
+    third, _ = model(data[20:30], state)                  # not detached: reaches batch 2's graph
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        third.sum().backward()
+
+
+def test_language_model_trains_saves_whole_and_resumes_identically(tmp_path):
+    """Training lowers the loss; torch.save(model) and torch.load(weights_only=True) with the
+    classes allowlisted, flatten_parameters() after loading (as main.py does), the tied weight
+    still one tensor, and training resumed from the reloaded model gives the same losses."""
+    torch.manual_seed(7)
+    model, data = TinyLM(), _corpus()
+    losses = _train(model, data, batches=24, lr=5.0)
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
+    assert model.decoder.weight is model.encoder.weight
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    with torch.serialization.safe_globals([TinyLM, LLTM, nn.Dropout, nn.Embedding, nn.Linear]):
+        again = torch.load(path, weights_only=True)
+    again.rnn.flatten_parameters()
+    assert again.decoder.weight is again.encoder.weight
+    assert _train(again, data[200:], batches=3, seed=1) == _train(model, data[200:], batches=3,
+                                                                   seed=1)
+    # the saved model's state_dict into a fresh model, as well
+    saved, fresh = torch.load(path, weights_only=False).eval(), TinyLM().eval()
+    fresh.load_state_dict(saved.state_dict())
+    fresh.rnn.flatten_parameters()
+    x = data[:10]
+    assert torch.equal(fresh(x, fresh.init_hidden(4))[0], saved(x, saved.init_hidden(4))[0])
+
+
+class SineSequence(nn.Module):
+    """time_sequence_prediction's Sequence: two float64 cells stepped from Python, a linear
+    read-out, and free-running prediction of ``future`` steps."""
+
+    def __init__(self, cell, hidden=6):
+        super().__init__()
+        self.hidden = hidden
+        self.lstm1, self.lstm2 = cell(1, hidden), cell(hidden, hidden)
+        self.linear = nn.Linear(hidden, 1)
+
+    def forward(self, input, future=0):
+        outputs = []
+        h_t, c_t, h_t2, c_t2 = (torch.zeros(input.size(0), self.hidden, dtype=torch.double)
+                                for _ in range(4))
+        for input_t in input.split(1, dim=1):
+            h_t, c_t = self.lstm1(input_t, (h_t, c_t))
+            h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+            output = self.linear(h_t2)
+            outputs += [output]
+        for _ in range(future):
+            h_t, c_t = self.lstm1(output, (h_t, c_t))
+            h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+            output = self.linear(h_t2)
+            outputs += [output]
+        return torch.cat(outputs, dim=1)
+
+
+def _lbfgs(cell, steps=3):
+    rng = np.random.default_rng(2)
+    x = np.arange(40) + rng.integers(-80, 80, 8)[:, None]
+    data = torch.from_numpy(np.sin(x / 20.0))
+    input, target = data[2:, :-1], data[2:, 1:]
+    torch.manual_seed(0)
+    seq = SineSequence(cell).double()
+    optimizer = torch.optim.LBFGS(seq.parameters(), lr=0.8)
+    losses = []
+
+    def closure():
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(seq(input), target)
+        losses.append(loss.item())
+        loss.backward()
+        return loss
+
+    for _ in range(steps):
+        optimizer.step(closure)
+    with torch.no_grad():
+        pred = seq(data[:2, :-1], future=10)
+    return losses, pred
+
+
+def test_float64_cells_trained_with_lbfgs():
+    """The LBFGS closure pattern in float64 (many closure calls per step) lowers the loss as
+    nn.LSTMCell's run does, and the free-running prediction runs."""
+    ours, pred = _lbfgs(LLTMCell)
+    theirs, _ = _lbfgs(nn.LSTMCell)
+    assert pred.dtype == torch.float64 and pred.shape == (2, 39 + 10)
+    assert len(ours) > 10 and all(np.isfinite(ours))
+    assert ours[-1] < 0.2 * ours[0], (ours[0], ours[-1])
+    assert theirs[-1] < 0.2 * theirs[0]   # the same pattern with nn.LSTMCell, for scale
