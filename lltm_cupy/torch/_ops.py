@@ -9,6 +9,12 @@ Two paths give the same results:
   autograd registrations), which the compiler treats as opaque: no graph break, and CUDA graphs
   (``mode="reduce-overhead"``) capture them like torch's own kernels.
 
+Whenever autograd will not need a backward (grad mode off, as under ``torch.no_grad`` and
+``torch.inference_mode``, or no argument requiring grad), both paths run the backends' forward
+only (``keep=False``: nothing computed or kept for a backward, the same bits): eagerly as a plain
+call, compiled as the custom operators ``lltm_cupy::lltm_inference`` and
+``lltm_cupy::lltm_sequence_inference`` (no autograd registration needed).
+
 Under ``torch.autocast`` the arguments are first cast (differentiably, so gradients reach the
 parameters in their own dtype) to the dtype the cell computes in: the autocast dtype on CUDA
 (float16 or bfloat16), float32 under CPU autocast (NumPy has no bfloat16). float64 tensors are
@@ -74,6 +80,46 @@ def _refuse_double_backward() -> None:
     if torch.is_grad_enabled():
         raise RuntimeError("lltm_cupy.torch: double backward (create_graph=True) is not supported: "
                            "the LLTM backward kernels are not differentiable")
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward only: chosen whenever autograd will not need the backward
+
+def _needs_grad(tensors) -> bool:
+    """Whether autograd will record the call: grad mode on (off under ``torch.no_grad`` and
+    ``torch.inference_mode``) and some argument requiring grad. Read at trace time under
+    torch.compile, where Dynamo guards on both, so the choice costs no graph break."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _transformed(tensors) -> bool:
+    """Whether any argument is a ``torch.func`` transform's wrapper (vmap's batched tensor,
+    grad's tracking tensor): those go to the autograd Functions, which refuse them clearly.
+    Eager calls only."""
+    check = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return check is not None and any(check(t) for t in tensors)
+
+
+def _forward_only(tensors, sequence: bool, fused: bool = False, **kw):
+    """The backend's forward with ``keep=False``: nothing computed or kept for a backward."""
+    with _interop.backend_call(tensors[0].device) as call:
+        run = call.backend.forward_sequence if sequence else call.backend.forward
+        if sequence:
+            kw.update(_fused_kw(call, fused))
+        results = run(*(call.array(t) for t in tensors), keep=False, **call.kw, **kw)
+        return tuple(call.tensor(a) for a in results[:-1])
+
+
+@torch.library.custom_op("lltm_cupy::lltm_inference", mutates_args=())
+def _lltm_inference_op(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
+                       old_cell: Tensor) -> tuple[Tensor, Tensor]:
+    """One step, forward only: (new_h, new_cell)."""
+    return _forward_only((input, weights, bias, old_h, old_cell), False)
+
+
+@_lltm_inference_op.register_fake
+def _(input, weights, bias, old_h, old_cell):
+    return old_h.new_empty(old_h.shape), old_h.new_empty(old_h.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,7 +255,13 @@ def lltm(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
         new_h, new_cell = lltm(*(t.float() for t in tensors))
         return new_h.bfloat16(), new_cell.bfloat16()
     _interop.check(tensors)
-    if torch.compiler.is_compiling() or tensors[0].device.type == "meta":
+    meta = tensors[0].device.type == "meta"     # shape inference: the ops' fake versions
+    if not _needs_grad(tensors):
+        if torch.compiler.is_compiling() or meta:
+            return _lltm_inference_op(*tensors)
+        if not _transformed(tensors):
+            return _forward_only(tensors, False)
+    if torch.compiler.is_compiling() or meta:
         new_h, new_cell, _, _ = _lltm_forward_op(*tensors)
         return new_h, new_cell
     return LLTMFunction.apply(*tensors)
@@ -330,6 +382,21 @@ _sequence_forward_op.register_autograd(_sequence_backward_autograd,
                                        setup_context=_sequence_setup_context)
 
 
+@torch.library.custom_op("lltm_cupy::lltm_sequence_inference", mutates_args=())
+def _sequence_inference_op(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor,
+                           c0: Tensor, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """A sequence, forward only: (outputs, h_n, c_n)."""
+    return _forward_only((inputs, weights, bias, h0, c0), True, fused)
+
+
+@_sequence_inference_op.register_fake
+def _(inputs, weights, bias, h0, c0, fused=False):
+    steps, batch, _ = inputs.shape
+    state = h0.shape[1]
+    return (inputs.new_empty(steps, batch, state), inputs.new_empty(batch, state),
+            inputs.new_empty(batch, state))
+
+
 def eager_only(fn):
     """``fn`` run eagerly under torch.compile (a graph break), as ``torch.compiler.disable(fn)``,
     but without importing torch's compiler at import time or in eager calls (``disable`` imports
@@ -356,6 +423,8 @@ def _packed_sequence(tensors, lengths, reverse: bool, fused: bool = False):
 
     steps, batch = tensors[0].shape[:2]
     plan = _packing.plan(_packing.check_lengths(lengths, steps, batch), steps, reverse=reverse)
+    if not _needs_grad(tensors) and not _transformed(tensors):
+        return _forward_only(tensors, True, fused, plan=plan)
     return LLTMSequenceFunction.apply(*tensors, plan, fused)
 
 
@@ -380,6 +449,8 @@ def lltm_packed(data: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Ten
         hs, h_n, c_n, _, _ = _sequence_forward_op(data[None], weights, bias,
                                                   h0[:1].expand(rows, -1), c0[:1].expand(rows, -1))
         return hs[1], h_n[:batch], c_n[:batch]
+    if not _needs_grad(tensors) and not _transformed(tensors):
+        return _forward_only(tensors, True, fused, plan=plan)
     return LLTMSequenceFunction.apply(*tensors, plan, fused)
 
 
@@ -420,6 +491,11 @@ def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0:
     if reverse:     # every sequence full length: run the time-reversed sequence
         outputs, h_n, c_n = lltm_sequence(tensors[0].flip(0), *tensors[1:], fused=fused)
         return outputs.flip(0), h_n, c_n
+    if not _needs_grad(tensors):
+        if torch.compiler.is_compiling():
+            return _sequence_inference_op(*tensors, fused)
+        if not _transformed(tensors):
+            return _forward_only(tensors, True, fused)
     if torch.compiler.is_compiling():
         hs, h_n, c_n, _, _ = _sequence_forward_op(*tensors, fused)
         return hs[1:], h_n, c_n

@@ -1,0 +1,235 @@
+"""The torch layer runs the forward only (the backends' ``keep=False``) exactly when autograd
+will not need a backward: under ``torch.no_grad``, ``torch.inference_mode``, or with nothing
+requiring grad; eager and under ``torch.compile(fullgraph=True)``; with the same bits as the
+training forward. What is kept is asserted on the backend calls themselves (the ``keep`` each
+received) and on the memory they took, not on timing.
+"""
+from __future__ import annotations
+
+import contextlib
+import tracemalloc
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+
+from torch.nn.utils.rnn import pack_padded_sequence  # noqa: E402
+
+from lltm_cupy import _cupy, _numpy  # noqa: E402
+from lltm_cupy.torch import LLTM, LLTMCell, lltm_sequence  # noqa: E402
+from test_torch import CUDA_REASON, needs_cuda  # noqa: E402
+
+
+@pytest.fixture
+def kept(monkeypatch):
+    """The ``keep`` of every backend forward call (both backends), in call order."""
+    seen = []
+    for backend in (_numpy, _cupy):
+        for name in ("forward", "forward_sequence"):
+            real = getattr(backend, name)
+
+            def spy(*args, _real=real, keep=True, **kw):
+                seen.append(keep)
+                return _real(*args, keep=keep, **kw)
+            monkeypatch.setattr(backend, name, spy)
+    return seen
+
+
+def _cell(device="cpu"):
+    cell = LLTMCell(5, 7, device=device, dtype=torch.float64)
+    xs = torch.randn(4, 3, 5, device=device, dtype=torch.float64)
+
+    def run(model, x):
+        state = None
+        outs = []
+        for step in x:
+            state = model(step, state)
+            outs.append(state[0])
+        return torch.stack(outs), state[1]
+    return cell, xs, run, 4
+
+
+def _layers(device="cpu"):
+    model = LLTM(5, 6, num_layers=2, bidirectional=True, device=device, dtype=torch.float64)
+    xs = torch.randn(7, 3, 5, device=device, dtype=torch.float64)
+    return model, xs, lambda m, x: (lambda o: (o[0], *o[1]))(m(x)), 4
+
+
+def _packed(device="cpu"):
+    model = LLTM(5, 6, num_layers=2, bidirectional=True, device=device, dtype=torch.float64)
+    xs = torch.randn(7, 4, 5, device=device, dtype=torch.float64)
+    lengths = torch.tensor([3, 7, 1, 5])
+
+    def run(m, x):
+        out, (h, c) = m(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        return out.data, h, c
+    return model, xs, run, 4
+
+
+def _functional(device="cpu", lengths=True):
+    model = LLTMCell(5, 6, device=device, dtype=torch.float64)
+    xs = torch.randn(6, 3, 5, device=device, dtype=torch.float64)
+    h0 = torch.randn(3, 6, device=device, dtype=torch.float64)
+
+    def run(m, x):
+        bias = m.bias.reshape(-1)
+        a = lltm_sequence(x, m.weights, bias, h0, h0, lengths=[6, 2, 0]) if lengths else ()
+        b = lltm_sequence(x, m.weights, bias, h0, h0, reverse=True)
+        c = lltm_sequence(x, m.weights, bias, h0, h0)
+        return (*a, *b, *c)
+    return model, xs, run, 2 + lengths
+
+
+def _functional_fixed(device="cpu"):
+    """lltm_sequence without lengths (lengths= runs eagerly: a graph break of its own)."""
+    return _functional(device, lengths=False)
+
+
+MODELS = {"LLTMCell stepped": _cell, "LLTM 2 layers bidirectional": _layers,
+          "LLTM packed 2 layers bidirectional": _packed,
+          "lltm_sequence lengths, reverse, plain": _functional}
+
+#: context -> (what to do to model and input, whether the backward is needed)
+CONTEXTS = {
+    "no_grad": (torch.no_grad, False, False),
+    "inference_mode": (torch.inference_mode, False, False),
+    "nothing requires grad": (contextlib.nullcontext, True, False),
+    "grad": (contextlib.nullcontext, False, True),
+    "only the input requires grad": (contextlib.nullcontext, True, True),
+}
+
+
+def _prepare(model, xs, context):
+    _, frozen, _ = CONTEXTS[context]
+    model.eval()
+    model.requires_grad_(not frozen)
+    return xs.clone().requires_grad_(context == "only the input requires grad")
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("make", MODELS.values(), ids=MODELS.keys())
+def test_forward_only_exactly_when_no_backward_is_needed(kept, make, context):
+    torch.manual_seed(0)
+    model, xs, run, calls = make()
+    with torch.enable_grad():
+        want = [t.detach() for t in run(model, xs.clone().requires_grad_())]
+    kept.clear()
+    x = _prepare(model, xs, context)
+    with CONTEXTS[context][0]():
+        got = run(model, x)
+    needed = CONTEXTS[context][2]
+    assert len(kept) >= calls and kept == [needed] * len(kept), kept
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g.detach(), w), f"result {i} differs from the training forward"
+        assert (g.grad_fn is not None) == needed
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "grad"])
+@pytest.mark.parametrize("make", [_cell, _layers, _functional_fixed],
+                         ids=["LLTMCell stepped", "LLTM 2 layers bidirectional",
+                              "lltm_sequence plain and reverse"])
+def test_compiled_fullgraph_chooses_the_same(kept, make, context):
+    """fullgraph=True fails on any graph break; the forward-only custom operators run under
+    no_grad and inference_mode, the training ones with grad, each with the eager results."""
+    torch.manual_seed(1)
+    model, xs, run, calls = make()
+    x = _prepare(model, xs, context)
+    with CONTEXTS[context][0]():
+        want = [t.detach().clone() for t in run(model, x)]
+        compiled = torch.compile(lambda x: run(model, x), fullgraph=True, backend="eager")
+        kept.clear()
+        got = compiled(x)
+    needed = CONTEXTS[context][2]
+    assert kept and kept == [needed] * len(kept), kept
+    for g, w in zip(got, want):
+        assert torch.equal(g.detach(), w)
+
+
+def test_inference_ops_pass_opcheck():
+    rng = np.random.default_rng(3)
+    B, F, S, T = 3, 4, 5, 6
+    w = torch.tensor(rng.standard_normal((3 * S, S + F)) / 3)
+    b, h, c = (torch.tensor(rng.standard_normal(s)) for s in (3 * S, (B, S), (B, S)))
+    torch.library.opcheck(torch.ops.lltm_cupy.lltm_inference.default,
+                          (torch.tensor(rng.standard_normal((B, F))), w, b, h, c))
+    torch.library.opcheck(torch.ops.lltm_cupy.lltm_sequence_inference.default,
+                          (torch.tensor(rng.standard_normal((T, B, F))), w, b, h, c))
+
+
+def _numpy_peak(call):
+    tracemalloc.start()
+    try:
+        out = call()
+        return tracemalloc.get_traced_memory()[1], out
+    finally:
+        tracemalloc.stop()
+
+
+def test_cpu_memory_beyond_the_output_does_not_grow_with_steps(monkeypatch):
+    """Every array the CPU path makes is NumPy's (torch views it), so tracemalloc sees them:
+    under no_grad the peak beyond the output is the same at 50 and 200 steps; with grad the
+    layer keeps 5 * B * S values per step for the backward."""
+    monkeypatch.setattr(_numpy, "_BLOCK_ROWS", 64)     # blocks of 8 steps: full at 50 too
+    torch.manual_seed(2)
+    B, F, S = 8, 4, 32
+    model = LLTM(F, S)
+    model(torch.randn(2, B, F))             # imports and first-call work done
+    extra = {}
+    for steps in (50, 200):
+        xs = torch.randn(steps, B, F)
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                peak, (out, _) = _numpy_peak(lambda: model(xs))
+            extra[steps, grad] = peak - out.numel() * out.element_size()
+            del out
+    assert extra[200, False] - extra[50, False] <= 1024, extra
+    assert (extra[200, True] - extra[50, True]) / 150 >= 0.9 * 5 * B * S * 4, extra
+
+
+def test_emulated_cuda_path_forward_only(emulated_cuda_torch, kept, monkeypatch):
+    """The CUDA path (CuPy backend on the emulated CuPy): forward only under no_grad, the same
+    bits as the training forward, and no allocation that grows with steps beyond the output
+    and its [h0, outputs] buffer."""
+    monkeypatch.setattr(_cupy, "_BLOCK_ROWS", 12)      # blocks of 4 steps
+    emu = emulated_cuda_torch.emulator
+    torch.manual_seed(3)
+    B, F, S = 3, 4, 6
+    model = LLTM(F, S, num_layers=2, dtype=torch.float32)
+    extra = {}
+    for steps in (20, 40):
+        xs = torch.randn(steps, B, F)
+        want, _ = model(xs)
+        emu.reset()
+        kept.clear()
+        with torch.no_grad():
+            got, _ = model(xs)
+        assert kept == [False, False]
+        assert torch.equal(got, want.detach())
+        extra[steps] = sum(emu.allocations) - 2 * (steps + 1) * B * S * 4
+    assert extra[40] == extra[20], extra
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CUDA_REASON is not None, reason=f"GPU test: {CUDA_REASON}")
+def test_gpu_forward_only_memory_and_bits():
+    """On a GPU: under no_grad the peak of torch's allocator beyond the output stays within a
+    few (batch, state) buffers plus one block of gates, and the bits equal the training
+    forward's."""
+    torch.manual_seed(4)
+    T, B, F, S = 500, 64, 16, 512
+    model = LLTM(F, S, device="cuda")
+    xs = torch.randn(T, B, F, device="cuda")
+    want, (h_want, c_want) = model(xs)
+    want, h_want, c_want = want.detach(), h_want.detach(), c_want.detach()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        got, (h, c) = model(xs)
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - base
+    outputs = (T + 1) * B * S * 4
+    block = _cupy._BLOCK_ROWS * 3 * S * 4
+    assert grown <= outputs + block + 16 * B * S * 4, (grown, outputs, block)
+    assert torch.equal(got, want) and torch.equal(h, h_want) and torch.equal(c, c_want)
