@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import lltm_cupy
-from conftest import TOLERANCE, max_error
+from conftest import TOLERANCE, max_error, to_numpy
 from helpers.layers_reference import model_one_sequence
 
 T, B, F, H = 5, 4, 3, 4
@@ -74,10 +74,9 @@ LENGTHS = {"full": None, "ragged": [5, 0, 2, 5]}
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
 @pytest.mark.parametrize("layers", [1, 3])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("array", ["numpy", "emulated"])
-def test_layers_match_each_sequence_alone(request, array, dtype, layers, bidirectional,
-                                          dropout, lengths, states):
-    xp = np if array == "numpy" else request.getfixturevalue("emulated_cupy")
+def test_layers_match_each_sequence_alone(xp, dtype, layers, bidirectional, dropout, lengths,
+                                          states):
+    """xp: NumPy, the emulated CuPy, and CuPy on a GPU (conftest's fixture)."""
     seed = 7 * layers + 3 * bidirectional + int(10 * dropout)
     params, a = _case(layers, bidirectional, dtype, seed)
     masks = _masks(seed + 1, dropout, layers, 2 if bidirectional else 1)
@@ -89,11 +88,11 @@ def test_layers_match_each_sequence_alone(request, array, dtype, layers, bidirec
     for name, w in want.items():
         g = got[name]
         assert tuple(g.shape) == w.shape and g.dtype == dtype, name
-        err = max_error(g, w)
+        err = max_error(to_numpy(g), w)
         assert err <= tol, f"{name}: {err:.2e} > {tol:.0e}"
     if given is not None:
         padded = np.arange(T)[:, None] >= np.array(given)[None, :]
-        assert not np.asarray(got["outputs"])[padded].any(), "outputs past a length are zero"
+        assert not to_numpy(got["outputs"])[padded].any(), "outputs past a length are zero"
 
 
 def test_dropout_repeats_with_the_seed_and_differs_without():
@@ -207,12 +206,10 @@ def test_bad_states_dropout_and_gradients():
 
 
 @pytest.mark.parametrize("lengths", LENGTHS, ids=LENGTHS.keys())
-@pytest.mark.parametrize("array", ["numpy", "emulated"])
-def test_forward_only_gives_the_same_numbers(request, array, lengths):
+def test_forward_only_gives_the_same_numbers(xp, lengths):
     """return_saved=False: saved is None, outputs and states bit for bit the training
     forward's (3 layers, bidirectional, dropout from the same seed), and a backward on the
     None says why."""
-    xp = np if array == "numpy" else request.getfixturevalue("emulated_cupy")
     params, a = _case(3, True, np.float32, 4)
     p = {k: xp.asarray(v) for k, v in params.items()}
     x = xp.asarray(a["x"])
@@ -221,7 +218,7 @@ def test_forward_only_gives_the_same_numbers(request, array, lengths):
     infer = lltm_cupy.forward_layers(x, p, rng=np.random.default_rng(9), return_saved=False, **kw)
     assert infer[3] is None
     for name, u, v in zip(("outputs", "h_n", "c_n"), infer[:3], train[:3]):
-        np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=name)
+        np.testing.assert_array_equal(to_numpy(u), to_numpy(v), err_msg=name)
     with pytest.raises(TypeError, match="return_saved"):
         lltm_cupy.backward_layers(None, None, None, infer[3])
     with pytest.raises(TypeError, match="return_saved"):

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from .._parameters import layer_plan
 from ._ops import eager_only, lltm, lltm_packed, lltm_sequence
 
 __all__ = ["LLTMCell", "LLTM"]
@@ -289,17 +290,16 @@ class LLTM(nn.Module):
         self.bidirectional = bool(bidirectional)
         self.mode, self.proj_size = "LLTM", 0   # as nn.LSTM's mode ("LSTM") and proj_size
         factory = {"device": device, "dtype": dtype}
-        directions = 2 if bidirectional else 1
         self._names = []
-        for k in range(num_layers):
-            width = input_size if k == 0 else hidden_size * directions
-            for suffix in ("", "_reverse")[:directions]:
-                w, b = f"weights_l{k}{suffix}", f"bias_l{k}{suffix}"
-                self.register_parameter(w, nn.Parameter(
-                    torch.empty(3 * hidden_size, hidden_size + width, **factory)))
-                self.register_parameter(b, nn.Parameter(torch.empty(1, 3 * hidden_size, **factory))
-                                        if bias else None)
-                self._names.append((w, b))
+        # names, shapes and order shared with the array API's forward_layers (a state dict
+        # moves between the two unchanged)
+        for layer in layer_plan(input_size, hidden_size, num_layers, self.bidirectional):
+            w, b = layer.weights, layer.bias
+            self.register_parameter(w, nn.Parameter(
+                torch.empty(3 * hidden_size, hidden_size + layer.width, **factory)))
+            self.register_parameter(b, nn.Parameter(torch.empty(1, 3 * hidden_size, **factory))
+                                    if bias else None)
+            self._names.append((w, b))
         self.reset_parameters()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -425,6 +425,9 @@ class LLTM(nn.Module):
             batch = x.shape[1]
         (h0, c0), flat = self._hx(hx, batch, x, unbatched)
         h_n, c_n = [], []
+        # The array API's forward_layers (lltm_cupy/_layers.py) runs the same plan; its loop
+        # writes the backward out and draws dropout from the caller's generator, this one is
+        # differentiated by autograd and draws from torch's: two short loops, not one.
         for k in range(self.num_layers):
             outs = []
             for d in range(self.num_directions):
