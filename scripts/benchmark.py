@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--mixed", action="store_true", help="also time the cell between torch layers (CPU)")
     p.add_argument("--sequence", action="store_true",
                    help="time whole sequences instead (our LLTM vs stepped cells, nn.LSTM on GPU)")
-    p.add_argument("-t", "--steps", type=int, default=64, help="sequence length for --sequence")
+    p.add_argument("-t", "--steps", type=_int_list, default=[64],
+                   help="sequence length for --sequence; several separated by commas (64,512)")
     p.add_argument("--no-kernels", action="store_true",
                    help="skip the GPU kernel bandwidth report (GPU) or the BLAS share report (CPU)")
     p.add_argument("--json", metavar="FILE", help="write all results as JSON")
@@ -128,16 +129,19 @@ def _run_sizes(args, sizes, impls, out) -> None:
         print(f"[{i}/{len(sizes)}] size {size}, {runs} runs", file=sys.stderr, flush=True) \
             if not args.quiet else None
         if args.sequence:
-            cfg.runs = args.runs or max(10, cfg.runs // args.steps)
-            record = bm.run_sequence(cfg, args.steps, impls, quiet=args.quiet, strict=strict)
-        else:
-            record = bm.run_size(cfg, impls, quiet=args.quiet, strict=strict)
+            for steps in args.steps:
+                cfg.runs = args.runs or max(10, runs // steps)
+                record = bm.run_sequence(cfg, steps, impls, quiet=args.quiet, strict=strict)
+                out["sizes"].append(record)
+                print()
+                print(bm.format_table(record, args.scale), flush=True)
+                _write_json(args, out)
+            continue
+        record = bm.run_size(cfg, impls, quiet=args.quiet, strict=strict)
         out["sizes"].append(record)
         print()
         print(bm.format_table(record, args.scale), flush=True)
         _write_json(args, out)
-        if args.sequence:
-            continue
         if args.cuda and not args.no_kernels and not args.bf16 and size[0] * size[2] >= 1 << 20:
             rep = bm.gpu_kernel_report(cfg)
             out["gpu_kernels"][str(size)] = rep
@@ -151,6 +155,17 @@ def _run_sizes(args, sizes, impls, out) -> None:
             out["mixed"][str(size)] = rep
             print(bm.format_mixed(size, rep, args.scale), flush=True)
         _write_json(args, out)
+
+
+def _int_list(text: str) -> list:
+    """'64,512' -> [64, 512] (positive integers)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def _write_json(args, out) -> None:

@@ -7,9 +7,9 @@
 # sequences (against stepped cells and cuDNN's nn.LSTM; a 2-layer bidirectional LLTM against
 # stepped cells, a ragged packed batch against it padded), at the large sizes (kernel
 # bandwidth and GEMM share), and a profile of the host time per step (what decides small
-# sizes).
-# Writes 8 files into DIR (default: $OUT if set, else ./gpu_check_results): env.txt,
-# gpu_tests.txt, benchmark.txt (with the profiles), summary.txt and four JSON files, each JSON
+# sizes), and the fused sequence kernels against the default path and nn.LSTM.
+# Writes 10 files into DIR (default: $OUT if set, else ./gpu_check_results): env.txt,
+# gpu_tests.txt, benchmark.txt (with the profiles), summary.txt and six JSON files, each JSON
 # rewritten after every size. CuPy's kernel cache goes to DIR/cupy_cache unless CUPY_CACHE_DIR
 # is set (set it outside DIR where only a few files may come back from DIR).
 # Needs python3 with torch (CUDA), cupy, pytest, hypothesis and mpmath; installs nothing.
@@ -104,6 +104,15 @@ step "bench large" 15 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda \
 step "profile cell" 5 "$out/benchmark.txt" python3 scripts/profile_step.py --cuda --top 25
 step "profile sequence" 5 "$out/benchmark.txt" python3 scripts/profile_step.py --cuda \
     --sequence --top 25
+# The fused sequence kernels (LLTM(fused=True)) against the default path and cuDNN's nn.LSTM
+# at B = 16, S = 128, T = 64 and 512; their outputs and gradients are checked against the
+# default path's before anything is timed.
+step "bench fused f32" 12 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --sequence \
+    --sizes 16x32x128 -t 64,512 -r 10 --warmup 3 --impl sequence,fused,lstm \
+    --json "$out/benchmark_fused.json"
+step "bench fused bf16" 12 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --bf16 \
+    --sequence --sizes 16x32x128 -t 64,512 -r 10 --warmup 3 --impl sequence,fused,lstm \
+    --json "$out/benchmark_fused_bf16.json"
 
 {
   echo

@@ -488,3 +488,21 @@ def test_torch_compiled_sequence_runs_fused(fused_cupy, emulated_cuda_torch):
     assert emu.log.count("kernel:seq_fwd") == 1 and emu.log.count("kernel:seq_bwd") == 1
     for g, v in zip(got, want):
         assert max_error(g.double().numpy(), v.double().numpy()) <= 1e-5
+
+
+def test_benchmark_checks_the_fused_outputs_before_timing():
+    """The benchmark's check (scripts/gpu_check.sh's fused rows): equal modules pass, a module
+    whose weights differ by a realistic error is refused before anything is timed."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+    import lltm_cupy.torch as lt
+    from lltm_cupy.benchmark.sequence import check_fused
+
+    torch.manual_seed(0)
+    default, other = lt.LLTM(3, 5), lt.LLTM(3, 5)
+    other.load_state_dict(default.state_dict())
+    xs, h, c = torch.randn(4, 2, 3), torch.randn(2, 5), torch.randn(2, 5)
+    assert check_fused(default, other, xs, h, c, "float32") <= 1e-6
+    with torch.no_grad():
+        other.weights_l0[0, 0] += 1e-2
+    with pytest.raises(RuntimeError, match="not timed"):
+        check_fused(default, other, xs, h, c, "float32")

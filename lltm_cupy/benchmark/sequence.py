@@ -1,6 +1,7 @@
 """Whole sequences: our LLTM layer against our cell and the reference stepped from Python, the
 array API's sequence functions against stepping them, nn.LSTM (GPU), a 2-layer bidirectional
-LLTM against the same built from stepped cells, and a ragged batch against the same padded."""
+LLTM against the same built from stepped cells, a ragged batch against the same padded, and the
+fused sequence kernels (``LLTM(..., fused=True)``, GPU) against the default path."""
 from __future__ import annotations
 
 from ._common import _NO_BF16_ARRAYS, Config, _not_run, timed_record
@@ -8,11 +9,15 @@ from .cell import _array_side, _TorchRunner, _warmup
 
 SEQUENCE_IMPLS = ("sequence", "cell-stepped", "reference-stepped", "array-sequence",
                   "array-stepped", "lstm", "lltm-2x-bidir", "cells-2x-bidir", "ragged",
-                  "ragged-padded")
+                  "ragged-padded", "fused")
 #: Rows that time a pair (a row and what it replaces) with their ratio in the table:
 #: a 2-layer bidirectional LLTM against the same built from stepped LLTMCells, and a ragged
 #: batch (lengths uniform in [1, T], as a PackedSequence) against the same batch padded to T.
-PAIRED_SEQUENCE_IMPLS = {"lltm-2x-bidir": "cells-2x-bidir", "ragged": "ragged-padded"}
+PAIRED_SEQUENCE_IMPLS = {"lltm-2x-bidir": "cells-2x-bidir", "ragged": "ragged-padded",
+                         "fused": "sequence"}
+#: fused vs the default path: largest normalised difference of the outputs and of every
+#: gradient accepted before timing (they differ in the order of the recurrent product's sums)
+FUSED_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 2e-2, "bfloat16": 5e-2}
 SEQUENCE_SIZES = ((16, 32, 128), (64, 256, 512))
 
 
@@ -154,7 +159,7 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
 
     from .. import torch as lt
 
-    impls = list(impls or [i for i in SEQUENCE_IMPLS if i != "lstm" or cfg.cuda])
+    impls = list(impls or [i for i in SEQUENCE_IMPLS if i not in ("lstm", "fused") or cfg.cuda])
     device = "cuda" if cfg.cuda else "cpu"
     dtype = cfg.torch_dtype()
     torch.manual_seed(cfg.seed)
@@ -167,6 +172,13 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
     for name in impls:
         if name == "sequence":
             runners[name] = _TorchSequenceRunner(seq, xs, h, c, "sequence")
+        elif name == "fused" and not cfg.cuda:
+            _not_run(name, "the fused sequence kernels run on CUDA only", skipped, strict, quiet)
+        elif name == "fused":
+            fused = lt.LLTM(cfg.features, cfg.state, device=device, dtype=dtype, fused=True)
+            fused.load_state_dict(seq.state_dict())
+            runners[name] = _TorchSequenceRunner(fused, xs, h, c, "sequence")
+            check_fused(seq, fused, xs, h, c, cfg.dtype_name)
         elif name in ("cell-stepped", "reference-stepped"):
             cls = lt.LLTMCell if name == "cell-stepped" else lt.ReferenceLLTMCell
             cell = cls(cfg.features, cfg.state, device=device, dtype=dtype)
@@ -200,3 +212,28 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
             "pairs": {a: b for a, b in PAIRED_SEQUENCE_IMPLS.items()
                       if a in results and b in results}}
 
+
+
+def check_fused(default, fused, xs, h, c, dtype_name: str) -> float:
+    """Run both modules once (forward, and backward of the outputs' and final cell's sum) and
+    raise if the fused outputs or parameter gradients differ from the default path's by more
+    than FUSED_TOLERANCE (normalised by max(1, max |default|)); returns the largest difference."""
+    import torch
+
+    results = []
+    for module in (default, fused):
+        module.zero_grad(set_to_none=True)
+        out, (h_n, c_n) = module(xs, (h[None], c[None]))
+        (out.float().sum() + h_n.float().sum() + c_n.float().sum()).backward()
+        results.append([t.detach().double() for t in (out, h_n, c_n)]
+                       + [p.grad.detach().double() for p in module.parameters()])
+        module.zero_grad(set_to_none=True)
+    worst = 0.0
+    for i, (want, got) in enumerate(zip(*results)):
+        err = ((got - want).abs().max() / torch.clamp(want.abs().max(), min=1.0)).item()
+        worst = max(worst, err if err == err else float("inf"))
+    if not worst <= FUSED_TOLERANCE[dtype_name]:
+        raise RuntimeError(f"fused sequence kernels differ from the default path by {worst:.2e} "
+                           f"(normalised; more than {FUSED_TOLERANCE[dtype_name]:.0e} in "
+                           f"{dtype_name}): not timed")
+    return worst
