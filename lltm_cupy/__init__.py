@@ -203,7 +203,7 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, *, needed=None):
                                                _needed(needed))
 
 
-def warmup(dtypes=("float32",), device=None) -> None:
+def warmup(dtypes=("float32",), device=None, *, fused=False) -> None:
     """Compile and load now every GPU kernel the calls above launch for these dtypes.
 
     dtypes: one dtype or several: NumPy dtypes or names ("float16", "float32", "float64"), and
@@ -211,6 +211,8 @@ def warmup(dtypes=("float32",), device=None) -> None:
         read by name; torch is not imported)
     device: the GPU: an int, a ``cupy.cuda.Device`` or a ``torch.device("cuda:N")``; None (or a
         torch device without an index) for CuPy's current device
+    fused: also the fused sequence kernels (``fused=True`` of the sequence calls), on the
+        same paths (a compile of their own module per dtype)
 
     The GPU backend otherwise compiles its kernels (NVRTC) and loads them at their first use,
     and so does CuPy for the few of its own kernels the calls use. Call this before capturing
@@ -234,7 +236,7 @@ def warmup(dtypes=("float32",), device=None) -> None:
         raise ValueError(f"lltm_cupy.warmup: device must be a CUDA device, got {device}")
     else:
         device_id = getattr(device, "index", getattr(device, "id", None))
-    _cupy.warmup(parsed, device_id)
+    _cupy.warmup(parsed, device_id, fused=_flag("fused", fused))
 
 
 # Above the per-layer calls (they import the dispatch defined here).

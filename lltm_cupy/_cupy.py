@@ -409,13 +409,14 @@ def warmup_dtype(spec) -> np.dtype:
     return _WARMUP_DTYPES[name]
 
 
-def warmup(dtypes, device_id=None) -> None:
+def warmup(dtypes, device_id=None, fused=False) -> None:
     """Compile and load, on one device, every kernel that the calls of this backend launch for
     each dtype: the module of ``cuda_src/lltm.cu`` (both index widths) and CuPy's own kernels
     (copies, fills, the bias reduction, float16 casts, bfloat16 ones), by running every code path
     of forward, backward, forward_sequence and backward_sequence once on tiny arrays (batch 1
     and 2, steps 0, 1 and 2, each gradient given and None, fixed and variable lengths); then
-    synchronises the device.
+    synchronises the device. ``fused``: the same calls with ``fused=True`` too (the module of
+    ``cuda_src/lltm_fused.cu``).
     """
     cupy = _cupy()
     with cupy.cuda.Device(device_id):
@@ -424,7 +425,29 @@ def warmup(dtypes, device_id=None) -> None:
             get_kernels(dtype, True)
             for batch in (2, 1):
                 _exercise(cupy, dtype, batch, features=3, state=4)
+                if fused:
+                    _exercise_fused(cupy, dtype, batch, features=3, state=4)
         cupy.cuda.Device().synchronize()
+
+
+def _exercise_fused(cupy, dtype, batch, features, state):
+    """The sequence calls of _exercise with fused=True: fixed and variable lengths, packed data,
+    both directions, with and without a backward's saved values, each gradient given and None."""
+    from . import _packing
+
+    weights, bias = cupy.zeros((3 * state, state + features), dtype), cupy.zeros(3 * state, dtype)
+    h, c = cupy.zeros((batch, state), dtype), cupy.zeros((batch, state), dtype)
+    lengths = np.arange(batch, dtype=np.int64) % 3
+    cases = [(None, (2, batch)), (None, (0, batch))]
+    for reverse in (False, True):
+        cases += [(_packing.plan(lengths, 2, reverse), (2, batch)),
+                  (_packing.packed_plan((batch, 1), None, reverse), (batch + 1,))]
+    for plan, lead in cases:
+        x = cupy.zeros(lead + (features,), dtype)
+        forward_sequence(x, weights, bias, h, c, plan=plan, keep=False, fused=True)
+        *_, saved = forward_sequence(x, weights, bias, h, c, plan=plan, fused=True)
+        for grads in ((cupy.zeros(lead + (state,), dtype), h, c), (None, None, None)):
+            backward_sequence(*grads, saved)
 
 
 def _exercise(cupy, dtype, batch, features, state):

@@ -204,7 +204,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
         d_inputs, d_weights, d_bias = base.parameter_grads(cupy, d_gates, h_in, x, weights,
                                                            saved.bias_shape, needed, gemm)
         if need_x:
-            d_inputs = (d_inputs.reshape(steps, batch, -1) if plan is None
+            d_inputs = (d_inputs.reshape(steps, batch, x.shape[1]) if plan is None
                         else unpack_rows(d_inputs, plan, cupy, *index))
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)

@@ -36,7 +36,7 @@ def _dropout_mask(rng, p: float, shape, dtype, xp):
 
 
 def forward_layers(inputs, parameters, h0=None, c0=None, *, lengths=None, dropout=0.0,
-                   rng=None, return_saved=True):
+                   rng=None, return_saved=True, fused=False):
     """Run a whole model: every layer, both directions if bidirectional. Returns
     ``(outputs, h_n, c_n, saved)``.
 
@@ -56,6 +56,8 @@ def forward_layers(inputs, parameters, h0=None, c0=None, *, lengths=None, dropou
         (nothing computed or kept for a backward, memory beyond each layer's outputs
         independent of ``steps``) and ``saved`` is None; the outputs and states are bit for bit
         those of ``return_saved=True``
+    fused: on the GPU, every layer and direction in the fused sequence kernels, as
+        :func:`forward_sequence`'s ``fused`` (the backward follows)
 
     ``outputs`` (steps, batch, directions * H): the last layer's hidden states, forward
     direction first, zero past each sequence's length; ``h_n``, ``c_n`` (layers * directions,
@@ -66,6 +68,7 @@ def forward_layers(inputs, parameters, h0=None, c0=None, *, lengths=None, dropou
     copied: update them after the backward.
     """
     keep = _flag("return_saved", return_saved)
+    fused = _flag("fused", fused)
     structure = read_structure(parameters)
     backend = check_forward_layers(inputs, parameters, h0, c0, structure)
     dropout = _check_dropout(dropout, rng, structure.num_layers)
@@ -94,7 +97,8 @@ def forward_layers(inputs, parameters, h0=None, c0=None, *, lengths=None, dropou
         weights = parameters[layer.weights]
         bias = (parameters[layer.bias] if structure.bias else xp.zeros(3 * H, dtype))
         out, h, c, saved = _forward_sequence(backend, x, weights, bias, h0[layer.index],
-                                             c0[layer.index], plans[layer.reverse], keep)
+                                             c0[layer.index], plans[layer.reverse], keep,
+                                             fused)
         if layer.layer == 0 and keep:
             private_sequence(inputs, out, saved, copy_outputs=False)
         outs.append(out)

@@ -175,6 +175,16 @@ def test_fused_with_missing_gradients(fused_cupy, grads, lengths):
         assert max_error(f, s) <= 1e-13, name
 
 
+@pytest.mark.parametrize("shape", [(0, 3), (4, 0), (0, 0)], ids=["T=0", "B=0", "T=B=0"])
+def test_fused_with_no_step_or_no_row(fused_cupy, shape):
+    T, B = shape
+    stored, _ = make(T, B, 2, 5, np.dtype(np.float32), seed=1)
+    fused = run(fused_cupy, stored, None, False, True)
+    stepped = run(fused_cupy, stored, None, False, False)
+    for name, f, s in zip(OUT, fused, stepped):
+        assert f.shape == s.shape and np.array_equal(f, s), name
+
+
 def test_fused_results_do_not_depend_on_the_thread_order(fused_cupy, fused_lib, monkeypatch):
     """A kernel free of data races gives bit-identical results whatever order the threads of a
     block run in between barriers; the shim runs them ascending, descending and shuffled."""
@@ -506,3 +516,51 @@ def test_benchmark_checks_the_fused_outputs_before_timing():
         other.weights_l0[0, 0] += 1e-2
     with pytest.raises(RuntimeError, match="not timed"):
         check_fused(default, other, xs, h, c, "float32")
+
+
+def test_warmup_with_fused_leaves_nothing_to_compile(fused_cupy):
+    """lltm_cupy.warmup(..., fused=True) compiles the fused module and every CuPy kernel the
+    fused calls use, so that they can be captured in a CUDA graph; without fused=True it does
+    not compile the fused module."""
+    import lltm_cupy
+
+    emu = fused_cupy.emulator
+    lltm_cupy.warmup(["float32"])
+    assert ("lltm_fused.cu", "<f4") not in emu.compiles
+    lltm_cupy.warmup(["float32"], fused=True)
+    assert ("lltm_fused.cu", "<f4") in emu.compiles
+    emu.reset()
+    stored, _ = make(3, 4, 2, 5, np.dtype(np.float32), seed=0)
+    for lengths, reverse in ((None, False), ([3, 0, 2, 1], False), ([3, 0, 2, 1], True)):
+        for keep in (True, False):
+            a = {k: fused_cupy.asarray(v) for k, v in stored.items()}
+            outputs, h_n, c_n, saved = lltm_cupy.forward_sequence(
+                *(a[n] for n in ("inputs", "weights", "bias", "h0", "c0")), lengths=lengths,
+                reverse=reverse, fused=True, return_saved=keep)
+            if keep:
+                lltm_cupy.backward_sequence(a["grad_outputs"], a["grad_h_n"], a["grad_c_n"], saved)
+    assert emu.compiles == [], f"compiled after warmup: {emu.compiles}"
+
+
+def test_forward_layers_runs_every_layer_fused(fused_cupy):
+    import lltm_cupy
+
+    emu = fused_cupy.emulator
+    rng = np.random.default_rng(0)
+    params = {k: fused_cupy.asarray(v) for k, v in lltm_cupy.init_parameters(
+        3, 5, 2, bidirectional=True, rng=rng).items()}
+    xs = fused_cupy.asarray(rng.standard_normal((4, 2, 3)).astype(np.float32))
+    emu.reset()
+    fused = lltm_cupy.forward_layers(xs, params, lengths=[4, 2], fused=True)
+    assert emu.log.count("kernel:seq_fwd") == 4 and "kernel:fwd" not in emu.log
+    default = lltm_cupy.forward_layers(xs, params, lengths=[4, 2])
+    for a, b in zip(fused[:3], default[:3]):
+        assert max_error(to_numpy(a), to_numpy(b)) <= 1e-5
+    g_out = fused_cupy.asarray(rng.standard_normal(fused[0].shape).astype(np.float32))
+    emu.reset()
+    got = lltm_cupy.backward_layers(g_out, None, None, fused[3])
+    assert emu.log.count("kernel:seq_bwd") == 4 and "kernel:bwd" not in emu.log
+    want = lltm_cupy.backward_layers(g_out, None, None, default[3])
+    assert max_error(to_numpy(got.d_inputs), to_numpy(want.d_inputs)) <= 1e-5
+    for name, g in got.d_parameters.items():
+        assert max_error(to_numpy(g), to_numpy(want.d_parameters[name])) <= 1e-5, name
