@@ -7,6 +7,7 @@ Examples:
     python scripts/benchmark.py --cuda --json gpu.json
     python scripts/benchmark.py --mixed               # the cell between torch layers (CPU)
     python scripts/benchmark.py --sequence            # T = 64: our LLTM vs stepped cells
+    python scripts/benchmark.py --inference           # no_grad forward: memory and time vs nn.LSTM
 
 Options -b/-f/-s/-r/--scale/-c/-d are those of the tutorial's benchmark.py. Giving any of
 -b/-f/-s runs that one size; otherwise the sweep of --sizes (default: the CPU or GPU sweep).
@@ -62,9 +63,16 @@ def main(argv=None) -> int:
                    help="inputs and state require grad too (default: parameters only, as the tutorial)")
     p.add_argument("--mixed", action="store_true", help="also time the cell between torch layers (CPU)")
     p.add_argument("--sequence", action="store_true",
-                   help="time whole sequences instead (our LLTM vs stepped cells, nn.LSTM on GPU)")
+                   help="time whole sequences instead (our LLTM vs stepped cells and nn.LSTM)")
     p.add_argument("-t", "--steps", type=_int_list, default=[64],
                    help="sequence length for --sequence; several separated by commas (64,512)")
+    p.add_argument("--inference", action="store_true",
+                   help="a forward under torch.no_grad, our LLTM against nn.LSTM (CPU): peak "
+                        "resident memory added (a fresh process per implementation) at "
+                        "(T, B, F, S) = (500, 64, 16, 512), and process CPU time at (128, 32, "
+                        "128, 256) and (64, 64, 256, 512), interleaved, medians")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads for --inference (default 1)")
     p.add_argument("--no-kernels", action="store_true",
                    help="skip the GPU kernel bandwidth report (GPU) or the BLAS share report (CPU)")
     p.add_argument("--json", metavar="FILE", help="write all results as JSON")
@@ -83,6 +91,8 @@ def main(argv=None) -> int:
         except MissingExtra as exc:
             print(f"benchmark.py --plot: {exc}", file=sys.stderr)
             return 2
+    if args.inference:
+        return _inference(args, torch)
     if args.cuda and not torch.cuda.is_available():
         print("--cuda given but torch finds no CUDA device", file=sys.stderr)
         return 2
@@ -94,7 +104,8 @@ def main(argv=None) -> int:
         default = bm.SEQUENCE_SIZES if args.sequence else bm.GPU_SIZES if args.cuda else bm.CPU_SIZES
         sizes = args.sizes or list(default)
     known = bm.SEQUENCE_IMPLS if args.sequence else bm.IMPLS + bm.GRAPH_IMPLS + bm.EXTRA_IMPLS
-    gpu_only = ("lstm",) + bm.GRAPH_IMPLS
+    # nn.LSTMCell (lstm) only on the GPU; whole sequences compare nn.LSTM on the CPU too
+    gpu_only = bm.GRAPH_IMPLS + (("fused",) if args.sequence else ("lstm",))
     impls = args.impl.split(",") if args.impl else [
         i for i in known if (i not in gpu_only or args.cuda) and i not in bm.EXTRA_IMPLS]
     unknown = set(impls) - set(known)
@@ -117,6 +128,23 @@ def main(argv=None) -> int:
     if args.plot:
         width, height = bm.plot_speedups(out["sizes"], args.plot, machine)
         print(f"wrote {args.plot} ({width}x{height} pixels)")
+    return 0
+
+
+def _inference(args, torch) -> int:
+    from lltm_cupy.benchmark import inference
+
+    if args.cuda:
+        print("--inference measures the CPU (nn.LSTM's CPU path against ours)", file=sys.stderr)
+        return 2
+    print(f"lltm_cupy inference benchmark on {bm.machine_name(False)}; torch {torch.__version__}")
+    memory = inference.memory_report(rounds=3, threads=args.threads)
+    timing = inference.time_report(rounds=args.runs or 15, threads=args.threads)
+    print(inference.format_inference(memory, timing))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": bm.machine_name(False),
+                                               "torch": torch.__version__, "memory": memory,
+                                               "time": timing}, indent=1))
     return 0
 
 

@@ -311,3 +311,22 @@ def test_mutation_audit_lists_mutants_that_all_still_apply():
     assert len(lines) >= 20, proc.stdout
     stale = [line for line in lines if "[NOT FOUND]" in line]
     assert not stale, "update these mutants in scripts/mutation_audit.py:\n" + "\n".join(stale)
+
+
+def test_inference_benchmark_measures_both_in_fresh_processes():
+    """--inference's library: peak added RSS per implementation (each in a fresh process) and
+    interleaved CPU times, at tiny sizes; the script's --inference flag is wired to them."""
+    pytest.importorskip("torch")
+    from lltm_cupy.benchmark import inference
+
+    memory = inference.memory_report(sizes=((40, 8, 3, 64),), rounds=1)
+    for impl in ("lltm", "lstm"):
+        r = memory["(40, 8, 3, 64)"][impl]
+        assert r["output_bytes"] == 40 * 8 * 64 * 4 and r["peak_bytes"] >= 0, memory
+    timing = inference.time_report(sizes=((3, 2, 3, 4),), rounds=2)
+    r = timing["(3, 2, 3, 4)"]
+    assert r["lltm_s"] > 0 and r["lstm_s"] > 0 and r["ratio"] > 0 and r["threads"] == 1
+    text = inference.format_inference(memory, timing)
+    assert "nn.LSTM MB" in text and "nn.LSTM ms" in text
+    proc = script("benchmark.py", "--inference", "--cuda")
+    assert proc.returncode == 2 and "CPU" in proc.stderr, proc.stderr

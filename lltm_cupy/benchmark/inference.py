@@ -1,0 +1,133 @@
+"""Inference on the CPU: a forward under ``torch.no_grad`` of our ``LLTM`` against ``nn.LSTM``
+of the same hidden size, in peak memory and in time.
+
+- **memory**: each implementation runs in a fresh Python process (so that nothing another one
+  allocated or cached is counted): it builds the module and the input, runs a 2-step forward
+  (libraries and lazy imports loaded), resets the kernel's peak-RSS mark (``/proc/self/clear_refs``
+  = 5, Linux), runs the forward and reports ``VmHWM - VmRSS`` before the call: the peak of the
+  resident memory the forward added, whoever allocated it (NumPy, torch's CPU allocator, oneDNN's
+  scratch). tracemalloc would see NumPy's allocations only, not torch's. Rounds alternate the
+  implementations; the median is reported.
+- **time**: in one process, one thread unless told otherwise, process CPU time (what a loaded
+  machine disturbs least), implementations interleaved, the median of per-round ratios.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+#: (T, B, F, S) of the memory figure and of the time figures
+MEMORY_SIZES = ((500, 64, 16, 512),)
+TIME_SIZES = ((128, 32, 128, 256), (64, 64, 256, 512))
+INFERENCE_IMPLS = ("lltm", "lstm")
+
+
+def _module(impl, features, state):
+    import torch
+
+    from .. import torch as lt
+
+    torch.manual_seed(0)
+    return lt.LLTM(features, state) if impl == "lltm" else torch.nn.LSTM(features, state)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def _child(impl: str, steps: int, batch: int, features: int, state: int, threads: int) -> dict:
+    """In a fresh process: the resident memory one no_grad forward adds at its peak."""
+    import torch
+
+    torch.set_num_threads(threads)
+    module = _module(impl, features, state)
+    x = torch.randn(steps, batch, features)
+    with torch.no_grad():
+        module(x[:2])
+        before = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                  # VmHWM := VmRSS
+        out, _ = module(x)
+        peak = _status("VmHWM")
+    return {"peak_bytes": peak - before, "output_bytes": out.numel() * out.element_size()}
+
+
+def memory_report(sizes=MEMORY_SIZES, rounds: int = 3, threads: int = 1) -> dict:
+    """Median over ``rounds`` (implementations alternating) of each one's peak added RSS."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        raise RuntimeError("the memory figure reads /proc/self (Linux only)")
+    report = {}
+    for size in sizes:
+        runs = {impl: [] for impl in INFERENCE_IMPLS}
+        for r in range(rounds):
+            for impl in (INFERENCE_IMPLS if r % 2 == 0 else INFERENCE_IMPLS[::-1]):
+                code = (f"import json; from lltm_cupy.benchmark.inference import _child; "
+                        f"print(json.dumps(_child({impl!r}, *{tuple(size)!r}, {threads})))")
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                    [os.path.dirname(os.path.dirname(os.path.dirname(__file__)))]
+                    + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+                done = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                      capture_output=True, text=True)
+                runs[impl].append(json.loads(done.stdout.strip().splitlines()[-1]))
+        report[str(tuple(size))] = {
+            impl: {"peak_bytes": statistics.median(r["peak_bytes"] for r in runs[impl]),
+                   "output_bytes": runs[impl][0]["output_bytes"],
+                   "rounds": [r["peak_bytes"] for r in runs[impl]]}
+            for impl in INFERENCE_IMPLS}
+    return report
+
+
+def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1) -> dict:
+    """Process CPU time of one no_grad forward, interleaved; medians and the median ratio."""
+    import torch
+
+    torch.set_num_threads(threads)
+    report = {}
+    for steps, batch, features, state in sizes:
+        modules = {impl: _module(impl, features, state) for impl in INFERENCE_IMPLS}
+        x = torch.randn(steps, batch, features)
+        times = {impl: [] for impl in INFERENCE_IMPLS}
+        with torch.no_grad():
+            for impl in INFERENCE_IMPLS:
+                for _ in range(2):
+                    modules[impl](x)
+            for r in range(rounds):
+                for impl in (INFERENCE_IMPLS if r % 2 == 0 else INFERENCE_IMPLS[::-1]):
+                    t0 = time.process_time()
+                    modules[impl](x)
+                    times[impl].append(time.process_time() - t0)
+        ratios = [a / b for a, b in zip(times["lltm"], times["lstm"])]
+        report[str((steps, batch, features, state))] = {
+            "lltm_s": statistics.median(times["lltm"]), "lstm_s": statistics.median(times["lstm"]),
+            "ratio": statistics.median(ratios), "rounds": rounds, "threads": threads}
+    return report
+
+
+def format_inference(memory: dict, timing: dict) -> str:
+    lines = []
+    if memory:
+        lines += ["inference memory: peak resident memory added by one forward under no_grad "
+                  "(fresh process per implementation, VmHWM - VmRSS)",
+                  f"{'(T, B, F, S)':<22} {'LLTM MB':>9} {'nn.LSTM MB':>11} {'ratio':>6} "
+                  f"{'output MB':>10}"]
+        for size, r in memory.items():
+            a, b = r["lltm"]["peak_bytes"], r["lstm"]["peak_bytes"]
+            lines.append(f"{size:<22} {a / 1e6:>9.1f} {b / 1e6:>11.1f} {a / b:>6.2f} "
+                         f"{r['lltm']['output_bytes'] / 1e6:>10.1f}")
+    if timing:
+        first = next(iter(timing.values()))
+        lines += ["", f"inference time: one forward under no_grad, process CPU time, "
+                      f"{first['threads']} thread(s), median of {first['rounds']} interleaved rounds",
+                  f"{'(T, B, F, S)':<22} {'LLTM ms':>9} {'nn.LSTM ms':>11} {'ratio':>6}"]
+        for size, r in timing.items():
+            lines.append(f"{size:<22} {r['lltm_s'] * 1e3:>9.1f} {r['lstm_s'] * 1e3:>11.1f} "
+                         f"{r['ratio']:>6.2f}")
+    return "\n".join(lines)
