@@ -369,6 +369,10 @@ def test_meta_device_forward_infers_shapes_as_nn_lstm(kwargs):
         assert out.device.type == "meta" and out.requires_grad
         (out.sum() + h.sum() + c.sum()).backward()
         assert all(p.grad.shape == p.shape for p in ours.parameters())
+    with torch.inference_mode():             # the forward-only path infers shapes too
+        for inp in inputs:
+            out = ours(inp)[0]
+            assert (out if isinstance(inp, torch.Tensor) else out.data).device.type == "meta"
     # deferred initialisation: built on meta, materialised on the CPU
     ours.to_empty(device="cpu").reset_parameters()
     assert ours(torch.randn(T, B, F))[0].isfinite().all()
@@ -382,6 +386,8 @@ def test_meta_device_cell():
     assert cell.weights.grad.shape == cell.weights.shape
     h, c = cell(torch.empty(F, device="meta", dtype=torch.float64))
     assert h.shape == (H,)
+    with torch.no_grad():
+        assert cell(torch.empty(B, F, device="meta", dtype=torch.float64))[1].shape == (B, H)
 
 
 @pytest.mark.parametrize("make", [lambda: LLTM(F, H), lambda: LLTMCell(F, H),
