@@ -567,3 +567,28 @@ def test_forward_layers_runs_every_layer_fused(fused_cupy):
     assert max_error(to_numpy(got.d_inputs), to_numpy(want.d_inputs)) <= 1e-5
     for name, g in got.d_parameters.items():
         assert max_error(to_numpy(g), to_numpy(want.d_parameters[name])) <= 1e-5, name
+
+
+@pytest.mark.parametrize("lengths", [None, [5, 2, 1, 4]], ids=["padded", "packed"])
+def test_torch_lltm_fused_without_grad_runs_the_fused_forward_only(fused_cupy,
+                                                                    emulated_cuda_torch, lengths):
+    """Under no_grad the torch layer runs the forward only; with fused=True the fused kernel."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+    import lltm_cupy.torch as lt
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    xs, hx = _torch_case(torch, torch.float32)
+    default = lt.LLTM(3, 6, num_layers=2, bidirectional=True)
+    fused = lt.LLTM(3, 6, num_layers=2, bidirectional=True, fused=True)
+    fused.load_state_dict(default.state_dict())
+    x = xs if lengths is None else pack_padded_sequence(xs, torch.tensor(lengths),
+                                                        enforce_sorted=False)
+    emu = fused_cupy.emulator
+    with torch.no_grad():
+        want = default(x, hx)
+        emu.reset()
+        got = fused(x, hx)
+    assert emu.log.count("kernel:seq_fwd") == 4 and "kernel:fwd" not in emu.log
+    out_g, out_w = (o if lengths is None else o.data for o in (got[0], want[0]))
+    for g, w in ((out_g, out_w), (got[1][0], want[1][0]), (got[1][1], want[1][1])):
+        assert max_error(g.double().numpy(), w.double().numpy()) <= 1e-5
