@@ -123,7 +123,13 @@ def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False,
     h0, c0: (batch, state), the initial state
     lengths: optional (batch,) integers in [0, steps] (a list, NumPy or CuPy array, or torch
         tensor): sequence b runs its first ``lengths[b]`` steps; its outputs past them are zero
-        and its ``h_n``, ``c_n`` are its state after its last step (``h0``, ``c0`` for length 0)
+        and its ``h_n``, ``c_n`` are its state after its last step (``h0``, ``c0`` for length 0).
+        The layout is made on the host: lengths given on a GPU (CuPy array, CUDA tensor) are
+        copied to the host first, which waits for the device; give them on the host to avoid
+        that. On the GPU the layout's index arrays are uploaded once per distinct ``lengths``
+        (the last 64 are kept), so recurring lengths copy nothing. Under CUDA-graph capture the
+        same ``lengths`` must have run once before the capture (else ``RuntimeError``), and the
+        graph replays that layout: it is valid for those lengths only.
     reverse: run each sequence from its own last valid step back to step 0 (the reverse
         direction of a bidirectional layer); outputs stay at their time positions
     return_saved: False for a forward only (inference): ``saved`` is ``None`` (the result still
@@ -172,7 +178,7 @@ def sequence_plan(inputs, lengths, reverse):
     steps, batch = inputs.shape[:2]
     checked = (np.full(batch, steps, np.int64) if lengths is None
                else _packing.check_lengths(lengths, steps, batch))
-    return _packing.plan(checked, steps, reverse=bool(reverse))
+    return _packing.cached_plan(checked, steps, reverse=bool(reverse))
 
 
 def _forward_sequence(backend, inputs, weights, bias, h0, c0, plan, keep=True, fused=False):
@@ -221,7 +227,10 @@ def warmup(dtypes=("float32",), device=None, *, fused=False) -> None:
     inside a capture, or to take the compile time out of a benchmark. It runs every code path of
     the four calls once on tiny arrays of each dtype (C-contiguous arguments, as the torch layer
     always passes) and synchronises the device: kernels are cached per device and dtype, so it
-    is needed once per process, device and dtype. Needs CuPy and a GPU (RuntimeError otherwise).
+    is needed once per process, device and dtype. Where torch is imported, it also makes torch's
+    cuBLAS handles of the calling thread and of autograd's thread for the device, which the
+    torch layer's GEMMs use under capture (creating them inside a capture fails). Needs CuPy and
+    a GPU (RuntimeError otherwise).
     """
     from . import _cupy
 
@@ -237,6 +246,12 @@ def warmup(dtypes=("float32",), device=None, *, fused=False) -> None:
     else:
         device_id = getattr(device, "index", getattr(device, "id", None))
     _cupy.warmup(parsed, device_id, fused=_flag("fused", fused))
+    import sys
+
+    if "torch" in sys.modules:      # a torch user: torch's cuBLAS handles for a later capture
+        from .torch import _interop
+
+        _interop.prepare_capture(_cupy._cupy().cuda.Device(device_id).id)
 
 
 # Above the per-layer calls (they import the dispatch defined here).

@@ -17,14 +17,16 @@ Device work per call (the launch budget ``tests/test_launch_budget.py`` enforces
 bfloat16 has no CuPy dtype: it arrives as uint16 arrays of its bits (``_kernels.BFLOAT16``),
 which the kernels, ``gemm`` and the bias gradient read as bfloat16.
 
-Every GEMM goes through ``gemm``: by default :func:`gemm` below (cuBLAS ``gemmEx`` through CuPy's
-binding, on any row-major view, without copies); the torch layer passes torch's GEMM while a
+Every GEMM goes through ``gemm``: by default :func:`lltm_cupy._gemm.gemm` (cuBLAS ``gemmEx``
+through CuPy's binding, on any row-major view, without copies); the torch layer passes torch's GEMM while a
 CUDA graph is being captured, where CuPy refuses to call cuBLAS.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from . import _cupy_packed
+from ._gemm import d_bias as _d_bias, gemm
 from ._kernels import BFLOAT16, get_kernels, launch_config
 from ._types import (LLTMCellGrads, LLTMCellSaved, LLTMGrads, LLTMSaved, LLTMSequenceGrads,
                      LLTMSequenceSaved)
@@ -45,104 +47,6 @@ def _cupy():
                                "usable GPU (no device, or no CUDA driver)")
         _gpu_checked = cupy
     return cupy
-
-
-def _operand(a):
-    """(array, transposed, leading dimension) of a 2-D operand for column-major cuBLAS.
-
-    A row-major view (unit column stride) is the column-major matrix a.T; a column-major view
-    (unit row stride, e.g. ``w.T``) is a itself. Anything else is copied to C order first.
-    """
-    rows, cols = a.shape
-    item = a.itemsize
-    s0, s1 = a.strides
-    if cols == 1 or s1 == item:
-        ld = s0 // item if rows > 1 else cols
-        if ld >= cols and s0 % item == 0:
-            return a, False, max(ld, 1)
-    if rows == 1 or s0 == item:
-        ld = s1 // item if cols > 1 else rows
-        if ld >= rows and s1 % item == 0:
-            return a, True, max(ld, 1)
-    from cupy import ascontiguousarray
-
-    return ascontiguousarray(a), False, max(cols, 1)
-
-
-def gemm(a, b, out, accumulate=False):
-    """out = a @ b, or out += a @ b with ``accumulate``: cuBLAS ``gemmEx`` on CuPy's current
-    stream and device, straight on the views given (slices and transposes of row-major arrays),
-    with no copy and no temporary.
-
-    a: (m, k); b: (k, n); out: (m, n) with a unit column stride; one dtype for all three.
-    float16 and bfloat16 (uint16 bits, ``_kernels.BFLOAT16``) are computed in float32 and rounded
-    once: for them the handle's math mode gets ``CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION``
-    for the call (so that split-K partial sums, too, are added in float32) and is restored
-    after it. float32 in float32 (as the handle's math mode allows; CuPy's default mode uses no
-    TF32), float64 in float64.
-    """
-    import cupy
-
-    m, n = out.shape
-    k = a.shape[1]
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        if not accumulate:
-            out.fill(0)
-        return out
-    cublas, runtime = cupy.cuda.cublas, cupy.cuda.runtime
-    cuda_type = {np.float16: runtime.CUDA_R_16F, np.float32: runtime.CUDA_R_32F,
-                 np.float64: runtime.CUDA_R_64F, BFLOAT16.type: runtime.CUDA_R_16BF}[out.dtype.type]
-    compute, scalar = ((cublas.CUBLAS_COMPUTE_64F, np.float64) if out.dtype == np.float64
-                       else (cublas.CUBLAS_COMPUTE_32F, np.float32))
-    assert out.strides[1] == out.itemsize or n == 1, "gemm: out needs a unit column stride"
-    ldc = out.strides[0] // out.itemsize if m > 1 else n
-    # Row-major out is the column-major (n, m) matrix out.T = b.T @ a.T: cuBLAS's first operand
-    # is b, its second a; a row-major operand is already transposed in column-major terms.
-    b, b_t, ldb = _operand(b)
-    a, a_t, lda = _operand(a)
-    alpha = np.ones((), scalar)
-    beta = np.full((), 1 if accumulate else 0, scalar)
-    handle = cupy.cuda.device.get_cublas_handle()
-    mode = restore = None
-    if out.itemsize == 2:    # float16, bfloat16: no reduction in the 16-bit output type
-        restore = cublas.getMathMode(handle)
-        mode = restore | _DISALLOW_REDUCED_PRECISION
-        if mode != restore:
-            cublas.setMathMode(handle, mode)
-    try:
-        cublas.gemmEx(handle,
-                      cublas.CUBLAS_OP_T if b_t else cublas.CUBLAS_OP_N,
-                      cublas.CUBLAS_OP_T if a_t else cublas.CUBLAS_OP_N,
-                      n, m, k, alpha.ctypes.data, b.data.ptr, cuda_type, ldb, a.data.ptr,
-                      cuda_type, lda, beta.ctypes.data, out.data.ptr, cuda_type, max(ldc, 1),
-                      compute, cublas.CUBLAS_GEMM_DEFAULT)
-    finally:
-        if mode is not None and mode != restore:
-            cublas.setMathMode(handle, restore)
-    return out
-
-
-#: cublasMath_t flag (cublas_api.h): reductions of a mixed-precision GEMM in the compute type
-_DISALLOW_REDUCED_PRECISION = 16
-
-
-#: 1.0 in bfloat16 bits
-_BF16_ONE = 0x3F80
-
-
-def _d_bias(cupy, d_gates, bias_shape, gemm):
-    """Sum of d_gates (rows, 3S) over its rows, shaped like the bias; float16 sums in float32 and
-    rounds once; bfloat16 (which CuPy cannot add) as the GEMM ones (1, rows) @ d_gates, float32
-    accumulation, rounded once."""
-    if d_gates.dtype == BFLOAT16:
-        ones = cupy.full((1, d_gates.shape[0]), _BF16_ONE, BFLOAT16)
-        out = cupy.empty((1, d_gates.shape[1]), BFLOAT16)
-        return gemm(ones, d_gates, out).reshape(bias_shape)
-    if d_gates.dtype == np.float16:
-        return d_gates.sum(axis=0, dtype=np.float32).astype(np.float16).reshape(bias_shape)
-    return d_gates.sum(axis=0).reshape(bias_shape)
 
 
 def forward(input, weights, bias, old_h, old_cell, gemm=gemm, keep=True):
@@ -217,13 +121,12 @@ def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=T
 
         if _cupy_fused.usable(h0.shape[1], inputs.dtype):
             return _cupy_fused.forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep)
-    if plan is not None:
-        from ._cupy_packed import forward_packed
-
-        return forward_packed(inputs, weights, bias, h0, c0, gemm, plan, keep)
     from ._packing import block_steps
 
     cupy = _cupy()
+    if plan is not None:
+        return _cupy_packed.forward_packed(cupy, get_kernels, inputs, weights, bias, h0, c0, gemm,
+                                           plan, keep, _BLOCK_ROWS)
     steps, batch, features = inputs.shape
     state = h0.shape[1]
     dtype = inputs.dtype
@@ -273,11 +176,10 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
         from ._cupy_fused import backward_fused
 
         return backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
-    if saved.plan is not None:
-        from ._cupy_packed import backward_packed
-
-        return backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
     cupy = _cupy()
+    if saved.plan is not None:
+        return _cupy_packed.backward_packed(cupy, get_kernels, grad_outputs, grad_h_n, grad_c_n,
+                                            saved, needed, gemm)
     x, hs, gates, cells, weights = saved.inputs, saved.hs, saved.gates, saved.cells, saved.weights
     steps, batch, state = cells.shape
     features = x.shape[1]
@@ -478,7 +380,7 @@ def _exercise(cupy, dtype, batch, features, state):
         for grads in ((zeros(2, batch, state), h, c), (None, None, None)):
             backward_sequence(*grads, saved)
         # a PackedSequence's data in and out (the torch layer's packed input)
-        plan = _packing.packed_plan((batch, 1), None, reverse)
+        plan = _packing.packed_plan((batch, 1), reverse)
         *_, saved = forward_sequence(zeros(batch + 1, features), weights, bias, h, c, plan=plan)
         for grads in ((zeros(batch + 1, state), h, c), (None, None, None)):
             backward_sequence(*grads, saved)

@@ -211,6 +211,9 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
 
 
 def _index(cupy, plan):
+    """((t_index, b_index, data_index), perm) of ``plan`` on the current device: the plan's
+    cached device arrays (perm as an array even where it is the identity)."""
     from ._cupy_packed import _index as index
 
-    return index(cupy, plan)
+    d = index(cupy, plan, cupy.cuda.Device().id)
+    return (d.t_index, d.b_index, d.data_index), d.order

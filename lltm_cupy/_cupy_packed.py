@@ -4,44 +4,53 @@ packing plan of :mod:`lltm_cupy._packing`).
 Per step the rows still running are a prefix of the sorted batch and a contiguous block of the
 packed arrays, so every GEMM and kernel launch is the fixed-length one on fewer rows: the CUDA
 kernels need nothing new. The gathers and scatters are CuPy's advanced indexing with the plan's
-index arrays copied to the device. Kernels, the GPU check and the bias gradient are looked up
-on :mod:`lltm_cupy._cupy` at call time (one place to replace them, as the tests' host-compiled
-kernels do).
+index arrays on the device (uploaded once per plan and device, :meth:`Plan.device_arrays`): in
+steady state a call copies nothing between host and device and never waits for the device.
+
+The caller (:mod:`lltm_cupy._cupy`) passes the CuPy module, its kernel lookup (the tests
+replace the kernels there) and its block size; the GEMM and the bias reduction come from
+:mod:`lltm_cupy._gemm`.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import _cupy as base
+from ._gemm import d_bias as bias_gradient
+from ._kernels import launch_config
 from ._packing import pack_rows, unpack_rows
 from ._types import LLTMSequenceGrads, LLTMSequenceSaved
 
 
-def _index(cupy, plan):
-    """The plan's index arrays on the current device: ((t_index, b_index, data_index), perm)."""
-    data_index = None if plan.data_index is None else cupy.asarray(plan.data_index)
-    return ((cupy.asarray(plan.t_index), cupy.asarray(plan.b_index), data_index),
-            cupy.asarray(plan.perm))
+def _index(cupy, plan, device_id):
+    """The plan's index arrays on ``device_id``; refused while a graph is being captured unless
+    they are there already (before any work of the call is queued)."""
+    capturing = cupy.cuda.get_current_stream().is_capturing()
+    return plan.device_arrays(cupy, device_id, capturing)
 
 
-def forward_packed(inputs, weights, bias, h0, c0, gemm, plan, keep=True):
+def _permuted(a, perm):
+    return a if perm is None or a is None else a[perm]
+
+
+def forward_packed(cupy, get_kernels, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
+                   block_rows=2048):
     from ._packing import step_blocks
 
-    cupy = base._cupy()
     state = h0.shape[1]
     dtype = inputs.dtype
     rows = plan.rows
     batch = len(plan.perm)
     with cupy.cuda.Device(inputs.device.id):
-        index, perm = _index(cupy, plan)
+        d = _index(cupy, plan, inputs.device.id)
+        index = (d.t_index, d.b_index, d.data_index)
         x = cupy.ascontiguousarray(pack_rows(inputs, plan, *index))      # (N, F)
-        blocks = step_blocks(plan.offsets, base._BLOCK_ROWS)
+        blocks = step_blocks(plan.offsets, block_rows)
         # keep: every packed row's gate pre-activations and cell (the backward reads them);
         # forward only: one block's gates, and two (batch, state) cell buffers taken in turn
         # (the kernel's old_cell and new_cell may not alias)
         widest = max((plan.offsets[b] - plan.offsets[a] for a, b in blocks), default=0)
         gates = cupy.empty((rows if keep else widest, 3 * state), dtype)
-        h0s, c0s = h0[perm], c0[perm]
+        h0s, c0s = _permuted(h0, d.perm), _permuted(c0, d.perm)
         out = cupy.empty((rows, state), dtype)
         cells = cupy.empty((rows, state) if keep else (2, batch, state), dtype)
         c_sorted = None if keep else c0s.copy()     # each sequence's cell after its last step
@@ -66,28 +75,33 @@ def forward_packed(inputs, weights, bias, h0, c0, gemm, plan, keep=True):
                     h_in, c_in = h0s[:n], c0s[:n]
                 c_out = cells[rows_t] if keep else cells[tau % 2, :n]
                 gemm(h_in, w_h_t, g_t, accumulate=True)
-                grid, block, wide = base.launch_config(n * state)
-                base.get_kernels(dtype, wide).fwd(grid, block, (
+                grid, block, wide = launch_config(n * state)
+                get_kernels(dtype, wide).fwd(grid, block, (
                     g_t, bias_c, c_in, out[rows_t], c_out, np.int64(n * state),
                     np.int32(state)))
                 nxt = sizes[tau + 1] if tau + 1 < len(sizes) else 0
                 if not keep and nxt < n:                    # sequences ending at this step
                     c_sorted[nxt:n] = c_out[nxt:n]
         outputs = unpack_rows(out, plan, cupy, *index)
-        h_sorted = h0s.copy()
-        ended = np.flatnonzero(plan.last_row >= 0)
-        if rows:
-            last = cupy.asarray(plan.last_row[ended])
-            ended_d = cupy.asarray(ended)
-            h_sorted[ended_d] = out[last]
+        ended = plan.ended      # the sequences with a last step: a prefix of the sorted order
+        if rows and ended == batch:
+            h_sorted = out[d.last]
+            if keep:
+                c_sorted = cells[d.last]
+        else:
+            h_sorted = h0s.copy()
             if keep:
                 c_sorted = c0s.copy()
-                c_sorted[ended_d] = cells[last]
-        elif keep:
-            c_sorted = c0s.copy()
-        h_n, c_n = cupy.empty_like(h_sorted), cupy.empty_like(c_sorted)
-        h_n[perm] = h_sorted
-        c_n[perm] = c_sorted
+            if rows:
+                h_sorted[:ended] = out[d.last]
+                if keep:
+                    c_sorted[:ended] = cells[d.last]
+        if d.perm is None:
+            h_n, c_n = h_sorted, c_sorted
+        else:
+            h_n, c_n = cupy.empty_like(h_sorted), cupy.empty_like(c_sorted)
+            h_n[d.perm] = h_sorted
+            c_n[d.perm] = c_sorted
     if not keep:
         return outputs, h_n, c_n, None
     saved = LLTMSequenceSaved("cupy", x, out, gates, cells, weights, tuple(bias.shape),
@@ -95,31 +109,29 @@ def forward_packed(inputs, weights, bias, h0, c0, gemm, plan, keep=True):
     return outputs, h_n, c_n, saved
 
 
-def backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
-    cupy = base._cupy()
+def backward_packed(cupy, get_kernels, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
     plan, x, gates, cells, out, weights = (saved.plan, saved.inputs, saved.gates, saved.cells,
                                            saved.hs, saved.weights)
     rows, state = out.shape
     batch, features = len(plan.perm), x.shape[1]
     dtype = out.dtype
     with cupy.cuda.Device(out.device.id):
-        index, perm = _index(cupy, plan)
+        d = _index(cupy, plan, out.device.id)
+        index, perm = (d.t_index, d.b_index, d.data_index), d.perm
         if grad_outputs is None:
             grad_h = cupy.zeros((rows, state), dtype)
         else:   # written below: a copy, also where the packed rows are grad_outputs itself
             grad_h = pack_rows(grad_outputs, plan, *index)
             grad_h = (cupy.array(grad_h, order="C") if grad_h is grad_outputs
                       else cupy.ascontiguousarray(grad_h))
-        ended = np.flatnonzero(plan.last_row >= 0)
-        ghn = None if grad_h_n is None else grad_h_n[perm]
-        gcn = None if grad_c_n is None else grad_c_n[perm]
-        if ghn is not None and len(ended):
-            last = cupy.asarray(plan.last_row[ended])
-            part = grad_h[last]
-            grid, block, wide = base.launch_config(part.size)
-            base.get_kernels(dtype, wide).add(grid, block, (
-                part, cupy.ascontiguousarray(ghn[cupy.asarray(ended)]), np.int64(part.size)))
-            grad_h[last] = part
+        ended = plan.ended
+        ghn, gcn = _permuted(grad_h_n, perm), _permuted(grad_c_n, perm)
+        if ghn is not None and ended and rows:
+            part = grad_h[d.last]
+            grid, block, wide = launch_config(part.size)
+            get_kernels(dtype, wide).add(grid, block, (
+                part, cupy.ascontiguousarray(ghn[:ended]), np.int64(part.size)))
+            grad_h[d.last] = part
         flat = cupy.empty((rows, 3 * state), dtype)
         w_h = weights[:, :state]
         sizes = plan.batch_sizes
@@ -138,8 +150,8 @@ def backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
                 if gcn is not None:
                     dc_in[nxt:] = gcn[nxt:n]
             d_c_out = cupy.empty((n, state), dtype)
-            grid, block, wide = base.launch_config(n * state)
-            base.get_kernels(dtype, wide).bwd(grid, block, (
+            grid, block, wide = launch_config(n * state)
+            get_kernels(dtype, wide).bwd(grid, block, (
                 grad_h[rows_t], cells[rows_t] if dc_in is None else dc_in, gates[rows_t],
                 cells[rows_t], flat[rows_t], d_c_out, np.int32(1), np.int32(dc_in is not None),
                 np.int64(n * state), np.int32(state)))
@@ -154,21 +166,28 @@ def backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
         if sizes:
             d_h0s[: sizes[0]] = d_h_first
             d_c0s[: sizes[0]] = d_c
-        d_h0, d_c0 = cupy.empty_like(d_h0s), cupy.empty_like(d_c0s)
-        d_h0[perm] = d_h0s
-        d_c0[perm] = d_c0s
+        if perm is None:
+            d_h0, d_c0 = d_h0s, d_c0s
+        else:
+            d_h0, d_c0 = cupy.empty_like(d_h0s), cupy.empty_like(d_c0s)
+            d_h0[perm] = d_h0s
+            d_c0[perm] = d_c0s
         need_x, need_w, need_b, need_h0, need_c0 = needed
         d_weights = d_bias = d_inputs = None
         if need_w:
-            parts = [saved.h0[:n] if not tau else out[plan.offsets[tau - 1]:
-                                                      plan.offsets[tau - 1] + n]
-                     for tau, n in enumerate(sizes)]
-            h_in = cupy.concatenate(parts) if parts else out[:0]
+            # the hidden state each packed row read: h0 for step 0, then one gather (not a
+            # concatenation of the steps, which CuPy does above 8 parts with an upload of
+            # their pointers)
+            h_in = cupy.empty((rows, state), dtype)
+            if sizes:
+                h_in[: sizes[0]] = saved.h0[: sizes[0]]
+            if d.prev is not None:
+                h_in[sizes[0]:] = out[d.prev]
             d_weights = cupy.empty(weights.shape, dtype)
             gemm(flat.T, h_in, d_weights[:, :state])
             gemm(flat.T, x, d_weights[:, state:])
         if need_b:
-            d_bias = base._d_bias(cupy, flat, saved.bias_shape, gemm)
+            d_bias = bias_gradient(cupy, flat, saved.bias_shape, gemm)
         if need_x:
             d_inputs = unpack_rows(gemm(flat, weights[:, state:],
                                         cupy.empty((rows, features), dtype)), plan, cupy, *index)

@@ -15,19 +15,59 @@ inputs and one scatter unpacks the outputs.
 
 A plan made by :func:`packed_plan` (the torch layer's ``PackedSequence`` input) takes the inputs
 and gives the outputs in ``PackedSequence.data``'s own layout, (N, ...) rows, with no padded
-arrays at all: its sort order is the PackedSequence's ``sorted_indices``, so in the forward
-direction the packed rows are ``data``'s rows; ``data_index`` maps them for ``reverse``.
+arrays at all. It depends on ``batch_sizes`` alone (a host tensor, by torch's design) and works
+in the sorted batch order (``perm`` is the identity): the caller permutes the initial state by
+``sorted_indices`` and the final state by ``unsorted_indices`` on the device, as ``nn.LSTM``
+does, so no index ever comes back to the host. In the forward direction the packed rows are
+``data``'s rows; ``data_index`` maps them for ``reverse``.
+
+Device copies. The GPU backend needs some of a plan's index arrays on the device;
+:meth:`Plan.device_arrays` uploads each at most once per plan and device and keeps it with the
+plan. Plans are cached (:func:`cached_plan`, :func:`packed_plan`: the last 64 of each, by their
+lengths or batch_sizes), so a loop over batches of recurring lengths uploads nothing in steady
+state. While a CUDA graph is being captured no upload is allowed (it would stage through host
+memory and be invalid, or frozen, in the graph): a plan must be on the device already (an eager
+call with the same lengths first), else :class:`CaptureError`. A plan used under capture is
+kept for the life of the process, since the graph reads its device arrays at every replay.
 """
 from __future__ import annotations
 
+import functools
 import operator
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
-__all__ = ["Plan", "plan", "packed_plan", "pack_rows", "unpack_rows", "block_steps",
-           "step_blocks"]
+__all__ = ["Plan", "plan", "cached_plan", "packed_plan", "pack_rows", "unpack_rows",
+           "block_steps", "step_blocks", "CaptureError"]
+
+
+class CaptureError(RuntimeError):
+    """Variable-length input whose index arrays are not on the device yet, met while a CUDA graph
+    is being captured."""
+
+
+def capture_error(why: str = "before its index arrays were on the device") -> CaptureError:
+    return CaptureError(
+        f"lltm_cupy: variable-length input (lengths= or a PackedSequence) met inside a CUDA-graph "
+        f"capture {why}: a host-device copy is not allowed while capturing. Run the same call "
+        f"eagerly once, with the same lengths (batch_sizes) given on the host, before the "
+        f"capture (the warm-up iterations that torch.cuda.graph and make_graphed_callables ask "
+        f"for do this); the graph then replays that layout, so it is valid only for those "
+        f"lengths.")
+
+
+def pin(plan_: "Plan") -> None:
+    """Keep ``plan_`` (and its device arrays) for the life of the process: a captured graph
+    reads them at every replay."""
+    if plan_ not in _pinned:
+        _pinned.append(plan_)
+
+
+#: plans used while a graph was captured: their device arrays must outlive every replay
+_pinned = []
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,18 +83,73 @@ class Plan:
     steps: int                 # T of the caller's (T, B, ...) arrays
     packed_io: bool = False    # inputs and outputs in PackedSequence.data's (N, ...) layout
     data_index: Optional[np.ndarray] = None   # (N,) data row of each packed row; None: the same
+    #: device id -> the index arrays on that device (see device_arrays)
+    _device: dict = field(default_factory=dict, repr=False)
 
     @property
     def rows(self) -> int:
         return self.offsets[-1]
+
+    @property
+    def identity_perm(self) -> bool:
+        """Whether the sort order is the caller's order (no permutation to apply)."""
+        return bool(np.array_equal(self.perm, np.arange(len(self.perm))))
+
+    @property
+    def ended(self) -> int:
+        """How many sequences have length > 0: a prefix of the sorted order."""
+        return int(np.count_nonzero(self.last_row >= 0))
+
+    @property
+    def prev_row(self) -> np.ndarray:
+        """For every packed row of steps 1, 2, ...: the packed row of the previous step's
+        output it reads as its hidden state (rows of step 0 read h0)."""
+        sizes, offsets = np.asarray(self.batch_sizes, np.int64), np.asarray(self.offsets)
+        if len(sizes) < 2:
+            return np.empty(0, np.int64)
+        taus = np.repeat(np.arange(1, len(sizes)), sizes[1:])
+        rows = np.arange(offsets[1], offsets[-1])
+        return (offsets[taus - 1] + rows - offsets[taus]).astype(np.int64)
+
+    def on_device(self, device_id: int) -> bool:
+        return device_id in self._device
+
+    def device_arrays(self, xp, device_id: int, capturing: bool = False):
+        """The index arrays the GPU backend reads, on device ``device_id`` (``xp``: CuPy, its
+        current device that one): ``t_index``, ``b_index`` (None for a PackedSequence plan),
+        ``data_index`` (None unless reverse over PackedSequence data), ``perm`` (None for the
+        identity), ``last`` (the packed row of each ended sequence's last step) and ``prev``
+        (:attr:`prev_row`; None where empty). Uploaded on
+        the first call for that device, then reused; ``capturing``: a CUDA graph is being
+        captured, where an upload is refused (:class:`CaptureError`) before any work."""
+        found = self._device.get(device_id)
+        if found is not None:
+            if capturing:
+                pin(self)
+            return found
+        if capturing:
+            raise capture_error()
+        upload = (lambda a: None if a is None else xp.asarray(a))
+        found = types.SimpleNamespace(
+            t_index=None if self.packed_io else upload(self.t_index),
+            b_index=None if self.packed_io else upload(self.b_index),
+            data_index=upload(self.data_index),
+            perm=None if self.identity_perm else upload(self.perm),
+            order=upload(self.perm),      # perm even where it is the identity (fused path)
+            last=upload(self.last_row[: self.ended]) if self.rows else None,
+            prev=upload(self.prev_row) if len(self.prev_row) else None)
+        self._device[device_id] = found
+        return found
 
     def step(self, tau: int) -> slice:
         return slice(self.offsets[tau], self.offsets[tau + 1])
 
 
 def check_lengths(lengths, steps: int, batch: int) -> np.ndarray:
-    """``lengths`` as (batch,) int64 on the host; TypeError/ValueError naming it otherwise."""
-    if hasattr(lengths, "get") and not isinstance(lengths, np.ndarray):   # a CuPy array
+    """``lengths`` as (batch,) int64 on the host; TypeError/ValueError naming it otherwise.
+    Lengths given on a GPU (a CuPy array, a CUDA tensor) are copied to the host here: a
+    device-to-host copy that waits for the device (give them on the host to avoid it)."""
+    if hasattr(lengths, "get") and type(lengths) is not np.ndarray:     # a CuPy array
         lengths = lengths.get()
     elif hasattr(lengths, "detach"):                                      # a torch tensor
         lengths = lengths.detach().cpu().numpy()
@@ -110,17 +205,34 @@ def plan(lengths: np.ndarray, steps: int, reverse: bool = False, perm=None,
                 bool(reverse), int(steps), bool(packed_io), data_index)
 
 
-def packed_plan(batch_sizes, sorted_indices, reverse: bool = False) -> Plan:
-    """The plan of a ``PackedSequence`` (its ``batch_sizes`` and ``sorted_indices``, None for a
-    batch already sorted), with inputs and outputs in its ``data`` layout."""
-    sizes = np.asarray(batch_sizes, dtype=np.int64)
+@functools.lru_cache(maxsize=64)
+def _cached(key: bytes, batch: int, steps: int, reverse: bool) -> Plan:
+    return plan(np.frombuffer(key, np.int64, batch).copy(), steps, reverse)
+
+
+def cached_plan(lengths: np.ndarray, steps: int, reverse: bool = False) -> Plan:
+    """:func:`plan` of checked ``lengths`` (int64), from a cache of the last 64 (by value), so
+    that recurring lengths reuse the plan and its device arrays."""
+    lengths = np.ascontiguousarray(lengths, np.int64)
+    return _cached(lengths.tobytes(), len(lengths), int(steps), bool(reverse))
+
+
+@functools.lru_cache(maxsize=64)
+def _packed(sizes: tuple, reverse: bool) -> Plan:
+    sizes = np.asarray(sizes, dtype=np.int64)
     batch = int(sizes[0]) if len(sizes) else 0
-    perm = (np.arange(batch, dtype=np.int64) if sorted_indices is None
-            else np.asarray(sorted_indices.cpu() if hasattr(sorted_indices, "cpu")
-                            else sorted_indices, dtype=np.int64))
-    lengths = np.empty(batch, np.int64)
-    lengths[perm] = (sizes[None, :] > np.arange(batch)[:, None]).sum(1)
-    return plan(lengths, len(sizes), reverse, perm=perm, packed_io=True)
+    lengths = (sizes[None, :] > np.arange(batch)[:, None]).sum(1).astype(np.int64)
+    return plan(lengths, len(sizes), reverse, perm=np.arange(batch, dtype=np.int64),
+                packed_io=True)
+
+
+def packed_plan(batch_sizes, reverse: bool = False) -> Plan:
+    """The plan of a ``PackedSequence`` from its ``batch_sizes`` (a CPU tensor or a sequence of
+    ints), with inputs and outputs in its ``data`` layout, in the sorted batch order (the caller
+    applies ``sorted_indices`` / ``unsorted_indices`` to the states). Cached by batch_sizes."""
+    if hasattr(batch_sizes, "tolist"):
+        batch_sizes = batch_sizes.tolist()
+    return _packed(tuple(int(n) for n in batch_sizes), bool(reverse))
 
 
 def pack_rows(a, plan: Plan, t_index, b_index, data_index):

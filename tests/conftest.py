@@ -131,7 +131,35 @@ def emulated_cuda_torch(emulated_cupy, monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(_interop, "uses_cupy", lambda device: True)
     emulated_cupy.emulator.torch_stream = lambda: current[-1].cuda_stream
+    emu_torch_blas(emulated_cupy.emulator, _interop, monkeypatch)
     return emulated_cupy
+
+
+def emu_torch_blas(emulator, interop, monkeypatch):
+    """torch's per-thread cuBLAS handles, as the emulator models them: made by
+    ``create_torch_blas_handle`` or by a thread's first torch GEMM outside a capture; a torch
+    GEMM inside a capture on a thread without one raises, as ``cublasCreate`` does there."""
+    import threading
+
+    from lltm_cupy.torch import _interop
+
+    monkeypatch.setattr(_interop, "_blas_ready", threading.local())   # a fresh process
+    emulator.torch_blas_threads.clear()
+    monkeypatch.setattr(interop, "create_torch_blas_handle",
+                        lambda index: emulator.torch_blas_threads.add(threading.get_ident()))
+    # lltm_cupy.warmup's: the calling thread's handle (the emulated backward runs on it too)
+    monkeypatch.setattr(interop, "prepare_capture", lambda index: interop._torch_blas_ready(index))
+    real = interop.torch_gemm
+
+    def torch_gemm(a, b, out, accumulate=False):
+        if threading.get_ident() not in emulator.torch_blas_threads:
+            if emulator.capturing:
+                raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling "
+                                   "`cublasCreate(handle)`")
+            emulator.torch_blas_threads.add(threading.get_ident())
+        return real(a, b, out, accumulate)
+
+    monkeypatch.setattr(interop, "torch_gemm", torch_gemm)
 
 
 def dtypes_for(xp):

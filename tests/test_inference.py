@@ -101,8 +101,8 @@ def test_lengths_same_bits(xp, small_blocks, dtype, lengths, reverse):
 def test_packed_layout_same_bits(xp, small_blocks, reverse):
     """The torch layer's PackedSequence path: data (N, F) in and out, through the backends."""
     backend = _numpy if xp is np else _cupy
-    batch_sizes, sorted_indices = (4, 4, 3, 1, 1), np.array([2, 0, 3, 1])
-    plan = _packing.packed_plan(batch_sizes, sorted_indices, reverse)
+    batch_sizes = (4, 4, 3, 1, 1)     # states in the sorted order: the caller permutes them
+    plan = _packing.packed_plan(batch_sizes, reverse)
     case = _sequence_case(1, 4, 3, 6, np.float64, seed=5)
     data = xp.asarray(np.random.default_rng(6).standard_normal((sum(batch_sizes), 3)))
     args = [data] + [xp.asarray(case[n]) for n in SEQ[1:]]

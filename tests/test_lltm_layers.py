@@ -379,13 +379,15 @@ def test_gpu_layers_equal_the_cpu_layers(dtype, packed):
     lengths = torch.tensor([2, 5, 1, 3])
     results = []
     for model, device in ((cpu, "cpu"), (gpu, "cuda")):
-        xd = x.to(device).requires_grad_()
+        xd = x.to(device).clone().requires_grad_()     # a leaf on each device (for the CPU,
+        # x.to("cpu") is x itself, which would make the CUDA copy a non-leaf without .grad)
         inp = pack_padded_sequence(xd, lengths, enforce_sorted=False) if packed else xd
         out, (h, c) = model(inp)
         data = out.data if packed else out
         (data.sum() + h.pow(2).sum() + c.sum()).backward()
         results.append([data, h, c, xd.grad, *(p.grad for p in model.parameters())])
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    assert all(t is not None for r in results for t in r), "a gradient is missing"
     for a, b in zip(*results):
         torch.testing.assert_close(b.detach().cpu(), a.detach(), **tol)
 

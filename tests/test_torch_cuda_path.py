@@ -54,6 +54,13 @@ def _assert_close(got, want, dtype, name):
     torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol, msg=name)
 
 
+def _torch_blas_handle_made_before_capture():
+    """What any eager CUDA call of the layer does on this thread (a capture needs it first)."""
+    from lltm_cupy.torch import _interop
+
+    _interop._torch_blas_ready(0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("capturing", [False, True], ids=["cublas", "captured-torch-gemm"])
@@ -61,6 +68,7 @@ def test_cell_matches_reference(emulated_cuda_torch, compiled, capturing, dtype)
     """Every dtype, eager and compiled, with cuBLAS and, under capture (on a side stream, as
     torch captures), with torch's GEMM on torch views of the imported tensors (weights.T and
     slices of it: DLPack views)."""
+    _torch_blas_handle_made_before_capture()
     emulated_cuda_torch.emulator.capturing = capturing
     case = make_case(5, 7, 9, np.float64, seed=71)
     fn = torch.compile(lt.lltm, backend="aot_eager", fullgraph=True) if compiled else lt.lltm
@@ -77,6 +85,7 @@ def test_cell_matches_reference(emulated_cuda_torch, compiled, capturing, dtype)
 @pytest.mark.parametrize("capturing", [False, True], ids=["cublas", "captured-torch-gemm"])
 def test_sequence_matches_stepped_reference(emulated_cuda_torch, capturing, dtype):
     """outputs, h_n, c_n and the gradients of the inputs, h_0, c_0 and the parameters."""
+    _torch_blas_handle_made_before_capture()
     emulated_cuda_torch.emulator.capturing = capturing
     rng = np.random.default_rng(5)
     T, B, F, S = 4, 3, 5, 6

@@ -49,7 +49,7 @@ def _every_call(cupy, dtype, batch=16, features=32, state=128, steps=5):
         # a PackedSequence's data in and out, as the torch layer runs packed input
         sizes = [batch] + [max(batch - 1, 1)] * (steps - 1)
         rows = sum(sizes)
-        plan = _packing.packed_plan(sizes, np.arange(batch)[::-1].copy(), reverse)
+        plan = _packing.packed_plan(sizes, reverse)
         *_, saved = _cupy.forward_sequence(arr(rows, features), w, b, h, c, plan=plan)
         for grads in ((arr(rows, state), h, c), (None, None, None), (None, h, None)):
             _cupy.backward_sequence(*grads, saved)

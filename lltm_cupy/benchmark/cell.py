@@ -18,15 +18,23 @@ GPU_SIZES = CPU_SIZES + ((1024, 1024, 1024), (4096, 1024, 1024))
 # Implementations: each has forward() -> state, backward(state), saved_bytes()
 
 class _TorchRunner:
-    def __init__(self, module, cfg, inputs):
+    """``mark_step``: the module is torch.compile(mode="reduce-overhead"), whose CUDA graphs
+    overwrite their outputs at the next replay: each forward starts a new step
+    (``torch.compiler.cudagraph_mark_step_begin``), as a training loop's iteration does."""
+
+    def __init__(self, module, cfg, inputs, mark_step=False):
         import torch
 
         self.torch = torch
         self.module = module
         self.x, self.h, self.c = inputs
         self.ones = torch.ones_like(self.h)
+        self.mark_step = getattr(torch.compiler, "cudagraph_mark_step_begin", None) \
+            if mark_step else None
 
     def forward(self):
+        if self.mark_step is not None:
+            self.mark_step()
         return self.module(self.x, (self.h, self.c))
 
     def backward(self, out):
@@ -269,7 +277,7 @@ def _make_runners(cfg: Config, impls, quiet, strict=False):
                 else:
                     _log(quiet, f"  capturing {name} in CUDA graphs ...")
                     module = _graphed(module, x, h, c)
-                runner = _TorchRunner(module, cfg, (x, h, c))
+                runner = _TorchRunner(module, cfg, (x, h, c), mark_step=name == "compiled-ro")
                 for _ in range(3):  # compile / record now, not in the timed loop
                     runner.backward(runner.forward())
                 runners[name] = runner

@@ -21,7 +21,11 @@ BLAS (one BLAS thread pool per process). CUDA tensors run the CuPy backend:
   ordinary torch tensors over them (not DLPack wrappers), so ``record_stream`` works on them;
 - **GEMM**: cuBLAS through CuPy, except while the stream is being captured into a CUDA graph,
   where CuPy refuses to call cuBLAS: then torch's GEMM, on the same stream, on torch views of
-  the same memory.
+  the same memory. torch keeps one cuBLAS handle per thread and device and creates it at the
+  thread's first torch GEMM, which must not happen inside a capture (``cublasCreate`` fails
+  there): so every eager call on CUDA makes sure the calling thread has its torch handle (once
+  per thread and device; the backward runs on autograd's device thread, whose eager backward
+  does the same), and ``lltm_cupy.warmup`` does it for the calling thread and autograd's.
 
 Autocast is switched off inside a call: the backend's GEMMs must run in the dtype the cell
 computes in (``lltm_cupy.torch`` casts the arguments first, as autocast would).
@@ -29,6 +33,7 @@ computes in (``lltm_cupy.torch`` casts the arguments first, as autocast would).
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import torch
@@ -174,6 +179,63 @@ def _tensor_cuda(a) -> Tensor:
     return t.view(dtype) if t.dtype != dtype else t
 
 
+_blas_ready = threading.local()
+
+
+def create_torch_blas_handle(index: int) -> None:
+    """Create torch's cuBLAS handle of the calling thread on device ``index`` now (torch creates
+    it at the thread's first torch GEMM, which must not be inside a capture); the tests'
+    emulated CUDA path replaces this."""
+    with torch.cuda.device(index):
+        torch.cuda.current_blas_handle()
+
+
+def _torch_blas_ready(index: int) -> None:
+    """Once per thread and device: torch's cuBLAS handle exists for this thread."""
+    devices = getattr(_blas_ready, "devices", None)
+    if devices is None:
+        devices = _blas_ready.devices = set()
+    if index not in devices:
+        create_torch_blas_handle(index)
+        devices.add(index)
+
+
+def prepare_capture(index: int) -> None:
+    """torch's cuBLAS handles for a later capture on device ``index``: the calling thread's, and
+    that of autograd's thread for the device (which runs the backward), by one tiny backward of
+    a torch GEMM. Nothing without a CUDA device for torch."""
+    if not torch.cuda.is_available():
+        return
+    _torch_blas_ready(index)
+    x = torch.ones(1, 1, device=torch.device("cuda", index), requires_grad=True)
+    torch.mm(x, x).sum().backward()
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether torch's current stream on ``device`` is being captured into a CUDA graph."""
+    if not uses_cupy(device):
+        return False
+    with _stream(device) as stream:
+        return bool(stream.is_capturing())
+
+
+def refuse_capture_without(plans, device: torch.device, lengths=None) -> None:
+    """Under CUDA-graph capture, variable-length input runs only on plans already on the device
+    (and with lengths on the host): else CaptureError, before any work is queued. Plans used
+    under capture are kept for the graph's replays."""
+    if not capturing(device):
+        return
+    from .._packing import capture_error, pin
+
+    if isinstance(lengths, Tensor) and lengths.device.type != "cpu":
+        raise capture_error("with lengths on the GPU (reading them would wait for the device)")
+    index = _device_index(device)
+    if not all(p.on_device(index) for p in plans):
+        raise capture_error()
+    for p in plans:
+        pin(p)
+
+
 def torch_gemm(a, b, out, accumulate: bool = False):
     """The CuPy backend's ``gemm`` done by torch (``out = a @ b`` or ``out += a @ b``) on torch
     views of the same memory, on torch's current stream: what runs while a graph is captured."""
@@ -230,5 +292,9 @@ def _call(device: torch.device, cupy_path: bool):
 
         with cupy.cuda.Device(_device_index(device)), _stream(device) as stream, \
                 cupy.cuda.using_allocator(_torch_allocator(device)):
-            gemm = torch_gemm if stream.is_capturing() else _cupy.gemm
+            if stream.is_capturing():
+                gemm = torch_gemm
+            else:
+                _torch_blas_ready(_device_index(device))
+                gemm = _cupy.gemm
             yield Call(_cupy, {"gemm": gemm}, _array_cuda, _tensor_cuda)

@@ -405,14 +405,17 @@ class LLTM(nn.Module):
         if packed:
             # PackedSequence: every layer runs on the packed rows themselves (its data, (N, F)),
             # no padded tensor in or out; the output keeps the input's layout. One packing plan
-            # per direction serves every layer.
+            # per direction serves every layer; it depends on batch_sizes (on the host) alone and
+            # works in the sorted order: the states are permuted on the device, as nn.LSTM does.
             from torch.nn.utils.rnn import PackedSequence
 
             from .._packing import packed_plan
+            from ._interop import refuse_capture_without
 
-            plans = [packed_plan(input.batch_sizes, input.sorted_indices, reverse=d == 1)
-                     for d in range(self.num_directions)]
             _check_input("LLTM", input.data, "(rows, input_size)", self.input_size)
+            plans = [packed_plan(input.batch_sizes, reverse=d == 1)
+                     for d in range(self.num_directions)]
+            refuse_capture_without(plans, input.data.device)
             x, unbatched = input.data, False
             batch = int(input.batch_sizes[0]) if len(input.batch_sizes) else 0
         else:
@@ -424,6 +427,9 @@ class LLTM(nn.Module):
                 input.transpose(0, 1) if self.batch_first else input)
             batch = x.shape[1]
         (h0, c0), flat = self._hx(hx, batch, x, unbatched)
+        if packed and input.sorted_indices is not None and hx is not None:
+            order = input.sorted_indices
+            h0, c0 = h0.index_select(1, order), c0.index_select(1, order)
         h_n, c_n = [], []
         # The array API's forward_layers (lltm_cupy/_layers.py) runs the same plan; its loop
         # writes the backward out and draws dropout from the caller's generator, this one is
@@ -445,6 +451,9 @@ class LLTM(nn.Module):
             if self.dropout and self.training and k < self.num_layers - 1:
                 x = nn.functional.dropout(x, self.dropout, training=True)
         h_n, c_n = torch.stack(h_n), torch.stack(c_n)
+        if packed and input.unsorted_indices is not None:
+            h_n = h_n.index_select(1, input.unsorted_indices)
+            c_n = c_n.index_select(1, input.unsorted_indices)
         if packed:
             return (PackedSequence(x, input.batch_sizes, input.sorted_indices,
                                    input.unsorted_indices), (h_n, c_n))

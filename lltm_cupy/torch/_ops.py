@@ -422,7 +422,10 @@ def _packed_sequence(tensors, lengths, reverse: bool, fused: bool = False):
     from .. import _packing
 
     steps, batch = tensors[0].shape[:2]
-    plan = _packing.plan(_packing.check_lengths(lengths, steps, batch), steps, reverse=reverse)
+    device = tensors[0].device
+    _interop.refuse_capture_without((), device, lengths)     # lengths on the GPU: refused now
+    plan = _packing.cached_plan(_packing.check_lengths(lengths, steps, batch), steps, reverse)
+    _interop.refuse_capture_without((plan,), device)
     if not _needs_grad(tensors) and not _transformed(tensors):
         return _forward_only(tensors, True, fused, plan=plan)
     return LLTMSequenceFunction.apply(*tensors, plan, fused)
@@ -431,9 +434,10 @@ def _packed_sequence(tensors, lengths, reverse: bool, fused: bool = False):
 def lltm_packed(data: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Tensor,
                 plan, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """One layer and direction over a ``PackedSequence``'s ``data`` (rows, features), laid out
-    as ``plan`` says (``lltm_cupy._packing.packed_plan`` of its ``batch_sizes`` and
-    ``sorted_indices``, and the direction): returns ``(out_data, h_n, c_n)``, ``out_data`` (rows,
-    state) in the same layout and the final states (batch, state) in the caller's batch order.
+    as ``plan`` says (``lltm_cupy._packing.packed_plan`` of its ``batch_sizes`` and the
+    direction): returns ``(out_data, h_n, c_n)``, ``out_data`` (rows, state) in the same layout;
+    the states h0, c0 and h_n, c_n (batch, state) are in the sorted batch order (the caller
+    applies ``sorted_indices`` / ``unsorted_indices``, as :class:`LLTM` does).
     What :class:`LLTM` runs for PackedSequence input: no padded tensor is made, in or out.
     Autocast, dtype and ``fused`` rules as :func:`lltm_sequence`; eager only."""
     fused = check_flag("lltm_cupy.torch.lltm_packed", "fused", fused)
@@ -462,10 +466,13 @@ def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0:
     inputs: (steps, batch, features)
     weights: (3 * state, state + features); bias: (3 * state,) or (1, 3 * state)
     h0, c0: (batch, state)
-    lengths: optional (batch,) integers in [0, steps] (a CPU tensor, list or array): as for
+    lengths: optional (batch,) integers in [0, steps] (a CPU tensor, list or array; a CUDA
+        tensor is copied to the host first, which waits for the device): as for
         :func:`lltm_cupy.forward_sequence`, the sequences run packed, outputs past a length are
         zero, h_n / c_n are each sequence's state at its own last step (run eagerly: a graph
-        break under torch.compile)
+        break under torch.compile). Under CUDA-graph capture the same lengths must have run
+        once eagerly before (else RuntimeError, before any work is queued), and the graph
+        is valid for those lengths only.
     reverse: each sequence runs from its own last valid step back to step 0
     fused: on CUDA, every step of the sequence (and of its backward) in one launch of the fused
         sequence kernel, as :func:`lltm_cupy.forward_sequence`'s ``fused``: state sizes whose

@@ -33,6 +33,16 @@ current stream: ``cuda.Stream.null`` (handle 0), or one entered with ``with stre
 made by ``cuda.Stream.from_external`` over torch's current stream). When ``torch_stream`` is set
 (a callable giving torch's current stream handle, see conftest's ``emulated_cuda_torch``), device
 work on any other stream raises at once: the torch layer must run everything on torch's stream.
+``transfers`` records every copy between host and "device", ``("h2d" | "d2h", bytes)``: an
+array made from host data (``cupy.asarray(numpy_array)``, ``cupy.array(list)``), a host array
+used as an index or assigned into a device array (CuPy uploads it), and ``get()``, ``item()``,
+``int()``, ``float()``, ``bool()``, ``tolist()`` of a device array (downloads, each also a
+synchronisation); ``syncs`` counts every synchronisation (``Device.synchronize`` and those
+downloads). While ``capturing``, each of these raises, as the driver refuses them in a capture
+(CuPy stages an upload through pinned memory and queries an event; a download or a sync waits
+for the device), and so does a torch GEMM on a thread that has no torch cuBLAS handle yet
+(``torch_blas_threads``, see tests/conftest.py's ``emulated_cuda_torch``), since torch creates
+the handle at a thread's first GEMM and ``cublasCreate`` fails in a capture.
 What it cannot show: real concurrency, and the NVRTC-compiled code itself.
 """
 from __future__ import annotations
@@ -44,6 +54,10 @@ import types
 import numpy as np
 
 from .host_kernels import SUFFIX, ptr
+
+
+class CUDARuntimeError(RuntimeError):
+    """cupy.cuda.runtime.CUDARuntimeError's stand-in."""
 
 
 class _Log(list):
@@ -79,12 +93,33 @@ class _State:
         self.compiles = []
         self.compiled = set()
         self.math_mode = 0
+        self.transfers = []
+        self.syncs = 0
+        self.torch_blas_threads = set()
 
     def reset(self):
         self.log.clear()
         self.allocations.clear()
         self.pool_allocations = 0
         self.compiles.clear()
+        self.transfers.clear()
+        self.syncs = 0
+
+    def transfer(self, kind, nbytes, sync=False):
+        """Note a host-device copy (and the wait of a download); refused while capturing."""
+        if self.capturing:
+            raise CUDARuntimeError(f"cudaErrorStreamCaptureUnsupported: operation not permitted "
+                                   f"when stream is capturing ({kind} copy of {nbytes} bytes)")
+        self.transfers.append((kind, int(nbytes)))
+        if sync:
+            self.syncs += 1
+
+    def synchronize(self):
+        if self.capturing:
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported: operation not permitted "
+                                   "when stream is capturing (synchronize)")
+        self.syncs += 1
+
 
     def compile(self, *key):
         """Note a kernel's first use (a compile and a module load on a GPU)."""
@@ -185,7 +220,29 @@ class ndarray(np.ndarray):
         return MemoryPointer(self._memory, self.ctypes.data - self._memory.ptr)
 
     def get(self):
+        _state.transfer("d2h", self.nbytes, sync=True)
         return np.array(self)
+
+    # Host values of device data: a download that waits for the device.
+    def item(self, *args):
+        _state.transfer("d2h", self.itemsize, sync=True)
+        return np.asarray(self).item(*args)
+
+    def tolist(self):
+        _state.transfer("d2h", self.nbytes, sync=True)
+        return np.asarray(self).tolist()
+
+    def __int__(self):
+        _state.transfer("d2h", self.itemsize, sync=True)
+        return int(np.asarray(self))
+
+    def __float__(self):
+        _state.transfer("d2h", self.itemsize, sync=True)
+        return float(np.asarray(self))
+
+    def __bool__(self):
+        _state.transfer("d2h", self.itemsize, sync=True)
+        return bool(np.asarray(self))
 
     def __dlpack__(self, *, stream=None, **kwargs):
         # CuPy takes a consumer stream (-1: no synchronisation); host memory has none.
@@ -208,6 +265,7 @@ class ndarray(np.ndarray):
     def __getitem__(self, key):
         keys = key if isinstance(key, tuple) else (key,)
         if any(isinstance(k, (np.ndarray, list)) for k in keys):   # advanced indexing: a gather
+            _upload_host_keys(keys)
             _state.log.append("copy")
             _state.compile("gather", _layout(self))
             plain = tuple(np.asarray(k) if isinstance(k, ndarray) else k for k in keys)
@@ -215,8 +273,11 @@ class ndarray(np.ndarray):
         return super().__getitem__(key)
 
     def __setitem__(self, key, value):
-        _state.log.append("copy")
         keys = key if isinstance(key, tuple) else (key,)
+        _upload_host_keys(keys)
+        if isinstance(value, (np.ndarray, list)) and not isinstance(value, ndarray):
+            _state.transfer("h2d", np.asarray(value).nbytes)
+        _state.log.append("copy")
         plain = tuple(np.asarray(k) if isinstance(k, ndarray) else k for k in keys)
         key = plain if isinstance(key, tuple) else plain[0]
         target = np.asarray(self)[key]
@@ -241,6 +302,13 @@ class ndarray(np.ndarray):
 
     def sum(self, axis=None, dtype=None, out=None, keepdims=False):
         return np.add.reduce(self, axis=axis, dtype=dtype, out=out, keepdims=keepdims)
+
+
+def _upload_host_keys(keys):
+    """CuPy copies a host index array (NumPy array, list) to the device before indexing."""
+    for k in keys:
+        if isinstance(k, (np.ndarray, list)) and not isinstance(k, ndarray):
+            _state.transfer("h2d", np.asarray(k).nbytes)
 
 
 def _empty(shape, dtype, order="C"):
@@ -275,7 +343,7 @@ class _Device:
         return False
 
     def synchronize(self):
-        pass
+        _state.synchronize()
 
 
 class Stream:
@@ -311,7 +379,7 @@ class Stream:
         return False
 
     def synchronize(self):
-        pass
+        _state.synchronize()
 
 
 Stream.null = Stream(null=True)
@@ -338,6 +406,8 @@ def _full(shape, fill_value, dtype):
 
 
 def _array(obj, dtype=None, order="K", copy=True):
+    if not isinstance(obj, ndarray):    # host data: an upload
+        _state.transfer("h2d", np.asarray(obj, dtype=dtype).nbytes)
     _state.log.append("copy")
     _state.compile("copy", _layout(obj), str(dtype))
     return _adopt(np.array(np.asarray(obj), dtype=dtype, order="C"))
@@ -358,6 +428,11 @@ def _asfortranarray(a):
 
 def _concatenate(arrays, axis=0):
     result = np.concatenate([np.asarray(a) for a in arrays], axis=axis)
+    if len(arrays) > 8 and len({np.asarray(a).dtype for a in arrays}) == 1 and \
+            result.nbytes < 2 * 1024 * 1024 * len(arrays):
+        # CuPy's single-kernel concatenation uploads the inputs' pointers (and, unless all
+        # are C-contiguous and of one shape, their offsets and strides)
+        _state.transfer("h2d", 8 * len(arrays))
     _state.compile("concatenate", tuple(sorted(set(_layout(*arrays)))))   # not by count
     _state.log.extend(["copy"] * len(arrays))   # CuPy copies each input into its slice
     return _adopt(result)
@@ -510,6 +585,7 @@ def make_module() -> types.ModuleType:
     cupy.cuda = types.SimpleNamespace(
         Device=_Device, is_available=lambda: True, cublas=cublas, Stream=Stream,
         get_current_stream=lambda device_id=-1: _current_stream(),
+        runtime_error=CUDARuntimeError,
         runtime=types.SimpleNamespace(**_RUNTIME_CONSTANTS),
         device=types.SimpleNamespace(get_cublas_handle=lambda: 1),
         using_allocator=using_allocator, UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
