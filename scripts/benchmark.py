@@ -13,7 +13,10 @@ Options -b/-f/-s/-r/--scale/-c/-d are those of the tutorial's benchmark.py. Givi
 -b/-f/-s runs that one size; otherwise the sweep of --sizes (default: the CPU or GPU sweep).
 An implementation named in --impl that cannot run is an error (exit status 1, with the reason);
 of the defaults, one that cannot run on this machine is skipped with the reason printed.
---json is rewritten after every size, so an interrupted run keeps what it measured.
+--json is rewritten after every size and every quarter of a size's runs (the partial medians
+under "in_progress"), so an interrupted run keeps what it measured. Every implementation's
+outputs are checked against the float64 reference before it is timed; one that is off is not
+timed (an error when named with --impl).
 """
 from __future__ import annotations
 
@@ -150,6 +153,15 @@ def _inference(args, torch) -> int:
 
 def _run_sizes(args, sizes, impls, out) -> None:
     strict = args.impl is not None
+
+    def progress(partial):      # the size being timed, so far (dropped once it is complete)
+        out["in_progress"] = partial
+        _write_json(args, out)
+        del out["in_progress"]
+
+    from lltm_cupy.benchmark import _common
+
+    _common.progress = progress
     for i, size in enumerate(sizes, 1):
         runs = args.runs or max(30, min(1000, int(2e9 // (size[0] * size[2] * (size[1] + size[2])))))
         cfg = bm.Config(*size, cuda=args.cuda, double=args.double, bf16=args.bf16, runs=runs,

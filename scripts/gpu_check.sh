@@ -8,24 +8,51 @@
 # stepped cells, a ragged packed batch against it padded), at the large sizes (kernel
 # bandwidth and GEMM share), and a profile of the host time per step (what decides small
 # sizes), and the fused sequence kernels against the default path and nn.LSTM.
-# Writes 10 files into DIR (default: $OUT if set, else ./gpu_check_results): env.txt,
-# gpu_tests.txt, benchmark.txt (with the profiles), summary.txt and six JSON files, each JSON
-# rewritten after every size. CuPy's kernel cache goes to DIR/cupy_cache unless CUPY_CACHE_DIR
-# is set (set it outside DIR where only a few files may come back from DIR).
-# Needs python3 with torch (CUDA), cupy, pytest, hypothesis and mpmath; installs nothing.
+# Writes 11 files into DIR (default: $OUT if set, else ./gpu_check_results; made absolute):
+# env.txt, gpu_tests.txt, benchmark.txt (with the profiles), summary.txt and seven JSON files,
+# each rewritten during its benchmark (after every quarter of a size's runs and every size).
+# CuPy's kernel cache goes to DIR/cupy_cache unless CUPY_CACHE_DIR is set (set it outside DIR
+# where only a few files may come back from DIR).
+# Needs python3 with torch (CUDA), cupy, numpy, pytest, hypothesis, mpmath and ml_dtypes (each
+# a prerequisite checked first: a missing one would skip whole test modules); installs nothing.
+# On the GPU machine a skipped GPU test fails the tests step unless its reason is on the list
+# below (ALLOWED_SKIPS: needs two GPUs). Every benchmark checks each implementation's outputs
+# against the float64 reference (the fused rows: against the default path) before timing it:
+# a wrong one posts no time and fails its step.
 #
-# The whole check finishes within 5 minutes, hard limits included: one deadline (BUDGET_S,
-# default 290 s from the start) caps every step, in order of importance, each also capped at
-# its own share. Every step's result (passed, failed, cut off, not run) and its seconds are in
-# the summary at the end; the exit status is 0 only if every step passed.
+# The whole check finishes within 290 s (BUDGET_S), hard limits included: one deadline caps
+# every step, in order of importance, each also capped at its own limit (a step that overruns is
+# killed, `timeout -k 5`, and reported "cut off"). Every step's result (passed, failed, cut off,
+# not run) and its seconds are in the summary; the exit status is 0 only if every step passed.
+# The limits, from a run on an H200 (torch 2.11, CuPy 14.2; seconds there in brackets), with
+# margin for cold NVRTC compiles (each dtype's module of cuda_src/lltm.cu ~1 s, four dtypes;
+# CuPy's own small kernels ~0.5 s each, about 30 cold) and torch/CUDA start-up (~5 s a process):
+#   tests (no compile)   120 s  [38 s for 130 tests] + the variable-length tests (8 dtype cases,
+#                               capture, sync debug, two fresh processes of ~10 s each): ~75 s
+#   tests (compiled)      65 s  [42 s]; torch.compile's Inductor compiles dominate
+#   bench tutorial        45 s  start-up 5 + torch.compile 10 + reduce-overhead 15 + 8 x 200 runs
+#   bench bf16            25 s  [10 s before its cut]; two sizes x 30 runs
+#   bench sequence        25 s  [18 s]
+#   bench layers, ragged  25 s  [cut at 15 s after 4 of 10 runs: stepped cells are slow]; 6 runs
+#   bench large           20 s  [9 s before its cut]; two sizes x 30 runs
+#   profile cell          15 s  [cut at 5 s: start-up alone]; 300 profiled steps
+#   profile sequence      15 s  [cut at 5 s]; 5 profiled sequences
+#   bench fused f32/bf16  12 s each (not yet run on a GPU)
+# Expected in all about 270 s (5 for the prerequisites); the caps add to more, so the deadline,
+# not the caps, bounds the run, and the last rows are the first cut if the tests run long.
 #
 #   bash scripts/gpu_check.sh [DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_check_results}}"
+case "$out" in /*) ;; *) out="$PWD/$out" ;; esac      # absolute: the cache path below too
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-$PWD/$out/cupy_cache}"
+export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-$out/cupy_cache}"
+#: the only skips a GPU test may report on the GPU machine (substrings of the reason)
+ALLOWED_SKIPS=("needs two CUDA devices")
+skip_args=()
+for reason in "${ALLOWED_SKIPS[@]}"; do skip_args+=(--skips-allowed "$reason"); done
 start=$(date +%s)
 deadline=$(( start + ${BUDGET_S:-290} ))
 status=0
@@ -41,9 +68,9 @@ step() {
     status=1; summary+=("$(printf '%-24s %-10s %4s s' "$name" "not run" 0)"); return
   fi
   t0=$(date +%s)
-  timeout "$cap" "$@" 2>&1 | tee -a "$file"
+  timeout -k 5 "$cap" "$@" 2>&1 | tee -a "$file"
   rc=${PIPESTATUS[0]}
-  if [ "$rc" -eq 124 ]; then
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     result="cut off"; echo "gpu_check: cut off after ${cap} s: $*" | tee -a "$file"
   elif [ "$rc" -eq 0 ]; then result="passed"; else result="failed ($rc)"; fi
   [ "$rc" -eq 0 ] || status=1
@@ -54,7 +81,7 @@ step() {
 if ! python3 - >"$out/env.txt" 2>&1 <<'EOF'
 import importlib, sys
 missing = []
-for name in ("torch", "cupy", "pytest", "hypothesis", "mpmath"):
+for name in ("torch", "cupy", "numpy", "pytest", "hypothesis", "mpmath", "ml_dtypes"):
     try:
         module = importlib.import_module(name)
         print(name, getattr(module, "__version__", "?"))
@@ -82,27 +109,29 @@ then
 fi
 cat "$out/env.txt"
 
-step "tests (no compile)" 95 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
-    -k "not compile" -p no:cacheprovider tests
+step "tests (no compile)" 120 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
+    -k "not compile" -p no:cacheprovider "${skip_args[@]}" tests
 step "tests (compiled)" 65 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
-    -k "compile" -p no:cacheprovider tests
-step "bench tutorial" 40 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda -b 16 -f 32 \
+    -k "compile" -p no:cacheprovider "${skip_args[@]}" tests
+step "bench tutorial" 45 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda -b 16 -f 32 \
     -s 128 -r 200 \
     --impl reference,compiled,compiled-ro,reference-graph,cell,cell-graph,array,lstm \
     --json "$out/benchmark_tutorial.json"
 step "bench bf16" 25 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --bf16 \
     --sizes 16x32x128,4096x1024x1024 -r 30 --impl reference,cell,cell-graph,lstm \
     --json "$out/benchmark_bf16.json"
-step "bench sequence" 20 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --sequence \
+step "bench sequence" 25 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --sequence \
     -r 10 --impl sequence,cell-stepped,reference-stepped,array-sequence,array-stepped,lstm \
     --json "$out/benchmark_sequence.json"
-step "bench layers, ragged" 15 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda \
-    --sequence -b 16 -f 32 -s 128 -r 10 --impl lltm-2x-bidir,cells-2x-bidir,ragged,ragged-padded
-step "bench large" 15 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda \
+step "bench layers, ragged" 25 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda \
+    --sequence -b 16 -f 32 -s 128 -r 6 \
+    --impl lltm-2x-bidir,cells-2x-bidir,ragged,ragged-padded,ragged-user \
+    --json "$out/benchmark_layers.json"
+step "bench large" 20 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda \
     --sizes 1024x1024x1024,4096x1024x1024 -r 30 --impl reference,cell,cell-graph,array,lstm \
     --json "$out/benchmark_large.json"
-step "profile cell" 5 "$out/benchmark.txt" python3 scripts/profile_step.py --cuda --top 25
-step "profile sequence" 5 "$out/benchmark.txt" python3 scripts/profile_step.py --cuda \
+step "profile cell" 15 "$out/benchmark.txt" python3 scripts/profile_step.py --cuda --top 25
+step "profile sequence" 15 "$out/benchmark.txt" python3 scripts/profile_step.py --cuda \
     --sequence --top 25
 # The fused sequence kernels (LLTM(fused=True)) against the default path and cuDNN's nn.LSTM
 # at B = 16, S = 128, T = 64 and 512; their outputs and gradients are checked against the

@@ -99,3 +99,23 @@ def test_every_skip_for_want_of_a_gpu_uses_the_phrase():
                     ("GPU test:", "{GPU_PHRASE}")) and "not installed" not in m[1]:
                 offenders.append(f"{path.name}:{n}: {m[1]}")
     assert not offenders, offenders
+
+
+def test_skips_allowed_refuses_every_skip_not_on_its_list(tmp_path):
+    """gpu_check.sh's gate on the GPU machine: a GPU test skipped there (even for want of a GPU)
+    fails the run unless its reason contains an allowed text."""
+    two = {"test_two.py": 'import pytest\n'
+                          'def test_two_gpus():\n'
+                          '    pytest.skip("GPU test: needs two CUDA devices")\n'}
+    proc = _run(tmp_path, {**MODULES, **two}, "--skips-allowed", "needs two CUDA devices")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    refused = "\n".join(line for line in out.splitlines() if "SKIP REFUSED" in line)
+    for nodeid in ("test_gpu.py::test_marked", "test_gpu.py::test_called",
+                   "test_skips_inside.py::test_b", "test_needs_torch.py"):
+        assert nodeid in refused, out
+    assert "test_two" not in refused, out
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    proc = _run(alone, two, "--skips-allowed", "needs two CUDA devices")
+    assert proc.returncode == 0, proc.stdout + proc.stderr

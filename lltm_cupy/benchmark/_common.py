@@ -56,6 +56,50 @@ class Config:
 _NO_BF16_ARRAYS = "the array API has no bfloat16 (NumPy and CuPy lack the dtype)"
 
 
+#: dtype name -> bound on max|output - reference| / max|reference| before an implementation is
+#: timed (the reference: float64 on the same values). A wrong kernel or index is off by O(1);
+#: rounding over 64 steps stays far below (float32 ~1e-6, bfloat16 ~1e-2).
+CHECK_TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 1e-1}
+
+
+def _as_float64(a):
+    import numpy as np
+
+    if hasattr(a, "detach"):                                    # torch
+        return a.detach().double().cpu().numpy()
+    if type(a).__module__.split(".")[0] == "cupy":
+        return a.get().astype(np.float64)
+    return np.asarray(a, dtype=np.float64)
+
+
+def check_outputs(runners: dict, pick, expected, cfg: Config, skipped: dict, strict: bool,
+                  quiet: bool) -> None:
+    """Before anything is timed: the outputs of each runner, ``pick(name, runner.forward())``
+    (a list of arrays or tensors, or None for one not checked), against ``expected(name)``, the
+    float64 reference's (same length). A runner off by more than :data:`CHECK_TOLERANCE` (or
+    with NaN) is removed and reported as not run (an error when ``strict``): a wrong
+    implementation posts no time."""
+    import numpy as np
+
+    tol = CHECK_TOLERANCE[cfg.dtype_name]
+    for name in list(runners):
+        got = pick(name, runners[name].forward())
+        if got is None:
+            continue
+        want = expected(name)
+        assert len(got) == len(want), (name, len(got), len(want))
+        for i, (a, b) in enumerate(zip(got, want)):
+            a, b = _as_float64(a), _as_float64(b)
+            err = (float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+                   if a.shape == b.shape and b.size else (0.0 if a.shape == b.shape else np.inf))
+            if not err <= tol:
+                del runners[name]
+                _not_run(name, f"wrong results: output {i} is off the float64 reference by "
+                               f"{err:.1e} (normalised; allowed {tol:.0e})", skipped, strict,
+                         quiet)
+                break
+
+
 def machine_name(cuda: bool) -> str:
     if cuda:
         import torch
@@ -131,7 +175,21 @@ def _time_loop(runners: dict, cfg: Config, timer, quiet, label=""):
             s["fwd+bwd"].append(timer.stop())
         if (r + 1) % report_every == 0:
             _log(quiet, f"  {label}{r + 1}/{cfg.runs} runs")
+            if progress is not None:
+                progress({"label": label, "runs_done": r + 1, "runs": cfg.runs,
+                          "results": _summary(samples)})
     return samples
+
+
+#: called with the medians so far after every quarter of a timing loop (scripts/benchmark.py
+#: writes them to its --json file, so a run cut off mid-size keeps what it measured)
+progress = None
+
+
+def _summary(samples) -> dict:
+    return {name: {p: {"median_s": statistics.median(v), "min_s": min(v)}
+                   for p, v in phases.items() if v}
+            for name, phases in samples.items()}
 
 
 
@@ -153,9 +211,7 @@ def timed_record(runners: dict, cfg: Config, numpy_side, quiet, label="") -> tup
         samples.update(_time_loop(group, cfg, timer, quiet, label=f"{label}{'/'.join(group)}: "))
     if len(groups) > 1:
         time.sleep(0.5)  # let OpenBLAS's workers go idle before anything else runs
-    results = {}
+    results = _summary(samples)
     for name in runners:
-        results[name] = {p: {"median_s": statistics.median(v), "min_s": min(v)}
-                         for p, v in samples[name].items()}
         results[name]["saved_bytes"] = runners[name].saved_bytes()
     return results, [k for g in groups[1:] for k in g]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import _NO_BF16_ARRAYS, Config, _log, _not_run, timed_record
+from ._common import _NO_BF16_ARRAYS, Config, _log, _not_run, check_outputs, timed_record
 
 IMPLS = ("reference", "compiled", "cell", "array", "lstm")
 EXTRA_IMPLS = ("cell-op", "cell-floor", "function-floor")
@@ -307,7 +307,25 @@ def _make_runners(cfg: Config, impls, quiet, strict=False):
                                  f"{IMPLS + EXTRA_IMPLS + GRAPH_IMPLS}")
         except Exception as exc:  # e.g. torch.compile without a working compiler
             _not_run(name, exc, skipped, strict, quiet)
+    _check_cells(runners, ref, (x, h, c), cfg, skipped, strict, quiet)
     return runners, skipped
+
+
+#: one-step runners whose outputs are not the cell's (measurement floors)
+_UNCHECKED = ("cell-floor", "function-floor")
+
+
+def _check_cells(runners, ref, inputs, cfg, skipped, strict, quiet):
+    """Every runner's (h, c) against the float64 reference on ``ref``'s parameters."""
+    import torch
+
+    from ..torch.reference import lltm_reference
+
+    with torch.no_grad():
+        want = lltm_reference(*(t.detach().double() for t in (inputs[0], ref.weights, ref.bias,
+                                                                inputs[1], inputs[2])))
+    check_outputs(runners, lambda name, out: None if name in _UNCHECKED else list(out[:2]),
+                  lambda name: list(want), cfg, skipped, strict, quiet)
 
 
 

@@ -5,7 +5,7 @@ stepped cells, a ragged batch against the same padded, and the fused sequence ke
 (``LLTM(..., fused=True)``, GPU) against the default path."""
 from __future__ import annotations
 
-from ._common import _NO_BF16_ARRAYS, Config, _not_run, timed_record
+from ._common import _NO_BF16_ARRAYS, Config, _not_run, check_outputs, timed_record
 from .cell import _array_side, _TorchRunner, _warmup
 
 SEQUENCE_IMPLS = ("sequence", "cell-stepped", "reference-stepped", "array-sequence",
@@ -153,6 +153,79 @@ def _StackedCells(lltm):
     return Stacked()
 
 
+def _reference_run(model, xs, h0=None, c0=None, lengths=None):
+    """The float64 reference (torch ops) of ``model`` (an LLTM: layers, directions) over ``xs``
+    (T, B, F): each sequence b over its first ``lengths[b]`` steps (default: all) from (h0, c0)
+    (default zeros; given only for one layer and direction). Returns (outputs (T, B, D * S),
+    zero past a length; h_n (L * D, B, S); c_n)."""
+    import torch
+
+    from ..torch.reference import lltm_reference
+
+    steps, batch = xs.shape[:2]
+    f64 = dict(dtype=torch.float64)
+    lengths = torch.full((batch,), steps) if lengths is None else lengths.cpu()
+    x = xs.detach().cpu().double()
+    zeros = torch.zeros(batch, model.hidden_size, **f64)
+    h_n, c_n = [], []
+    with torch.no_grad():
+        for k in range(model.num_layers):
+            outs = []
+            for d in range(model.num_directions):
+                w, b = (p.detach().cpu().double() for p in model._layer_parameters(k, d))
+                h = zeros if h0 is None else h0.detach().cpu().double()
+                c = zeros if c0 is None else c0.detach().cpu().double()
+                out = torch.zeros(steps, batch, model.hidden_size, **f64)
+                for t in (range(steps - 1, -1, -1) if d else range(steps)):
+                    active = (t < lengths)[:, None]       # reverse: each from its own last step
+                    new_h, new_c = lltm_reference(x[t], w, b, h, c)
+                    h, c = torch.where(active, new_h, h), torch.where(active, new_c, c)
+                    out[t] = torch.where(active, new_h, 0)
+                outs.append(out)
+                h_n.append(h)
+                c_n.append(c)
+            x = torch.cat(outs, dim=-1)
+    return x, torch.stack(h_n), torch.stack(c_n)
+
+
+def _check_sequences(runners, seq, xs, h, c, cfg, skipped, strict, quiet):
+    """Each runner's outputs against the float64 reference, before timing: the one-layer
+    runners' final cell state (from (h, c)); the 2-layer bidirectional pair's outputs and
+    h_n; the ragged pair's h_n (each sequence at its own length). nn.LSTM is not ours: not
+    checked."""
+    cache = {}
+
+    def reference(key, *args, **kw):
+        if key not in cache:
+            cache[key] = _reference_run(*args, **kw)
+        return cache[key]
+
+    def pick(name, out):
+        if name in ("sequence", "cell-stepped", "reference-stepped"):
+            return [out[-1]]
+        if name == "array-sequence":
+            return [out[2]]
+        if name == "array-stepped":
+            return [out[-1].new_cell]
+        if name in ("lltm-2x-bidir", "cells-2x-bidir", "ragged-padded"):
+            return [out[0], out[1]]
+        if name == "ragged":
+            return [out[1]]
+        return None
+
+    def expected(name):
+        if name in ("sequence", "cell-stepped", "reference-stepped", "array-sequence",
+                    "array-stepped"):
+            return [reference("one", seq, xs, h, c)[2][0]]
+        if name in ("lltm-2x-bidir", "cells-2x-bidir"):
+            return list(reference(name, runners[name].module_reference, xs)[:2])
+        if name == "ragged-padded":
+            return list(reference("padded", seq, xs)[:2])
+        return [reference("ragged", seq, xs, lengths=runners[name].lengths)[1]]
+
+    check_outputs(runners, pick, expected, cfg, skipped, strict, quiet)
+
+
 def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False) -> dict:
     """Time whole-sequence implementations over ``steps`` steps at one cell size (``strict``
     as for :func:`run_size`)."""
@@ -198,12 +271,14 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
                            device=device, dtype=dtype)
             module = deep if name == "lltm-2x-bidir" else _StackedCells(deep)
             runners[name] = _LayeredRunner(module, xs)
+            runners[name].module_reference = deep      # its parameters, for the output check
         elif name in ("ragged", "ragged-padded"):
             g = torch.Generator().manual_seed(cfg.seed)
             lengths = torch.randint(1, steps + 1, (cfg.batch,), generator=g)
             runners[name] = _LayeredRunner(seq, xs, lengths if name == "ragged" else None)
         else:
             raise ValueError(f"unknown sequence implementation {name!r}; choose from {SEQUENCE_IMPLS}")
+    _check_sequences(runners, seq, xs, h, c, cfg, skipped, strict, quiet)
     numpy_side = [k for k in runners if k.startswith("array")]
     results, separate = timed_record(runners, cfg, numpy_side, quiet, label=f"T={steps} ")
     return {"batch": cfg.batch, "features": cfg.features, "state": cfg.state, "steps": steps,
