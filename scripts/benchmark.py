@@ -62,6 +62,10 @@ def main(argv=None) -> int:
                         f"with --sequence, of "
                         f"{','.join(bm.SEQUENCE_IMPLS)}")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--process-time", action="store_true",
+                   help="CPU: time by process CPU time, not wall time (for a loaded machine; "
+                        "run with one thread, OMP_NUM_THREADS=1, else every thread's time "
+                        "counts)")
     p.add_argument("--all-grads", action="store_true",
                    help="inputs and state require grad too (default: parameters only, as the tutorial)")
     p.add_argument("--mixed", action="store_true", help="also time the cell between torch layers (CPU)")
@@ -165,7 +169,8 @@ def _run_sizes(args, sizes, impls, out) -> None:
     for i, size in enumerate(sizes, 1):
         runs = args.runs or max(30, min(1000, int(2e9 // (size[0] * size[2] * (size[1] + size[2])))))
         cfg = bm.Config(*size, cuda=args.cuda, double=args.double, bf16=args.bf16, runs=runs,
-                        warmup=args.warmup, all_grads=args.all_grads)
+                        warmup=args.warmup, all_grads=args.all_grads,
+                        process_time=args.process_time)
         print(f"[{i}/{len(sizes)}] size {size}, {runs} runs", file=sys.stderr, flush=True) \
             if not args.quiet else None
         if args.sequence:

@@ -38,6 +38,9 @@ class Config:
     warmup: int = 10
     all_grads: bool = False
     seed: int = 0
+    process_time: bool = False   # CPU: time by the process's CPU time (a loaded machine's
+    #                              waits for a core are not counted; one thread: torch's default
+    #                              threads would count every thread's time)
 
     @property
     def size(self):
@@ -125,11 +128,14 @@ def _log(quiet, *args):
 # Timers
 
 class _CpuTimer:
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+
     def start(self):
-        self.t0 = time.perf_counter()
+        self.t0 = self.clock()
 
     def stop(self) -> float:
-        return time.perf_counter() - self.t0
+        return self.clock() - self.t0
 
 
 class _CudaTimer:
@@ -200,7 +206,8 @@ def timed_record(runners: dict, cfg: Config, numpy_side, quiet, label="") -> tup
     the others: NumPy's OpenBLAS worker threads keep spinning for a while after each GEMM, and
     interleaved with torch's OpenMP threads on few cores both slow down by up to 10x, which
     would measure the interleaving rather than either implementation."""
-    timer = _CudaTimer() if cfg.cuda else _CpuTimer()
+    timer = _CudaTimer() if cfg.cuda else _CpuTimer(
+        time.process_time if cfg.process_time else time.perf_counter)
     groups = [runners]
     numpy_side = [k for k in runners if k in numpy_side]
     if not cfg.cuda and numpy_side and len(numpy_side) < len(runners):

@@ -10,12 +10,14 @@ from .cell import _array_side, _TorchRunner, _warmup
 
 SEQUENCE_IMPLS = ("sequence", "cell-stepped", "reference-stepped", "array-sequence",
                   "array-stepped", "lstm", "lltm-2x-bidir", "cells-2x-bidir", "ragged",
-                  "ragged-padded", "fused")
+                  "ragged-padded", "ragged-user", "fused")
 #: Rows that time a pair (a row and what it replaces) with their ratio in the table:
 #: a 2-layer bidirectional LLTM against the same built from stepped LLTMCells, and a ragged
-#: batch (lengths uniform in [1, T], as a PackedSequence) against the same batch padded to T.
+#: batch (lengths uniform in [1, T], as a PackedSequence) against the same batch padded to T:
+#: ``ragged`` takes the loss on the packed output's data, ``ragged-user`` pads the output back
+#: first (``pad_packed_sequence``), as a user converting from padded code writes it.
 PAIRED_SEQUENCE_IMPLS = {"lltm-2x-bidir": "cells-2x-bidir", "ragged": "ragged-padded",
-                         "fused": "sequence"}
+                         "ragged-user": "ragged-padded", "fused": "sequence"}
 #: fused vs the default path: largest normalised difference of the outputs and of every
 #: gradient accepted before timing (they differ in the order of the recurrent product's sums)
 FUSED_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 2e-2, "bfloat16": 5e-2}
@@ -95,18 +97,21 @@ class _LayeredRunner(_TorchRunner):
     """An nn.LSTM-shaped module over xs (T, B, F), or over xs as a PackedSequence of
     ``lengths``; backward of the output's sum and the final states'."""
 
-    def __init__(self, module, xs, lengths=None):
+    def __init__(self, module, xs, lengths=None, pad=False):
         import torch
 
         self.torch, self.module, self.xs, self.lengths = torch, module, xs, lengths
+        self.pad = pad      # the output padded back to (T, B, S) (pad_packed_sequence)
 
     def forward(self):
         x = self.xs
         if self.lengths is not None:
-            from torch.nn.utils.rnn import pack_padded_sequence
+            from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
             x = pack_padded_sequence(x, self.lengths, enforce_sorted=False)
         out, (h, c) = self.module(x)
+        if self.lengths is not None and self.pad:
+            return [pad_packed_sequence(out, total_length=len(self.xs))[0], h, c]
         return [out.data if self.lengths is not None else out, h, c]
 
     def backward(self, out):
@@ -190,9 +195,14 @@ def _reference_run(model, xs, h0=None, c0=None, lengths=None):
 
 def _check_sequences(runners, seq, xs, h, c, cfg, skipped, strict, quiet):
     """Each runner's outputs against the float64 reference, before timing: the one-layer
-    runners' final cell state (from (h, c)); the 2-layer bidirectional pair's outputs and
-    h_n; the ragged pair's h_n (each sequence at its own length). nn.LSTM is not ours: not
-    checked."""
+    runners' hidden state at every step from (h, c) (array-stepped: the final cell state; the
+    array API has no bfloat16, whose rounded cell state can drift far from the exact one over
+    hundreds of steps while the hidden state, tanh(c) times a gate, does not); the 2-layer
+    bidirectional pair's outputs and h_n; the ragged rows' h_n (each sequence at its own
+    length) and outputs where padded. nn.LSTM is not ours, and fused is checked against the
+    default path (check_fused): not checked here."""
+    import torch
+
     cache = {}
 
     def reference(key, *args, **kw):
@@ -201,27 +211,31 @@ def _check_sequences(runners, seq, xs, h, c, cfg, skipped, strict, quiet):
         return cache[key]
 
     def pick(name, out):
-        if name in ("sequence", "cell-stepped", "reference-stepped"):
-            return [out[-1]]
-        if name == "array-sequence":
-            return [out[2]]
+        if name in ("sequence", "array-sequence"):
+            return [out[0]]
+        if name in ("cell-stepped", "reference-stepped"):
+            return [torch.stack(out[:-1])]
         if name == "array-stepped":
             return [out[-1].new_cell]
         if name in ("lltm-2x-bidir", "cells-2x-bidir", "ragged-padded"):
             return [out[0], out[1]]
         if name == "ragged":
             return [out[1]]
+        if name == "ragged-user":
+            return [out[0], out[1]]
         return None
 
     def expected(name):
-        if name in ("sequence", "cell-stepped", "reference-stepped", "array-sequence",
-                    "array-stepped"):
+        if name in ("sequence", "cell-stepped", "reference-stepped", "array-sequence"):
+            return [reference("one", seq, xs, h, c)[0]]
+        if name == "array-stepped":
             return [reference("one", seq, xs, h, c)[2][0]]
         if name in ("lltm-2x-bidir", "cells-2x-bidir"):
             return list(reference(name, runners[name].module_reference, xs)[:2])
         if name == "ragged-padded":
             return list(reference("padded", seq, xs)[:2])
-        return [reference("ragged", seq, xs, lengths=runners[name].lengths)[1]]
+        ragged = reference("ragged", seq, xs, lengths=runners[name].lengths)
+        return [ragged[1]] if name == "ragged" else [ragged[0], ragged[1]]
 
     check_outputs(runners, pick, expected, cfg, skipped, strict, quiet)
 
@@ -272,10 +286,11 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
             module = deep if name == "lltm-2x-bidir" else _StackedCells(deep)
             runners[name] = _LayeredRunner(module, xs)
             runners[name].module_reference = deep      # its parameters, for the output check
-        elif name in ("ragged", "ragged-padded"):
+        elif name in ("ragged", "ragged-padded", "ragged-user"):
             g = torch.Generator().manual_seed(cfg.seed)
             lengths = torch.randint(1, steps + 1, (cfg.batch,), generator=g)
-            runners[name] = _LayeredRunner(seq, xs, lengths if name == "ragged" else None)
+            runners[name] = _LayeredRunner(seq, xs, None if name == "ragged-padded" else lengths,
+                                           pad=name == "ragged-user")
         else:
             raise ValueError(f"unknown sequence implementation {name!r}; choose from {SEQUENCE_IMPLS}")
     _check_sequences(runners, seq, xs, h, c, cfg, skipped, strict, quiet)
