@@ -123,7 +123,7 @@ MUTANTS = [
            "mm(flat.T, hs[1:].reshape(steps * batch, state))",
            NUMPY_TESTS, "NumPy sequence d_weights: h_t in place of h_(t-1)"),
     # ---------------------------------------------------------------- CuPy backend
-    Mutant("cupy-f16-d-bias-in-f16", "lltm_cupy/_cupy.py",
+    Mutant("cupy-f16-d-bias-in-f16", "lltm_cupy/_gemm.py",
            "return d_gates.sum(axis=0, dtype=np.float32).astype(np.float16).reshape(bias_shape)",
            "return d_gates.sum(axis=0).reshape(bias_shape)",
            CUPY_TESTS, "float16 d_bias accumulated in float16"),
@@ -134,7 +134,7 @@ MUTANTS = [
     Mutant("cupy-d-h0-last-step", "lltm_cupy/_cupy.py", "d_h0 = gemm(d_gates[0], w_h,",
            "d_h0 = gemm(d_gates[-1], w_h,", CUPY_TESTS,
            "CuPy sequence: d_h0 from the last step's d_gates"),
-    Mutant("cupy-no-16bit-math-mode", "lltm_cupy/_cupy.py",
+    Mutant("cupy-no-16bit-math-mode", "lltm_cupy/_gemm.py",
            "        mode = restore | _DISALLOW_REDUCED_PRECISION\n",
            "        mode = restore\n", CUPY_TESTS + ("tests/test_warmup.py",),
            "16-bit GEMMs allow reduced-precision reductions"),
