@@ -226,6 +226,14 @@ def _packed(sizes: tuple, reverse: bool) -> Plan:
                 packed_io=True)
 
 
+def clear_caches() -> None:
+    """Forget every cached plan (and its device arrays), pinned ones included. For tests; a
+    graph captured with a plan forgotten here must not be replayed."""
+    _cached.cache_clear()
+    _packed.cache_clear()
+    _pinned.clear()
+
+
 def packed_plan(batch_sizes, reverse: bool = False) -> Plan:
     """The plan of a ``PackedSequence`` from its ``batch_sizes`` (a CPU tensor or a sequence of
     ints), with inputs and outputs in its ``data`` layout, in the sorted batch order (the caller

@@ -244,3 +244,14 @@ def ieee_arithmetic(host_lib):
     yield
     if previous & 0x8040:
         host_lib.lltm_host_set_mxcsr(ctypes.c_uint(previous))
+
+
+@pytest.fixture(autouse=True)
+def _no_packing_plans_between_tests():
+    """Each test starts with no cached packing plan (lltm_cupy._packing keeps the last 64 with
+    their device arrays): a test that counts uploads or expects lengths unseen before a capture
+    is not changed by the lengths an earlier test ran."""
+    yield
+    from lltm_cupy import _packing
+
+    _packing.clear_caches()

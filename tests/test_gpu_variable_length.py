@@ -29,8 +29,8 @@ T, B, F, S = 6, 5, 8, 16
 LENGTHS = torch.tensor([2, 6, 1, 4, 4])
 #: dtype -> bound on max|gpu - cpu| / max|cpu| of each result (the CPU runs float64 on the
 #: values rounded to the dtype, so this is the GPU's own rounding over T steps)
-TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-2,
-             torch.bfloat16: 4e-2}
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1.5e-2,
+             torch.bfloat16: 6e-2}
 DTYPES = pytest.mark.parametrize("dtype", list(TOLERANCE), ids=["f64", "f32", "f16", "bf16"])
 
 
@@ -154,12 +154,13 @@ def test_packed_training_step_makes_no_host_sync():
 
 
 _FRESH_PROCESS = textwrap.dedent("""
+    import copy
     import sys
     import torch
     import lltm_cupy
     import lltm_cupy.torch as lt
 
-    mode = sys.argv[1]
+    mode, kinds = sys.argv[1], sys.argv[2].split(",")     # the first kind meets a fresh process
     B, F, S, T = 8, 16, 32, 5
     torch.manual_seed(0)
 
@@ -193,8 +194,9 @@ _FRESH_PROCESS = textwrap.dedent("""
         return [o.detach().clone() for o in outs] + [a.grad.clone() for a in args] + [
             p.grad.clone() for p in module.parameters()]
 
-    for kind in ("cell", "sequence"):
+    for kind in kinds:
         module, args = make(kind)
+        reference = copy.deepcopy(module)      # eager; make_graphed_callables replaces forward
         if mode == "make_graphed_callables":   # its own warm-up iterations, then the capture
             graphed = torch.cuda.make_graphed_callables(module, tuple(args))
         else:                                  # lltm_cupy.warmup only, then torch.cuda.graph
@@ -210,7 +212,7 @@ _FRESH_PROCESS = textwrap.dedent("""
         for seed in (1, 2):
             torch.manual_seed(seed)
             new = [torch.randn_like(a).requires_grad_() for a in args]
-            eager = run(module, module, new)
+            eager = run(reference, reference, new)
             if graphed is not None:
                 got = run(graphed, module, new)
             else:
@@ -225,13 +227,15 @@ _FRESH_PROCESS = textwrap.dedent("""
     """)
 
 
-@pytest.mark.parametrize("mode", ["make_graphed_callables", "warmup-then-graph"])
-def test_bare_modules_capture_in_a_fresh_process(mode):
+@pytest.mark.parametrize("mode,kinds", [("make_graphed_callables", "sequence,cell"),
+                                        ("warmup-then-graph", "cell,sequence")])
+def test_bare_modules_capture_in_a_fresh_process(mode, kinds):
     """LLTMCell and LLTM alone (no torch GEMM of their own) captured forward and backward in a
-    process whose threads have no torch cuBLAS handle yet: the capture's torch GEMMs (here and
-    on autograd's thread) must find handles made before the capture."""
+    process whose threads have no torch cuBLAS handle yet (each module is the first in one of
+    the two processes): the capture's torch GEMMs (here and on autograd's thread) must find
+    handles made before the capture, by the eager warm-up iterations or lltm_cupy.warmup."""
     root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, mode], cwd=root,
+    result = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, mode, kinds], cwd=root,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "sequence captured and replayed" in result.stdout

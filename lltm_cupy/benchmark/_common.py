@@ -220,5 +220,9 @@ def timed_record(runners: dict, cfg: Config, numpy_side, quiet, label="") -> tup
         time.sleep(0.5)  # let OpenBLAS's workers go idle before anything else runs
     results = _summary(samples)
     for name in runners:
-        results[name]["saved_bytes"] = runners[name].saved_bytes()
+        try:
+            results[name]["saved_bytes"] = runners[name].saved_bytes()
+        except Exception as exc:    # e.g. saved-tensor hooks refused under torch.compile
+            _log(quiet, f"  {name}: saved bytes not measured ({type(exc).__name__}: {exc})"[:200])
+            results[name]["saved_bytes"] = None
     return results, [k for g in groups[1:] for k in g]

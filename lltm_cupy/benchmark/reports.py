@@ -12,7 +12,9 @@ from ._common import PHASES, Config, _log
 _SCALES = {"s": (1.0, "s"), "ms": (1e3, "ms"), "us": (1e6, "us")}
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n) -> str:
+    if n is None:
+        return "n/a"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
