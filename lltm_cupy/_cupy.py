@@ -343,7 +343,7 @@ def _exercise_fused(cupy, dtype, batch, features, state):
     cases = [(None, (2, batch)), (None, (0, batch))]
     for reverse in (False, True):
         cases += [(_packing.plan(lengths, 2, reverse), (2, batch)),
-                  (_packing.packed_plan((batch, 1), None, reverse), (batch + 1,))]
+                  (_packing.packed_plan((batch, 1), reverse), (batch + 1,))]
     for plan, lead in cases:
         x = cupy.zeros(lead + (features,), dtype)
         forward_sequence(x, weights, bias, h, c, plan=plan, keep=False, fused=True)
