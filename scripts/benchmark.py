@@ -78,8 +78,8 @@ def main(argv=None) -> int:
                         "resident memory added (a fresh process per implementation) at "
                         "(T, B, F, S) = (500, 64, 16, 512), and process CPU time at (128, 32, "
                         "128, 256) and (64, 64, 256, 512), interleaved, medians")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads for --inference (default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's own; 1 for --inference)")
     p.add_argument("--no-kernels", action="store_true",
                    help="skip the GPU kernel bandwidth report (GPU) or the BLAS share report (CPU)")
     p.add_argument("--json", metavar="FILE", help="write all results as JSON")
@@ -100,6 +100,8 @@ def main(argv=None) -> int:
             return 2
     if args.inference:
         return _inference(args, torch)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.cuda and not torch.cuda.is_available():
         print("--cuda given but torch finds no CUDA device", file=sys.stderr)
         return 2
@@ -145,8 +147,8 @@ def _inference(args, torch) -> int:
         print("--inference measures the CPU (nn.LSTM's CPU path against ours)", file=sys.stderr)
         return 2
     print(f"lltm_cupy inference benchmark on {bm.machine_name(False)}; torch {torch.__version__}")
-    memory = inference.memory_report(rounds=3, threads=args.threads)
-    timing = inference.time_report(rounds=args.runs or 15, threads=args.threads)
+    memory = inference.memory_report(rounds=3, threads=args.threads or 1)
+    timing = inference.time_report(rounds=args.runs or 15, threads=args.threads or 1)
     print(inference.format_inference(memory, timing))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": bm.machine_name(False),
