@@ -77,7 +77,8 @@ def main(argv=None) -> int:
                    help="a forward under torch.no_grad, our LLTM against nn.LSTM (CPU): peak "
                         "resident memory added (a fresh process per implementation) at "
                         "(T, B, F, S) = (500, 64, 16, 512), and process CPU time at (128, 32, "
-                        "128, 256) and (64, 64, 256, 512), interleaved, medians")
+                        "128, 256) and (64, 64, 256, 512), interleaved, medians; and a training "
+                        "step's time at four sizes")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's own; 1 for --inference)")
     p.add_argument("--no-kernels", action="store_true",
@@ -149,11 +150,13 @@ def _inference(args, torch) -> int:
     print(f"lltm_cupy inference benchmark on {bm.machine_name(False)}; torch {torch.__version__}")
     memory = inference.memory_report(rounds=3, threads=args.threads or 1)
     timing = inference.time_report(rounds=args.runs or 15, threads=args.threads or 1)
-    print(inference.format_inference(memory, timing))
+    training = inference.time_report(inference.TRAIN_SIZES, rounds=args.runs or 7,
+                                     threads=args.threads or 1, train=True)
+    print(inference.format_inference(memory, timing, training))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": bm.machine_name(False),
                                                "torch": torch.__version__, "memory": memory,
-                                               "time": timing}, indent=1))
+                                               "time": timing, "training": training}, indent=1))
     return 0
 
 

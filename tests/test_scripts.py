@@ -326,7 +326,9 @@ def test_inference_benchmark_measures_both_in_fresh_processes():
     timing = inference.time_report(sizes=((3, 2, 3, 4),), rounds=2)
     r = timing["(3, 2, 3, 4)"]
     assert r["lltm_s"] > 0 and r["lstm_s"] > 0 and r["ratio"] > 0 and r["threads"] == 1
-    text = inference.format_inference(memory, timing)
-    assert "nn.LSTM MB" in text and "nn.LSTM ms" in text
+    training = inference.time_report(sizes=((3, 2, 3, 4),), rounds=2, train=True)
+    assert training["(3, 2, 3, 4)"]["lltm_s"] > 0
+    text = inference.format_inference(memory, timing, training)
+    assert "nn.LSTM MB" in text and "nn.LSTM ms" in text and "training step" in text
     proc = script("benchmark.py", "--inference", "--cuda")
     assert proc.returncode == 2 and "CPU" in proc.stderr, proc.stderr

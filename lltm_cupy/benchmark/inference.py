@@ -1,5 +1,6 @@
-"""Inference on the CPU: a forward under ``torch.no_grad`` of our ``LLTM`` against ``nn.LSTM``
-of the same hidden size, in peak memory and in time.
+"""Our ``LLTM`` against ``nn.LSTM`` of the same hidden size on the CPU: a forward under
+``torch.no_grad`` (inference) in peak memory and in time, and a training step (forward, then the
+backward of ``output.sum() + h_n.sum() + c_n.sum()`` into the parameters) in time.
 
 - **memory**: each implementation runs in a fresh Python process (so that nothing another one
   allocated or cached is counted): it builds the module and the input, runs a 2-step forward
@@ -23,6 +24,7 @@ import time
 #: (T, B, F, S) of the memory figure and of the time figures
 MEMORY_SIZES = ((500, 64, 16, 512),)
 TIME_SIZES = ((128, 32, 128, 256), (64, 64, 256, 512))
+TRAIN_SIZES = ((64, 16, 32, 128), (128, 32, 128, 256), (64, 64, 256, 512), (32, 256, 512, 1024))
 INFERENCE_IMPLS = ("lltm", "lstm")
 
 
@@ -85,8 +87,9 @@ def memory_report(sizes=MEMORY_SIZES, rounds: int = 3, threads: int = 1) -> dict
     return report
 
 
-def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1) -> dict:
-    """Process CPU time of one no_grad forward, interleaved; medians and the median ratio."""
+def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: bool = False) -> dict:
+    """Process CPU time of one no_grad forward (``train``: one forward + backward),
+    interleaved; medians and the median of the per-round ratios."""
     import torch
 
     torch.set_num_threads(threads)
@@ -95,14 +98,22 @@ def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1) -> dict:
         modules = {impl: _module(impl, features, state) for impl in INFERENCE_IMPLS}
         x = torch.randn(steps, batch, features)
         times = {impl: [] for impl in INFERENCE_IMPLS}
-        with torch.no_grad():
+
+        def run(module):
+            if not train:
+                module(x)
+                return
+            out, (h, c) = module(x)
+            (out.sum() + h.sum() + c.sum()).backward()
+
+        with torch.set_grad_enabled(train):
             for impl in INFERENCE_IMPLS:
                 for _ in range(2):
-                    modules[impl](x)
+                    run(modules[impl])
             for r in range(rounds):
                 for impl in (INFERENCE_IMPLS if r % 2 == 0 else INFERENCE_IMPLS[::-1]):
                     t0 = time.process_time()
-                    modules[impl](x)
+                    run(modules[impl])
                     times[impl].append(time.process_time() - t0)
         ratios = [a / b for a, b in zip(times["lltm"], times["lstm"])]
         report[str((steps, batch, features, state))] = {
@@ -111,7 +122,7 @@ def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1) -> dict:
     return report
 
 
-def format_inference(memory: dict, timing: dict) -> str:
+def format_inference(memory: dict, timing: dict, training: dict = None) -> str:
     lines = []
     if memory:
         lines += ["inference memory: peak resident memory added by one forward under no_grad "
@@ -128,6 +139,14 @@ def format_inference(memory: dict, timing: dict) -> str:
                       f"{first['threads']} thread(s), median of {first['rounds']} interleaved rounds",
                   f"{'(T, B, F, S)':<22} {'LLTM ms':>9} {'nn.LSTM ms':>11} {'ratio':>6}"]
         for size, r in timing.items():
+            lines.append(f"{size:<22} {r['lltm_s'] * 1e3:>9.1f} {r['lstm_s'] * 1e3:>11.1f} "
+                         f"{r['ratio']:>6.2f}")
+    if training:
+        first = next(iter(training.values()))
+        lines += ["", f"training step: forward + backward of the parameters, process CPU time, "
+                      f"{first['threads']} thread(s), median of {first['rounds']} interleaved rounds",
+                  f"{'(T, B, F, S)':<22} {'LLTM ms':>9} {'nn.LSTM ms':>11} {'ratio':>6}"]
+        for size, r in training.items():
             lines.append(f"{size:<22} {r['lltm_s'] * 1e3:>9.1f} {r['lstm_s'] * 1e3:>11.1f} "
                          f"{r['ratio']:>6.2f}")
     return "\n".join(lines)
