@@ -358,6 +358,7 @@ def _exercise(cupy, dtype, batch, features, state):
 
     weights, bias = zeros(3 * state, state + features), zeros(3 * state)
     h, c = zeros(batch, state), zeros(batch, state)
+    forward(zeros(batch, features), weights, bias, h, c, keep=False)   # forward only
     _, _, saved = forward(zeros(batch, features), weights, bias, h, c)
     for grad_h, grad_cell in ((h, c), (h, None), (None, c), (None, None)):
         backward(grad_h, grad_cell, saved)
@@ -366,6 +367,7 @@ def _exercise(cupy, dtype, batch, features, state):
     for grad_h, grad_cell in ((h, c), (None, None)):
         cell_backward(grad_h, grad_cell, cell)
     for steps in (2, 1, 0):
+        forward_sequence(zeros(steps, batch, features), weights, bias, h, c, keep=False)
         *_, saved = forward_sequence(zeros(steps, batch, features), weights, bias.reshape(1, -1),
                                      h, c)
         for grads in ((zeros(steps, batch, state), h, c), (None, None, None),
@@ -376,11 +378,13 @@ def _exercise(cupy, dtype, batch, features, state):
     lengths = np.arange(batch, dtype=np.int64) % 3
     for reverse in (False, True):
         plan = _packing.plan(lengths, 2, reverse)
+        forward_sequence(zeros(2, batch, features), weights, bias, h, c, plan=plan, keep=False)
         *_, saved = forward_sequence(zeros(2, batch, features), weights, bias, h, c, plan=plan)
         for grads in ((zeros(2, batch, state), h, c), (None, None, None)):
             backward_sequence(*grads, saved)
         # a PackedSequence's data in and out (the torch layer's packed input)
         plan = _packing.packed_plan((batch, 1), reverse)
+        forward_sequence(zeros(batch + 1, features), weights, bias, h, c, plan=plan, keep=False)
         *_, saved = forward_sequence(zeros(batch + 1, features), weights, bias, h, c, plan=plan)
         for grads in ((zeros(batch + 1, state), h, c), (None, None, None)):
             backward_sequence(*grads, saved)

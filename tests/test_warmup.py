@@ -29,11 +29,13 @@ def _every_call(cupy, dtype, batch=16, features=32, state=128, steps=5):
 
     w, b = arr(3 * state, state + features), arr(1, 3 * state)
     h, c = arr(batch, state), arr(batch, state)
+    _cupy.forward(arr(batch, features), w, b, h, c, keep=False)      # forward only
     _, _, saved = _cupy.forward(arr(batch, features), w, b, h, c)
     for gh, gc in ((h, c), (h, None), (None, c), (None, None)):
         _cupy.backward(gh, gc, saved)
     _cupy.backward(h, None, saved, needed=(False, True, False, True, False))
     for t in (steps, 1, 0):
+        _cupy.forward_sequence(arr(t, batch, features), w, b.reshape(-1), h, c, keep=False)
         *_, saved = _cupy.forward_sequence(arr(t, batch, features), w, b.reshape(-1), h, c)
         for grads in ((arr(t, batch, state), h, c), (None, None, None), (None, h, None),
                       (arr(t, batch, state), None, c)):
@@ -43,6 +45,7 @@ def _every_call(cupy, dtype, batch=16, features=32, state=128, steps=5):
     lengths = np.arange(batch) % (steps + 1)
     for reverse in (False, True):
         plan = _packing.plan(lengths, steps, reverse)
+        _cupy.forward_sequence(arr(steps, batch, features), w, b, h, c, plan=plan, keep=False)
         *_, saved = _cupy.forward_sequence(arr(steps, batch, features), w, b, h, c, plan=plan)
         for grads in ((arr(steps, batch, state), h, c), (None, None, None), (None, h, None)):
             _cupy.backward_sequence(*grads, saved)
@@ -50,6 +53,7 @@ def _every_call(cupy, dtype, batch=16, features=32, state=128, steps=5):
         sizes = [batch] + [max(batch - 1, 1)] * (steps - 1)
         rows = sum(sizes)
         plan = _packing.packed_plan(sizes, reverse)
+        _cupy.forward_sequence(arr(rows, features), w, b, h, c, plan=plan, keep=False)
         *_, saved = _cupy.forward_sequence(arr(rows, features), w, b, h, c, plan=plan)
         for grads in ((arr(rows, state), h, c), (None, None, None), (None, h, None)):
             _cupy.backward_sequence(*grads, saved)
