@@ -17,7 +17,7 @@ every mutant's count. Then, per mutant, ``python -m pytest`` on its files; a fai
 - weak: fewer than two *value* tests failed (tests that count operations, check an error
   message or compile the source are not value tests: see ``NOT_VALUE_TESTS``; for a removed
   argument check, which only error tests can see, every failing test counts);
-- killed: two or more value tests failed;
+- killed: two or more value tests failed (the run stops after ``--maxfail`` failures);
 - not applied: its text is no longer in the file (the code moved on: update the mutant).
 
 Exit status 1 if a mutant survived or was weak, 2 if one did not apply.
@@ -50,9 +50,10 @@ NOT_VALUE_TESTS = (
     "tests/test_ci_gate.py",
 )
 
-KERNEL_TESTS = ("tests/test_host_kernels.py", "tests/test_accuracy.py", "tests/test_backends.py",
-                "tests/test_sequence.py", "tests/test_torch_cuda_path.py",
-                "tests/test_launch_budget.py")
+#: (tests/test_accuracy.py last: its property-based tests shrink every failure, slowly)
+KERNEL_TESTS = ("tests/test_host_kernels.py", "tests/test_backends.py", "tests/test_sequence.py",
+                "tests/test_torch_cuda_path.py", "tests/test_launch_budget.py",
+                "tests/test_accuracy.py")
 NUMPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
                "tests/test_torch.py", "tests/test_torch_sequence.py")
 CUPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
@@ -208,7 +209,7 @@ def apply(copy: Path, mutant: Mutant) -> str | None:
     return text
 
 
-def run_tests(copy: Path, tests, timeout: float):
+def run_tests(copy: Path, tests, timeout: float, maxfail: int = 0):
     """Run pytest on ``tests`` in ``copy``: (failed node ids, outcome, seconds)."""
     report = copy / ".audit-junit.xml"
     report.unlink(missing_ok=True)
@@ -218,7 +219,8 @@ def run_tests(copy: Path, tests, timeout: float):
     start = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               "-p", "no:randomly", f"--junitxml={report}", *tests], cwd=copy,
+                               "-p", "no:randomly", f"--junitxml={report}",
+                               *([f"--maxfail={maxfail}"] if maxfail else []), *tests], cwd=copy,
                               env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return set(), "timeout", time.monotonic() - start
@@ -247,6 +249,9 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--timeout", type=float, default=1200,
                         help="seconds per pytest run (default 1200); a timeout is not a kill")
+    parser.add_argument("--maxfail", type=int, default=10,
+                        help="stop a mutant's run after this many failures (default 10; 0: run "
+                             "every test); the table then shows 'N+'")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copy")
     args = parser.parse_args(argv)
@@ -290,9 +295,10 @@ def main(argv=None) -> int:
                 print(f"{m.name}: not applied (text not found once in {m.path})", flush=True)
                 continue
             try:
-                failed, outcome, seconds = run_tests(copy, m.tests, args.timeout)
+                failed, outcome, seconds = run_tests(copy, m.tests, args.timeout, args.maxfail)
             finally:
                 (copy / m.path).write_text(original)
+            capped = bool(args.maxfail) and len(failed) >= args.maxfail
             failed -= baseline
             values = sorted(n for n in failed if is_value_test(n) or not m.values)
             if outcome == "timeout":
@@ -304,7 +310,8 @@ def main(argv=None) -> int:
             else:
                 verdict = "killed"
             bad += verdict in ("survived", "weak", "timeout")
-            rows.append((m, verdict, len(failed), len(values), seconds, values))
+            rows.append((m, verdict, f"{len(failed)}{'+' if capped else ''}", len(values),
+                         seconds, values))
             print(f"{m.name}: {verdict}, {len(failed)} failing ({len(values)} value tests), "
                   f"{seconds:.0f} s", flush=True)
         table = format_table(rows, baseline)
