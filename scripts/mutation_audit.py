@@ -54,6 +54,8 @@ NOT_VALUE_TESTS = (
 KERNEL_TESTS = ("tests/test_host_kernels.py", "tests/test_backends.py", "tests/test_sequence.py",
                 "tests/test_torch_cuda_path.py", "tests/test_launch_budget.py",
                 "tests/test_accuracy.py")
+FUSED_TESTS = ("tests/test_fused_sequence.py", "tests/test_host_kernels.py",
+               "tests/test_lltm_layers.py")
 NUMPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
                "tests/test_torch.py", "tests/test_torch_sequence.py")
 CUPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
@@ -108,6 +110,13 @@ MUTANTS = [
            "    T* g",
            "i += (I)blockDim.x) {\n    const I b = i / S;\n    const I s = i - b * S;\n    T* g",
            KERNEL_TESTS, "forward kernel strides by one block, not the grid"),
+    Mutant("fused-recurrent-weight-row", "cuda_src/lltm_fused.cu",
+           "acc_o += tr::load(wk[S]) * hk;", "acc_o += tr::load(wk[2 * S]) * hk;",
+           FUSED_TESTS, "fused sequence kernel: the output gate's recurrent product uses the "
+           "candidate's weights"),
+    Mutant("fused-drop-grad-c-n", "cuda_src/lltm_fused.cu",
+           "dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : A(0);", "dc_buf[i] = A(0);",
+           FUSED_TESTS, "fused sequence backward: the final cell state's gradient dropped"),
     # --------------------------------------------------------------- NumPy backend
     Mutant("numpy-drop-grad-cell", "lltm_cupy/_numpy.py",
            "            np.add(d_new_cell, grad_cell, d_new_cell)\n", "            pass\n",
@@ -313,7 +322,7 @@ def main(argv=None) -> int:
             rows.append((m, verdict, f"{len(failed)}{'+' if capped else ''}", len(values),
                          seconds, values))
             print(f"{m.name}: {verdict}, {len(failed)} failing ({len(values)} value tests), "
-                  f"{seconds:.0f} s", flush=True)
+                  f"{seconds:.0f} s" + "".join(f"\n  {n}" for n in values[:5]), flush=True)
         table = format_table(rows, baseline)
         print("\n" + table)
         if args.markdown:
