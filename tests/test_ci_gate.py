@@ -54,6 +54,13 @@ def test_gate_fails_naming_each_module_skipped_for_another_reason(tmp_path):
     assert "test_gpu.py" not in "".join(l for l in out.splitlines() if "REFUSED" in l), out
 
 
+def test_gate_fails_a_run_that_only_skipped(tmp_path):
+    proc = _run(tmp_path, {"test_needs_torch.py": MODULES["test_needs_torch.py"]},
+                "--gpu-skips-only")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "SKIP REFUSED: module test_needs_torch.py" in proc.stdout, proc.stdout
+
+
 def test_gate_passes_gpu_skips_and_is_off_without_the_option(tmp_path):
     gpu_only = {"test_gpu.py": MODULES["test_gpu.py"]}
     proc = _run(tmp_path, gpu_only, "--gpu-skips-only")

@@ -60,7 +60,8 @@ def _not_allowed(config):
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     refused = (config.getoption("--gpu-skips-only") and _refused) or _not_allowed(config)
-    if refused and exitstatus == 0:
+    # a run that only skipped (every module refused) would otherwise exit 5, "no tests ran"
+    if refused and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
