@@ -127,9 +127,13 @@ step "tests (no compile)" 120 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m g
     -k "not compile" -p no:cacheprovider "${skip_args[@]}" tests
 step "tests (compiled)" 65 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
     -k "compile" -p no:cacheprovider "${skip_args[@]}" tests
+# compiled-ro (the tutorial's reference under torch.compile mode="reduce-overhead") is not in
+# this row: on torch 2.11 its first backward failed with "accessing tensor output of CUDAGraphs
+# that has been overwritten by a subsequent run" (H200), with and without
+# cudagraph_mark_step_begin before each step. `--impl compiled-ro` still runs it by hand.
 step "bench tutorial" 45 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda -b 16 -f 32 \
     -s 128 -r 200 \
-    --impl reference,compiled,compiled-ro,reference-graph,cell,cell-graph,array,lstm \
+    --impl reference,compiled,reference-graph,cell,cell-graph,array,lstm \
     --json "$out/benchmark_tutorial.json"
 step "bench bf16" 25 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --bf16 \
     --sizes 16x32x128,4096x1024x1024 -r 30 --impl reference,cell,cell-graph,lstm \

@@ -75,7 +75,7 @@ def gpu_kernel_report(cfg: Config, runs=50) -> dict:
     B, F, S = cfg.size
     rng = cupy.random.default_rng(cfg.seed)
     X = rng.standard_normal((B, S + F), dtype=dtype)
-    W = rng.standard_normal((3 * S, S + F), dtype=dtype) / np.sqrt(S + F)
+    W = rng.standard_normal((3 * S, S + F), dtype=dtype) / float(np.sqrt(S + F))  # a weak scalar
     bias = cupy.zeros(3 * S, dtype)
     old_cell = rng.standard_normal((B, S), dtype=dtype)
     gates = cupy.empty((B, 3 * S), dtype)

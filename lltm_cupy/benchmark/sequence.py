@@ -18,8 +18,8 @@ SEQUENCE_IMPLS = ("sequence", "cell-stepped", "reference-stepped", "array-sequen
 #: first (``pad_packed_sequence``), as a user converting from padded code writes it.
 PAIRED_SEQUENCE_IMPLS = {"lltm-2x-bidir": "cells-2x-bidir", "ragged": "ragged-padded",
                          "ragged-user": "ragged-padded", "fused": "sequence"}
-#: fused vs the default path: largest normalised difference of the outputs and of every
-#: gradient accepted before timing (they differ in the order of the recurrent product's sums)
+#: the fused path's largest normalised error (outputs and every gradient, against a float64 run)
+#: accepted before timing whatever the default path's own error (see check_fused)
 FUSED_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 2e-2, "bfloat16": 5e-2}
 SEQUENCE_SIZES = ((16, 32, 128), (64, 256, 512))
 
@@ -306,25 +306,40 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
 
 
 def check_fused(default, fused, xs, h, c, dtype_name: str) -> float:
-    """Run both modules once (forward, and backward of the outputs' and final cell's sum) and
-    raise if the fused outputs or parameter gradients differ from the default path's by more
-    than FUSED_TOLERANCE (normalised by max(1, max |default|)); returns the largest difference."""
+    """Run both modules and the default module in float64 once (forward, and backward of the
+    outputs' and final states' sum) and raise unless the fused outputs and parameter gradients
+    are as close to the float64 run as the default path's are: within twice the default path's
+    error or FUSED_TOLERANCE (normalised by max(1, max |float64|)), whichever is larger. Over
+    long sequences both paths drift from float64 (their recurrent sums round in different
+    orders and the cell state grows), so a fixed tolerance between the two would refuse a
+    correct kernel; a wrong one is off by far more than the default path. Returns the fused
+    path's largest error."""
+    import copy
+
     import torch
 
-    results = []
-    for module in (default, fused):
+    exact = copy.deepcopy(default).double()
+    runs = []
+    for module, cast in ((exact, torch.Tensor.double), (default, None), (fused, None)):
         module.zero_grad(set_to_none=True)
-        out, (h_n, c_n) = module(xs, (h[None], c[None]))
-        (out.float().sum() + h_n.float().sum() + c_n.float().sum()).backward()
-        results.append([t.detach().double() for t in (out, h_n, c_n)]
-                       + [p.grad.detach().double() for p in module.parameters()])
+        args = [t if cast is None else cast(t) for t in (xs, h, c)]
+        out, (h_n, c_n) = module(args[0], (args[1][None], args[2][None]))
+        (out.double().sum() + h_n.double().sum() + c_n.double().sum()).backward()
+        runs.append([t.detach().double() for t in (out, h_n, c_n)]
+                    + [p.grad.detach().double() for p in module.parameters()])
         module.zero_grad(set_to_none=True)
-    worst = 0.0
-    for i, (want, got) in enumerate(zip(*results)):
-        err = ((got - want).abs().max() / torch.clamp(want.abs().max(), min=1.0)).item()
-        worst = max(worst, err if err == err else float("inf"))
-    if not worst <= FUSED_TOLERANCE[dtype_name]:
-        raise RuntimeError(f"fused sequence kernels differ from the default path by {worst:.2e} "
-                           f"(normalised; more than {FUSED_TOLERANCE[dtype_name]:.0e} in "
-                           f"{dtype_name}): not timed")
-    return worst
+
+    def error(results):
+        worst = 0.0
+        for want, got in zip(runs[0], results):
+            err = ((got - want).abs().max() / torch.clamp(want.abs().max(), min=1.0)).item()
+            worst = max(worst, err if err == err else float("inf"))
+        return worst
+
+    default_error, fused_error = error(runs[1]), error(runs[2])
+    allowed = max(FUSED_TOLERANCE[dtype_name], 2 * default_error)
+    if not fused_error <= allowed:
+        raise RuntimeError(f"fused sequence kernels are {fused_error:.2e} off a float64 run "
+                           f"(normalised), the default path {default_error:.2e}; more than "
+                           f"{allowed:.1e} in {dtype_name}: not timed")
+    return fused_error
