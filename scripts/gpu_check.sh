@@ -38,7 +38,7 @@
 #   bench large           20 s  [9 s before its cut]; two sizes x 30 runs
 #   profile cell          15 s  [cut at 5 s: start-up alone]; 300 profiled steps
 #   profile sequence      15 s  [cut at 5 s]; 5 profiled sequences
-#   bench fused f32/bf16  12 s each (not yet run on a GPU)
+#   bench fused f32/bf16  12 s each [about 10 s and 6 s on an H200]
 # Expected in all about 270 s (5 for the prerequisites); the caps add to more, so the deadline,
 # not the caps, bounds the run, and the last rows are the first cut if the tests run long.
 #
@@ -157,8 +157,11 @@ step "profile sequence" 15 "$out/benchmark.txt" python3 scripts/profile_step.py 
 step "bench fused f32" 12 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --sequence \
     --sizes 16x32x128 -t 64,512 -r 10 --warmup 3 --impl sequence,fused,lstm \
     --json "$out/benchmark_fused.json"
+# bfloat16 at T = 64 only: the LLTM's cell state grows with T (nothing forgets it), and at
+# T = 512 bfloat16 drifts from the float64 run by more than the harness's check allows for the
+# default path and the fused path alike (1.8 normalised on an H200).
 step "bench fused bf16" 12 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --bf16 \
-    --sequence --sizes 16x32x128 -t 64,512 -r 10 --warmup 3 --impl sequence,fused,lstm \
+    --sequence --sizes 16x32x128 -t 64 -r 10 --warmup 3 --impl sequence,fused,lstm \
     --json "$out/benchmark_fused_bf16.json"
 
 {
