@@ -82,17 +82,7 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5, gemm=gemm):
     dtype = new_cell.dtype
     need_h, need_x, need_w, need_b, need_c = needed
     with cupy.cuda.Device(new_cell.device.id):
-        d_gates = cupy.empty((batch, 3 * state), dtype)
-        d_old_cell = cupy.empty((batch, state), dtype)
-        n = batch * state
-        if n:
-            grid, block, wide = launch_config(n)
-            # A missing gradient is zero: the kernel is told so and reads another valid pointer.
-            gh = new_cell if grad_h is None else cupy.ascontiguousarray(grad_h)
-            gc = new_cell if grad_cell is None else cupy.ascontiguousarray(grad_cell)
-            get_kernels(dtype, wide).bwd(grid, block, (
-                gh, gc, gates, new_cell, d_gates, d_old_cell, np.int32(grad_h is not None),
-                np.int32(grad_cell is not None), np.int64(n), np.int32(state)))
+        d_gates, d_old_cell = _step_backward(cupy, grad_h, grad_cell, gates, new_cell)
         d_old_h = d_input = d_weights = d_bias = None
         if need_h:
             d_old_h = gemm(d_gates, weights[:, :state], cupy.empty((batch, state), dtype))
@@ -251,21 +241,28 @@ def cell_forward(gates, old_cell):
 
 def cell_backward(grad_h, grad_cell, saved):
     cupy = _cupy()
-    gates, new_cell = saved.gates, saved.new_cell
+    with cupy.cuda.Device(saved.new_cell.device.id):
+        return LLTMCellGrads(*_step_backward(cupy, grad_h, grad_cell, saved.gates,
+                                             saved.new_cell))
+
+
+def _step_backward(cupy, grad_h, grad_cell, gates, new_cell):
+    """The element-wise backward kernel of one step, inside the arrays' device: (d_gates,
+    d_old_cell). A missing gradient is zero: the kernel is told so and reads another valid
+    pointer."""
     batch, state = new_cell.shape
     dtype = new_cell.dtype
-    with cupy.cuda.Device(new_cell.device.id):
-        d_gates = cupy.empty((batch, 3 * state), dtype)
-        d_old_cell = cupy.empty((batch, state), dtype)
-        n = batch * state
-        if n:
-            grid, block, wide = launch_config(n)
-            gh = new_cell if grad_h is None else cupy.ascontiguousarray(grad_h)
-            gc = new_cell if grad_cell is None else cupy.ascontiguousarray(grad_cell)
-            get_kernels(dtype, wide).bwd(grid, block, (
-                gh, gc, gates, new_cell, d_gates, d_old_cell, np.int32(grad_h is not None),
-                np.int32(grad_cell is not None), np.int64(n), np.int32(state)))
-    return LLTMCellGrads(d_gates, d_old_cell)
+    d_gates = cupy.empty((batch, 3 * state), dtype)
+    d_old_cell = cupy.empty((batch, state), dtype)
+    n = batch * state
+    if n:
+        grid, block, wide = launch_config(n)
+        gh = new_cell if grad_h is None else cupy.ascontiguousarray(grad_h)
+        gc = new_cell if grad_cell is None else cupy.ascontiguousarray(grad_cell)
+        get_kernels(dtype, wide).bwd(grid, block, (
+            gh, gc, gates, new_cell, d_gates, d_old_cell, np.int32(grad_h is not None),
+            np.int32(grad_cell is not None), np.int64(n), np.int32(state)))
+    return d_gates, d_old_cell
 
 
 def parameter_grads(cupy, flat, h_in, x, weights, bias_shape, needed, gemm):
