@@ -594,31 +594,38 @@ def make_module() -> types.ModuleType:
     return cupy
 
 
+def convert_kernel_args(args, dtype, kinds, outputs):
+    """ctypes arguments for a host-compiled kernel, as strict as a RawKernel launch: ``kinds``
+    names each argument ("array": an emulated array of ``dtype``; "index": of int64; "int32",
+    "int64": NumPy scalars of exactly that type), and no array the kernel writes (``outputs``,
+    argument indices) may overlap another argument: every pointer is __restrict__."""
+    assert len(args) == len(kinds), f"kernel takes {len(kinds)} arguments, got {len(args)}"
+    arrays = [a for a in args if isinstance(a, np.ndarray)]
+    for i in outputs:
+        for other in arrays:
+            assert other is args[i] or not np.shares_memory(args[i], other), \
+                f"kernel output argument {i} overlaps another argument (restrict pointers)"
+    converted = []
+    for a, kind in zip(args, kinds):
+        if kind in ("array", "index"):
+            want = np.dtype(dtype) if kind == "array" else np.dtype(np.int64)
+            assert isinstance(a, ndarray) and a.dtype == want, \
+                f"kernel array argument of dtype {getattr(a, 'dtype', type(a))}, expected {want}"
+            converted.append(ptr(a))
+        elif kind == "int32":
+            assert type(a) is np.int32, f"expected numpy.int32, got {type(a).__name__}"
+            converted.append(ctypes.c_int(int(a)))
+        else:
+            assert type(a) is np.int64, f"expected numpy.int64, got {type(a).__name__}"
+            converted.append(ctypes.c_longlong(int(a)))
+    return converted
+
+
 def host_get_kernels(lib):
     """A replacement for lltm_cupy._kernels.get_kernels that launches the host-compiled kernels."""
     from lltm_cupy._kernels import Kernels
 
-    def check(args, dtype, kinds, outputs):
-        assert len(args) == len(kinds), f"kernel takes {len(kinds)} arguments, got {len(args)}"
-        # Every pointer is __restrict__: an array the kernel writes may overlap no other argument.
-        arrays = [a for a in args if isinstance(a, np.ndarray)]
-        for i in outputs:
-            for j, other in enumerate(arrays):
-                assert j == i or not np.shares_memory(args[i], other), \
-                    f"kernel output argument {i} overlaps argument {j} (restrict pointers)"
-        converted = []
-        for a, kind in zip(args, kinds):
-            if kind == "array":
-                assert isinstance(a, ndarray) and a.dtype == dtype, \
-                    f"kernel array argument of dtype {getattr(a, 'dtype', type(a))}, expected {dtype}"
-                converted.append(ptr(a))
-            elif kind == "int32":
-                assert type(a) is np.int32, f"expected numpy.int32, got {type(a).__name__}"
-                converted.append(ctypes.c_int(int(a)))
-            else:
-                assert type(a) is np.int64, f"expected numpy.int64, got {type(a).__name__}"
-                converted.append(ctypes.c_longlong(int(a)))
-        return converted
+    check = convert_kernel_args
 
     def kernel(fn, name, kinds, outputs, dtype):
         def launch(grid, block, args):

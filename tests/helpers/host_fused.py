@@ -53,27 +53,7 @@ def host_get_fused_kernels(lib, limit: int):
     asking for more than ``limit`` bytes of shared memory fails as on a device with that limit."""
     from helpers import emulated_cupy as emu
 
-    def convert(args, dtype, kinds, outputs):
-        assert len(args) == len(kinds), f"kernel takes {len(kinds)} arguments, got {len(args)}"
-        arrays = [a for a in args if isinstance(a, np.ndarray)]
-        for i in outputs:
-            for other in arrays:
-                assert other is args[i] or not np.shares_memory(args[i], other), \
-                    f"kernel output argument {i} overlaps another argument (restrict pointers)"
-        converted = []
-        for a, kind in zip(args, kinds):
-            if kind in ("array", "index"):
-                want = dtype if kind == "array" else np.dtype(np.int64)
-                assert isinstance(a, emu.ndarray) and a.dtype == want, \
-                    f"kernel array argument of dtype {getattr(a, 'dtype', type(a))}, expected {want}"
-                converted.append(ptr(a))
-            elif kind == "int32":
-                assert type(a) is np.int32, f"expected numpy.int32, got {type(a).__name__}"
-                converted.append(ctypes.c_int(int(a)))
-            else:
-                assert type(a) is np.int64, f"expected numpy.int64, got {type(a).__name__}"
-                converted.append(ctypes.c_longlong(int(a)))
-        return converted
+    convert = emu.convert_kernel_args
 
     def kernel(fn, name, kinds, outputs, dtype):
         def launch(grid, block, args, shared_mem=0):
