@@ -6,6 +6,8 @@ packed arrays, so every GEMM and kernel launch is the fixed-length one on fewer 
 kernels need nothing new. The gathers and scatters are CuPy's advanced indexing with the plan's
 index arrays on the device (uploaded once per plan and device, :meth:`Plan.device_arrays`): in
 steady state a call copies nothing between host and device and never waits for the device.
+Forward only (``keep=False``), no array grows with the packed rows but the outputs and the packed
+copy of the inputs: each step's hidden state is written where the outputs want it.
 
 The caller (:mod:`lltm_cupy._cupy`) passes the CuPy module, its kernel lookup (the tests
 replace the kernels there) and its block size; the GEMM and the bias reduction come from
@@ -32,6 +34,37 @@ def _permuted(a, perm):
     return a if perm is None or a is None else a[perm]
 
 
+def _forward_only_outputs(cupy, plan, d, state, dtype):
+    """Forward only: (outputs, h_at, scatter). ``h_at(tau)`` is the (batch_sizes[tau], state)
+    C-contiguous array the forward kernel writes step tau's hidden state into (and step tau + 1
+    reads it from); ``scatter(tau, h)``, where not None, puts it into ``outputs``.
+
+    Straight into the outputs where step tau's rows are contiguous there: a PackedSequence's data
+    in the forward direction (the packed rows themselves), and the padded (T, B, S) outputs when
+    the sort order is the caller's and the direction forward (``outputs[tau, :n]``). Otherwise
+    two (batch, state) hidden states taken in turn, each step scattered into the outputs by the
+    plan's index arrays (slices of the device copies: no upload)."""
+    sizes, batch = plan.batch_sizes, len(plan.perm)
+    if plan.packed_io:
+        outputs = cupy.empty((plan.rows, state), dtype)   # every row is written
+        if d.data_index is None:
+            return outputs, lambda tau: outputs[plan.step(tau)], None
+    else:
+        outputs = cupy.zeros((plan.steps, batch, state), dtype)     # zeros at padded positions
+        if d.perm is None and not plan.reverse:
+            return outputs, lambda tau: outputs[tau, : sizes[tau]], None
+    hs = cupy.empty((2, batch, state), dtype)
+
+    def scatter(tau, h):
+        rows_t = plan.step(tau)
+        if plan.packed_io:
+            outputs[d.data_index[rows_t]] = h
+        else:
+            outputs[d.t_index[rows_t], d.b_index[rows_t]] = h
+
+    return outputs, lambda tau: hs[tau % 2, : sizes[tau]], scatter
+
+
 def forward_packed(cupy, get_kernels, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
                    block_rows=2048):
     from ._packing import step_blocks
@@ -45,15 +78,24 @@ def forward_packed(cupy, get_kernels, inputs, weights, bias, h0, c0, gemm, plan,
         index = (d.t_index, d.b_index, d.data_index)
         x = cupy.ascontiguousarray(pack_rows(inputs, plan, *index))      # (N, F)
         blocks = step_blocks(plan.offsets, block_rows)
-        # keep: every packed row's gate pre-activations and cell (the backward reads them);
-        # forward only: one block's gates, and two (batch, state) cell buffers taken in turn
-        # (the kernel's old_cell and new_cell may not alias)
+        # keep: every packed row's gate pre-activations, hidden state and cell (the backward
+        # reads them); forward only: one block's gates, each step's hidden state written where
+        # the outputs want it (_forward_only_outputs), and two (batch, state) cell buffers taken
+        # in turn (the kernel's old_cell and new_cell may not alias)
         widest = max((plan.offsets[b] - plan.offsets[a] for a, b in blocks), default=0)
         gates = cupy.empty((rows if keep else widest, 3 * state), dtype)
         h0s, c0s = _permuted(h0, d.perm), _permuted(c0, d.perm)
-        out = cupy.empty((rows, state), dtype)
+        if keep:
+            out = cupy.empty((rows, state), dtype)
+            scatter = None
+
+            def h_at(tau):
+                return out[plan.step(tau)]
+        else:
+            outputs, h_at, scatter = _forward_only_outputs(cupy, plan, d, state, dtype)
+            # each sequence's state after its last step (h0, c0 for length 0)
+            h_sorted, c_sorted = h0s.copy(), c0s.copy()
         cells = cupy.empty((rows, state) if keep else (2, batch, state), dtype)
-        c_sorted = None if keep else c0s.copy()     # each sequence's cell after its last step
         w_x_t, w_h_t = weights[:, state:].T, weights[:, :state].T
         bias_c = cupy.ascontiguousarray(bias.reshape(-1))
         sizes = plan.batch_sizes
@@ -69,32 +111,31 @@ def forward_packed(cupy, get_kernels, inputs, weights, bias, h0, c0, gemm, plan,
                 g_t = g[rows_t.start - base_row: rows_t.stop - base_row]
                 if tau:
                     prev = plan.offsets[tau - 1]
-                    h_in = out[prev: prev + n]
+                    h_in = h_at(tau - 1)[:n]
                     c_in = cells[prev: prev + n] if keep else cells[(tau - 1) % 2, :n]
                 else:
                     h_in, c_in = h0s[:n], c0s[:n]
+                h_out = h_at(tau)
                 c_out = cells[rows_t] if keep else cells[tau % 2, :n]
                 gemm(h_in, w_h_t, g_t, accumulate=True)
                 grid, block, wide = launch_config(n * state)
                 get_kernels(dtype, wide).fwd(grid, block, (
-                    g_t, bias_c, c_in, out[rows_t], c_out, np.int64(n * state),
-                    np.int32(state)))
+                    g_t, bias_c, c_in, h_out, c_out, np.int64(n * state), np.int32(state)))
+                if scatter is not None:
+                    scatter(tau, h_out)
                 nxt = sizes[tau + 1] if tau + 1 < len(sizes) else 0
                 if not keep and nxt < n:                    # sequences ending at this step
+                    h_sorted[nxt:n] = h_out[nxt:n]
                     c_sorted[nxt:n] = c_out[nxt:n]
-        outputs = unpack_rows(out, plan, cupy, *index)
-        ended = plan.ended      # the sequences with a last step: a prefix of the sorted order
-        if rows and ended == batch:
-            h_sorted = out[d.last]
-            if keep:
-                c_sorted = cells[d.last]
-        else:
-            h_sorted = h0s.copy()
-            if keep:
-                c_sorted = c0s.copy()
-            if rows:
-                h_sorted[:ended] = out[d.last]
-                if keep:
+        if keep:
+            outputs = unpack_rows(out, plan, cupy, *index)
+            ended = plan.ended  # the sequences with a last step: a prefix of the sorted order
+            if rows and ended == batch:
+                h_sorted, c_sorted = out[d.last], cells[d.last]
+            else:
+                h_sorted, c_sorted = h0s.copy(), c0s.copy()
+                if rows:
+                    h_sorted[:ended] = out[d.last]
                     c_sorted[:ended] = cells[d.last]
         if d.perm is None:
             h_n, c_n = h_sorted, c_sorted

@@ -79,6 +79,7 @@ def test_sequence_same_bits(xp, small_blocks, dtype, steps):
 
 
 LENGTHS = {"unsorted with 0, 1, T and ties": [3, 0, 9, 1, 9, 3],
+           "sorted with 0, 1, T and ties": [9, 9, 4, 4, 1, 0],
            "all full": [9] * 6, "all zero": [0] * 6, "one long": [1, 1, 9, 1, 1, 1]}
 
 
@@ -177,9 +178,9 @@ def test_numpy_memory_beyond_the_outputs_does_not_grow_with_steps(monkeypatch, l
 @pytest.mark.parametrize("lengths", [None, "ragged"])
 def test_gpu_path_allocates_no_per_step_buffers(emulated_cupy, small_blocks, lengths):
     """Forward only on the GPU path: bytes allocated beyond the outputs do not grow with steps
-    (one block of gates, two cell rows); with lengths, but for the packed rows (the gathered
-    inputs, the packed hidden states and the index arrays, sized by the packed rows); the
-    training forward allocates 4 * B * S values per step more (gates and cells)."""
+    (one block of gates, two cell rows); with lengths, but for the packed copy of the inputs
+    (F values per packed row); the training forward allocates 4 * B * S values per step more
+    (gates and cells)."""
     emu = emulated_cupy.emulator
     B, F, S = 4, 3, 6
     extra, rows = {}, {}
@@ -188,13 +189,59 @@ def test_gpu_path_allocates_no_per_step_buffers(emulated_cupy, small_blocks, len
         args = [emulated_cupy.asarray(case[n]) for n in SEQ]
         lens = None if lengths is None else [steps, 3, 0, steps // 2]
         rows[steps] = 0 if lengths is None else sum(lens)
-        for keep in (True, False):
+        for keep in (True, False):      # the plan's index arrays are uploaded by the first
             emu.reset()
             outputs, h_n, c_n, _ = lltm_cupy.forward_sequence(*args, lengths=lens,
                                                               return_saved=keep)
             # the fixed-length outputs are a view of [h0, outputs]
             outputs_bytes = (steps + (lengths is None)) * B * S * 4
             extra[steps, keep] = sum(emu.allocations) - outputs_bytes
-    assert extra[80, False] - extra[40, False] <= (rows[80] - rows[40]) * ((F + S) * 4 + 3 * 8), extra
+    assert extra[80, False] - extra[40, False] <= (rows[80] - rows[40]) * F * 4, extra
     grown_kept = extra[80, True] - extra[40, True]
     assert grown_kept >= (40 * B if lengths is None else rows[80] - rows[40]) * 4 * S * 4, extra
+
+
+LAYOUTS = {  # name: (lengths (None: a PackedSequence's batch_sizes of the same lengths), reverse)
+    "lengths, sorted": ([1.0, 0.5, 0.5, 0.25, 0], False),
+    "lengths, sorted, reverse": ([1.0, 0.5, 0.5, 0.25, 0], True),
+    "lengths, unsorted": ([0.25, 1.0, 0, 0.5, 0.5], False),
+    "packed": (None, False), "packed, reverse": (None, True)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_gpu_variable_lengths_keep_no_packed_hidden_states(emulated_cupy, small_blocks, layout):
+    """Forward only with variable lengths on the GPU path: each step's hidden state goes straight
+    into the outputs (or through two (B, S) buffers into them), so the bytes allocated beyond the
+    outputs grow with the packed rows by at most the packed copy of the inputs (F values per row;
+    none for a PackedSequence in the forward direction, whose data is the packed inputs), never
+    by a hidden state per row (S values). The outputs are those of the training forward."""
+    fractions, reverse = layout
+    emu = emulated_cupy.emulator
+    B, F, S = 5, 2, 16
+    per_row = 0 if fractions is None and not reverse else F * 4
+    extra, rows = {}, {}
+    for steps in (24, 48):
+        lens = [int(f * steps) for f in (fractions or [1.0, 0.5, 0.5, 0.25, 0])]
+        rows[steps] = sum(lens)
+        case = _sequence_case(steps, B, F, S, np.float32, seed=steps)
+        args = [emulated_cupy.asarray(case[n]) for n in SEQ]
+        if fractions is None:
+            sizes = [sum(n > t for n in lens) for t in range(max(lens))]
+            plan = _packing.packed_plan(sizes, reverse)
+            data = emulated_cupy.asarray(
+                np.random.default_rng(steps).standard_normal((rows[steps], F)).astype(np.float32))
+            args[0] = data      # a PackedSequence holds no empty sequence: the state's rows
+            args[3:] = [a[: sizes[0]] for a in args[3:]]    # are those of the sorted batch
+            want = _cupy.forward_sequence(*args, plan=plan)
+            emu.reset()
+            got = _cupy.forward_sequence(*args, plan=plan, keep=False)
+        else:
+            want = lltm_cupy.forward_sequence(*args, lengths=lens, reverse=reverse)
+            emu.reset()     # the plan's index arrays were uploaded by the call above
+            got = lltm_cupy.forward_sequence(*args, lengths=lens, reverse=reverse,
+                                             return_saved=False)
+        assert not emu.transfers
+        extra[steps] = sum(emu.allocations) - got[0].nbytes
+        _same_bits(got[:3], want[:3], ("outputs", "h_n", "c_n"))
+    assert extra[48] - extra[24] <= (rows[48] - rows[24]) * per_row, (
+        f"bytes beyond the outputs {extra}: more than {per_row} per packed row")
