@@ -385,6 +385,36 @@ class Stream:
 Stream.null = Stream(null=True)
 
 
+class Event:
+    """A CUDA event: ``record`` notes the host clock (no device work is asynchronous here)."""
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.time = None
+
+    def record(self, stream=None):
+        import time
+
+        self.time = time.perf_counter()
+
+    def synchronize(self):
+        _state.synchronize()
+
+
+def _elapsed_time(start, end):
+    """Milliseconds between two recorded events, as ``cupy.cuda.get_elapsed_time``."""
+    assert start.time is not None and end.time is not None, "an event was not recorded"
+    return (end.time - start.time) * 1e3
+
+
+class _MemoryPool:
+    """``cupy.get_default_memory_pool()``: its ``malloc`` takes "CuPy's pool" memory whatever
+    allocator is current (as CuPy's pool does)."""
+
+    def malloc(self, nbytes):
+        _state.pool_allocations += 1
+        return MemoryPointer(_PoolMemory(nbytes), 0)
+
+
 def _current_stream():
     return _state.current_streams[-1] if _state.current_streams else Stream.null
 
@@ -586,10 +616,14 @@ def make_module() -> types.ModuleType:
         Device=_Device, is_available=lambda: True, cublas=cublas, Stream=Stream,
         get_current_stream=lambda device_id=-1: _current_stream(),
         runtime_error=CUDARuntimeError,
-        runtime=types.SimpleNamespace(**_RUNTIME_CONSTANTS),
+        runtime=types.SimpleNamespace(getDeviceProperties=lambda device_id: {
+            "name": b"emulated CuPy (host memory)"}, **_RUNTIME_CONSTANTS),
+        Event=Event, get_elapsed_time=_elapsed_time,
         device=types.SimpleNamespace(get_cublas_handle=lambda: 1),
         using_allocator=using_allocator, UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
         BaseMemory=BaseMemory)
+    cupy.get_default_memory_pool = _MemoryPool
+    cupy.__version__ = "emulated"
     cupy.emulator = _state
     return cupy
 
