@@ -21,7 +21,9 @@
 //   elu(z) = z > 0 ? z : expm1(z),                             elu'(z) = z > 0 ? 1 : exp(z)
 //   e2 = exp(-2|c|) ->  tanh'(c) = 1 - tanh(c)^2 = 4 e2 / (1 + e2)^2
 // None of these overflows for any finite input, and none loses relative accuracy by cancellation
-// (s * (1 - s) and 1 - tanh^2 do, once the activation saturates).
+// (s * (1 - s) and 1 - tanh^2 do, once the activation saturates). tanh' is taken at most 1 (its
+// rounded form can exceed 1 by an ulp near c = 0), so that every factor of a gradient bounded by
+// 1 is so after rounding too, and a product overflows only where its exact value does.
 // elu'(0) = 1, as PyTorch's autograd gives (the tutorial's d_elu gives 0 there).
 
 // ---------------------------------------------------------------------------------------------
@@ -215,7 +217,10 @@ __device__ __forceinline__ void lltm_cell_backward(T z_i, T z_o, T z_c, T c_t,
 
   const A e2 = lltm_exp(A(-2) * lltm_abs(c));
   const A one_e2 = A(1) + e2;
-  const A d_tanh = A(4) * e2 / (one_e2 * one_e2);
+  // tanh'(c) <= 1, but the rounded quotient is 1 + 1 ulp for some c near 0, and that ulp made
+  // d_new_cell overflow at a grad_h near the largest finite value: at most 1 (NaN stays NaN)
+  const A d_tanh_q = A(4) * e2 / (one_e2 * one_e2);
+  const A d_tanh = d_tanh_q > A(1) ? A(1) : d_tanh_q;
 
   const A d_output_gate = lltm_tanh(c) * gh;
   const A d_new_cell = d_tanh * (output_gate * gh) + gc;

@@ -102,9 +102,13 @@ MUTANTS = [
            KERNEL_TESTS + ("tests/test_bfloat16.py",),
            "bfloat16 store rounds ties away from zero, not to even"),
     Mutant("kernel-f64-factor-1e-13", "cuda_src/lltm.cu",
-           "const A d_tanh = A(4) * e2 / (one_e2 * one_e2);",
-           "const A d_tanh = A(4.0000000000004) * e2 / (one_e2 * one_e2);",
+           "const A d_tanh_q = A(4) * e2 / (one_e2 * one_e2);",
+           "const A d_tanh_q = A(4.0000000000004) * e2 / (one_e2 * one_e2);",
            KERNEL_TESTS, "tanh' 1e-13 too large (float64 only: the factor rounds to 4 in float)"),
+    Mutant("kernel-d-tanh-above-1", "cuda_src/lltm.cu",
+           "const A d_tanh = d_tanh_q > A(1) ? A(1) : d_tanh_q;", "const A d_tanh = d_tanh_q;",
+           KERNEL_TESTS, "tanh' as rounded, 1 + 1 ulp near c = 0 (d_new_cell overflows at a "
+           "grad_h near the largest finite value)"),
     Mutant("kernel-grid-stride", "cuda_src/lltm.cu",
            "i += (I)blockDim.x * gridDim.x) {\n    const I b = i / S;\n    const I s = i - b * S;\n"
            "    T* g",
