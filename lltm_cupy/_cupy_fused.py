@@ -6,7 +6,10 @@ and :func:`usable` says the state size fits; the backward of a sequence whose fo
 fused too. Device work per call:
 
 - forward: the input projection of every step (one GEMM, as on the stepped path), then one fused
-  kernel; with variable lengths also the gathers and scatters of the packed layout;
+  kernel; with variable lengths also the gathers and scatters of the packed layout (by the
+  plan's index arrays and step offsets on the device, uploaded once per plan: in steady state,
+  and under CUDA-graph capture after an eager call with the same lengths, nothing is copied
+  from the host);
 - backward: one fused kernel (the reverse recurrence, writing every step's d_gates), then the
   weight, bias and input gradients as one GEMM (or reduction) each over all steps.
 
@@ -30,6 +33,7 @@ import numpy as np
 
 from . import _cupy as base
 from . import _kernels
+from ._cupy_packed import _index, hidden_inputs
 from ._packing import pack_rows, unpack_rows
 from ._types import LLTMSequenceGrads, LLTMSequenceSaved
 
@@ -103,13 +107,14 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True):
             h_prev, c_prev = hs[0], cupy.ascontiguousarray(c0)
             offsets, packed = cupy.zeros(1, np.int64), np.int32(0)   # not read
         else:
-            index, perm = _index(cupy, plan)
+            d = _device_arrays(cupy, plan)
+            index, perm = (d.t_index, d.b_index, d.data_index), d.order
             steps, batch = len(plan.batch_sizes), len(plan.perm)
             x = cupy.ascontiguousarray(pack_rows(inputs, plan, *index))
             out = cupy.empty((plan.rows, state), dtype)
             starts = plan.offsets
             h_prev, c_prev = h0[perm], c0[perm]
-            offsets, packed = cupy.asarray(np.asarray(starts, np.int64)), np.int32(1)
+            offsets, packed = d.offsets, np.int32(1)
         h0s = h_prev
         block = steps if keep else min(steps, block_steps(batch, base._BLOCK_ROWS))
         spans = [(t0, min(t0 + block, steps)) for t0 in range(0, steps, max(block, 1))]
@@ -164,7 +169,8 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
             grad_out = None if grad_outputs is None else cupy.ascontiguousarray(grad_outputs)
             ghn, gcn = grad_h_n, grad_c_n
         else:
-            index, perm = _index(cupy, plan)
+            d = _device_arrays(cupy, plan)
+            index, perm = (d.t_index, d.b_index, d.data_index), d.order
             steps, batch = len(plan.batch_sizes), len(plan.perm)
             grad_out = (None if grad_outputs is None
                         else cupy.ascontiguousarray(pack_rows(grad_outputs, plan, *index)))
@@ -175,7 +181,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
         d_h0, d_c0 = cupy.empty((batch, state), dtype), cupy.empty((batch, state), dtype)
         if batch:
             offsets, packed = ((cupy.zeros(1, np.int64), np.int32(0)) if plan is None else
-                               (cupy.asarray(np.asarray(plan.offsets, np.int64)), np.int32(1)))
+                               (d.offsets, np.int32(1)))
             blocks, threads, tile, smem = _geometry(cupy, batch, state, dtype, backward=True)
             gates = saved.gates.reshape(rows, 3 * state)
             cells = saved.cells.reshape(rows, state)
@@ -192,10 +198,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
         if plan is None:
             h_in = hs[:-1].reshape(rows, state)
         else:
-            parts = [saved.h0[:n] if not tau else hs[plan.offsets[tau - 1]:
-                                                     plan.offsets[tau - 1] + n]
-                     for tau, n in enumerate(plan.batch_sizes)]
-            h_in = cupy.concatenate(parts) if parts else hs[:0]
+            h_in = hidden_inputs(cupy, plan, d, saved.h0, hs)
             d_h0s, d_c0s = d_h0, d_c0
             d_h0, d_c0 = cupy.empty_like(d_h0s), cupy.empty_like(d_c0s)
             d_h0[perm] = d_h0s
@@ -210,10 +213,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
                              d_c0 if need_c0 else None)
 
 
-def _index(cupy, plan):
-    """((t_index, b_index, data_index), perm) of ``plan`` on the current device: the plan's
-    cached device arrays (perm as an array even where it is the identity)."""
-    from ._cupy_packed import _index as index
-
-    d = index(cupy, plan, cupy.cuda.Device().id)
-    return (d.t_index, d.b_index, d.data_index), d.order
+def _device_arrays(cupy, plan):
+    """The plan's index arrays on the current device (uploaded once per plan and device, so
+    that a call in steady state, and under CUDA-graph capture, copies nothing from the host)."""
+    return _index(cupy, plan, cupy.cuda.Device().id)

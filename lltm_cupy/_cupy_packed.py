@@ -30,6 +30,20 @@ def _index(cupy, plan, device_id):
     return plan.device_arrays(cupy, device_id, capturing)
 
 
+def hidden_inputs(cupy, plan, d, h0s, out):
+    """The hidden state each packed row read (rows, state): ``h0s`` (the sorted initial state)
+    for step 0's rows, then the packed outputs ``out`` of the previous step, in one gather by
+    ``d.prev`` (not a concatenation of the steps, which CuPy does above 8 parts with an upload
+    of their pointers: refused under CUDA-graph capture). ``d``: the plan's device arrays."""
+    sizes = plan.batch_sizes
+    h_in = cupy.empty((plan.rows, out.shape[1]), out.dtype)
+    if sizes:
+        h_in[: sizes[0]] = h0s[: sizes[0]]
+    if d.prev is not None:
+        h_in[sizes[0]:] = out[d.prev]
+    return h_in
+
+
 def _permuted(a, perm):
     return a if perm is None or a is None else a[perm]
 
@@ -216,14 +230,7 @@ def backward_packed(cupy, get_kernels, grad_outputs, grad_h_n, grad_c_n, saved, 
         need_x, need_w, need_b, need_h0, need_c0 = needed
         d_weights = d_bias = d_inputs = None
         if need_w:
-            # the hidden state each packed row read: h0 for step 0, then one gather (not a
-            # concatenation of the steps, which CuPy does above 8 parts with an upload of
-            # their pointers)
-            h_in = cupy.empty((rows, state), dtype)
-            if sizes:
-                h_in[: sizes[0]] = saved.h0[: sizes[0]]
-            if d.prev is not None:
-                h_in[sizes[0]:] = out[d.prev]
+            h_in = hidden_inputs(cupy, plan, d, saved.h0, out)
             d_weights = cupy.empty(weights.shape, dtype)
             gemm(flat.T, h_in, d_weights[:, :state])
             gemm(flat.T, x, d_weights[:, state:])

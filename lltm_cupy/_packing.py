@@ -118,8 +118,9 @@ class Plan:
         """The index arrays the GPU backend reads, on device ``device_id`` (``xp``: CuPy, its
         current device that one): ``t_index``, ``b_index`` (None for a PackedSequence plan),
         ``data_index`` (None unless reverse over PackedSequence data), ``perm`` (None for the
-        identity), ``last`` (the packed row of each ended sequence's last step) and ``prev``
-        (:attr:`prev_row`; None where empty). Uploaded on
+        identity), ``last`` (the packed row of each ended sequence's last step), ``prev``
+        (:attr:`prev_row`; None where empty) and ``offsets`` (:attr:`offsets`, int64: the fused
+        kernels' step boundaries). Uploaded on
         the first call for that device, then reused; ``capturing``: a CUDA graph is being
         captured, where an upload is refused (:class:`CaptureError`) before any work."""
         found = self._device.get(device_id)
@@ -137,7 +138,8 @@ class Plan:
             perm=None if self.identity_perm else upload(self.perm),
             order=upload(self.perm),      # perm even where it is the identity (fused path)
             last=upload(self.last_row[: self.ended]) if self.rows else None,
-            prev=upload(self.prev_row) if len(self.prev_row) else None)
+            prev=upload(self.prev_row) if len(self.prev_row) else None,
+            offsets=upload(np.asarray(self.offsets, np.int64)))
         self._device[device_id] = found
         return found
 

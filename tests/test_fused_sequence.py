@@ -592,3 +592,51 @@ def test_torch_lltm_fused_without_grad_runs_the_fused_forward_only(fused_cupy,
     out_g, out_w = (o if lengths is None else o.data for o in (got[0], want[0]))
     for g, w in ((out_g, out_w), (got[1][0], want[1][0]), (got[1][1], want[1][1])):
         assert max_error(g.double().numpy(), w.double().numpy()) <= 1e-5
+
+
+@pytest.mark.parametrize("lengths", [None, [7, 10, 1, 3]], ids=["padded", "packed"])
+def test_torch_lltm_fused_under_capture_copies_nothing(fused_cupy, emulated_cuda_torch,
+                                                       lengths):
+    """LLTM(fused=True) captured after an eager call with the same lengths (as CUDA graphs ask):
+    no host-device copy (the step offsets come from the plan's device arrays, the backward's
+    hidden states from one gather, not a concatenation of more than 8 steps, which uploads
+    their pointers), the fused kernels, and the eager results; training and no_grad."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+    import lltm_cupy.torch as lt
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    g = torch.Generator().manual_seed(3)
+    T, B, F, H = 10, 4, 3, 6
+    xs = torch.randn(T, B, F, generator=g, dtype=torch.float64)
+    hx = tuple(torch.randn(4, B, H, generator=g, dtype=torch.float64) for _ in range(2))
+    torch.manual_seed(1)
+    model = lt.LLTM(F, H, num_layers=2, bidirectional=True, dtype=torch.float64, fused=True)
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        x = xs.clone().requires_grad_()
+        inp = x if lengths is None else pack_padded_sequence(x, torch.tensor(lengths),
+                                                             enforce_sorted=False)
+        out, (h, c) = model(inp, hx)
+        out = out if lengths is None else out.data
+        (out.sum() + h.pow(2).sum() + c.sum()).backward()
+        with torch.no_grad():
+            out_only, (h_only, c_only) = model(inp, hx)
+        out_only = out_only if lengths is None else out_only.data
+        return [t.detach().clone() for t in (out, h, c, x.grad, *(p.grad for p in
+                                                                   model.parameters()),
+                                             out_only, h_only, c_only)]
+
+    emu = fused_cupy.emulator
+    eager = step()
+    emu.reset()
+    emu.capturing = True
+    try:
+        captured = step()
+    finally:
+        emu.capturing = False
+    assert emu.transfers == [] and emu.syncs == 0
+    assert emu.log.count("kernel:seq_fwd") == 8 and emu.log.count("kernel:seq_bwd") == 4
+    for i, (a, b) in enumerate(zip(eager, captured)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"result {i}")
