@@ -80,7 +80,7 @@ def test_without_a_gpu_it_fails_loudly():
     import cupy
 
     if cupy.cuda.is_available():
-        pytest.skip("a GPU is present: the script measures instead")
+        pytest.skip("GPU test: runs only without a GPU (with one, the script measures)")
     proc = subprocess.run([sys.executable, str(SCRIPT), "--runs", "1"], capture_output=True,
                           text=True, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr

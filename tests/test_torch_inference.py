@@ -233,3 +233,74 @@ def test_gpu_forward_only_memory_and_bits():
     block = _cupy._BLOCK_ROWS * 3 * S * 4
     assert grown <= outputs + block + 16 * B * S * 4, (grown, outputs, block)
     assert torch.equal(got, want) and torch.equal(h, h_want) and torch.equal(c, c_want)
+
+
+FORMS = ["PackedSequence", "lengths= unsorted", "lengths= sorted"]
+
+
+def _variable_lengths_case(form, T, B, F, S, device):
+    """(run, bytes the outputs and the packed inputs take, packed rows): ``run()`` gives
+    (outputs, h_n, c_n) of an LLTM(F, S) over (T, B, F) inputs of lengths in [T / 2, T]."""
+    torch.manual_seed(5)
+    model = LLTM(F, S, device=device)
+    xs = torch.randn(T, B, F, device=device)
+    lengths = torch.randint(T // 2, T + 1, (B,))
+    if form.endswith(" sorted"):
+        lengths = lengths.sort(descending=True).values
+    rows = int(lengths.sum())
+    if form == "PackedSequence":
+        packed = pack_padded_sequence(xs, lengths, enforce_sorted=False)
+
+        def run():
+            out, (h, c) = model(packed)
+            return out.data, h, c
+        return run, rows * S * 4, rows                  # the outputs: the packed rows
+    h0 = xs.new_zeros(B, S)
+
+    def run():
+        return lltm_sequence(xs, model.weights, model.bias, h0, h0, lengths=lengths)
+    return run, T * B * S * 4 + rows * F * 4, rows     # padded outputs, packed inputs
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_emulated_cuda_variable_lengths_forward_only_memory(emulated_cuda_torch, monkeypatch,
+                                                            form):
+    """The bound of the GPU test below on the emulated CUDA path, where every CuPy allocation
+    of the call is counted (their sum bounds their peak)."""
+    monkeypatch.setattr(_cupy, "_BLOCK_ROWS", 16)
+    emu = emulated_cuda_torch.emulator
+    T, B, F, S = 40, 4, 2, 16
+    run, beyond, rows = _variable_lengths_case(form, T, B, F, S, "cpu")
+    want = [t.detach() for t in run()]
+    emu.reset()
+    with torch.no_grad():
+        got = run()
+    block = _cupy._BLOCK_ROWS * 3 * S * 4
+    assert sum(emu.allocations) <= beyond + block + 16 * B * S * 4, (
+        sum(emu.allocations), beyond, block, rows * S * 4)
+    for name, g, w in zip(("outputs", "h_n", "c_n"), got, want):
+        assert torch.equal(g, w), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CUDA_REASON is not None, reason=f"GPU test: {CUDA_REASON}")
+@pytest.mark.parametrize("form", FORMS)
+def test_gpu_variable_lengths_forward_only_memory_and_bits(form):
+    """On a GPU, variable lengths at (500, 64, 16, 512): under no_grad the peak of torch's
+    allocator beyond the outputs stays within the packed copy of the inputs (none for a
+    PackedSequence), one block of gates and a few (batch, state) buffers: no hidden state per
+    packed row besides the outputs. The bits equal the training forward's."""
+    T, B, F, S = 500, 64, 16, 512
+    run, beyond, rows = _variable_lengths_case(form, T, B, F, S, "cuda")
+    want = [t.detach() for t in run()]               # also puts the plan on the device
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        got = run()
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - base
+    block = _cupy._BLOCK_ROWS * 3 * S * 4
+    assert grown <= beyond + block + 16 * B * S * 4, (grown, beyond, block, rows * S * 4)
+    for name, g, w in zip(("outputs", "h_n", "c_n"), got, want):
+        assert torch.equal(g, w), name
