@@ -106,7 +106,16 @@ def _error(got, want):
 
 def measure(cupy, T, B, F, S, blocks, runs, warmup, dtype):
     """Rows ``(block label, rows, steps per block, median ms, peak bytes, error)`` for one size;
-    raises AssertionError where a block size's results are off the float64 run."""
+    raises AssertionError where a block size's results are off the float64 run. The block
+    size of the library is set for each and restored at the end."""
+    default = _cupy._BLOCK_ROWS
+    try:
+        return _measure(cupy, T, B, F, S, blocks, runs, warmup, dtype)
+    finally:
+        _cupy._BLOCK_ROWS = default
+
+
+def _measure(cupy, T, B, F, S, blocks, runs, warmup, dtype):
     args = _case(cupy, T, B, F, S, dtype)
     want = [a.get() for a in lltm_cupy.forward_sequence(
         *(a.astype(np.float64) for a in args), return_saved=False)[:3]]
@@ -167,25 +176,22 @@ def main(argv=None):
           f"NumPy {np.__version__}; median of {args.runs} calls after {args.warmup} warm-up, "
           f"CUDA events; peak: bytes allocated during one call, outputs included")
     default, status = _cupy._BLOCK_ROWS, 0
-    try:
-        for T, B, F, S in args.sizes:
-            out_mb = T * B * S * np.dtype(args.dtype).itemsize / 1e6
-            print(f"\n(T, B, F, S) = ({T}, {B}, {F}, {S}); the outputs: {out_mb:.1f} MB")
-            try:
-                rows = measure(cupy, T, B, F, S, args.blocks, args.runs, args.warmup, args.dtype)
-            except AssertionError as exc:
-                print(f"FAIL: {exc}")
-                status = 1
-                continue
-            base = next((r[3] for r in rows if r[1] == default), None)
-            print(f"{'block':>7} {'rows':>7} {'steps/block':>11} {'ms':>9} "
-                  f"{'vs ' + str(default):>8} {'peak MB':>9} {'error':>9}")
-            for label, block_rows, steps, ms, peak, error in rows:
-                ratio = f"{ms / base:.2f}" if base else "-"
-                print(f"{label:>7} {block_rows:>7} {steps:>11} {ms:>9.3f} {ratio:>8} "
-                      f"{peak / 1e6:>9.1f} {error:>9.2g}")
-    finally:
-        _cupy._BLOCK_ROWS = default
+    for T, B, F, S in args.sizes:
+        out_mb = T * B * S * np.dtype(args.dtype).itemsize / 1e6
+        print(f"\n(T, B, F, S) = ({T}, {B}, {F}, {S}); the outputs: {out_mb:.1f} MB")
+        try:
+            rows = measure(cupy, T, B, F, S, args.blocks, args.runs, args.warmup, args.dtype)
+        except AssertionError as exc:
+            print(f"FAIL: {exc}")
+            status = 1
+            continue
+        base = next((r[3] for r in rows if r[1] == default), None)
+        print(f"{'block':>7} {'rows':>7} {'steps/block':>11} {'ms':>9} "
+              f"{'vs ' + str(default):>8} {'peak MB':>9} {'error':>9}")
+        for label, block_rows, steps, ms, peak, error in rows:
+            ratio = f"{ms / base:.2f}" if base else "-"
+            print(f"{label:>7} {block_rows:>7} {steps:>11} {ms:>9.3f} {ratio:>8} "
+                  f"{peak / 1e6:>9.1f} {error:>9.2g}")
     return status
 
 

@@ -55,7 +55,9 @@ def test_peak_counts_the_call_s_allocations(emulated_cupy, block_rows):
     """The peak of one call: the outputs ([h0, h_1..h_T]) and more, and a gate block of 15 rows
     instead of 3 adds exactly 12 rows of 3S float32 gate pre-activations."""
     T, B, F, S = 5, 3, 2, 4
+    before = _cupy._BLOCK_ROWS
     rows = block_rows.measure(emulated_cupy, T, B, F, S, [3, None], 1, 0, "float32")
+    assert _cupy._BLOCK_ROWS == before      # restored
     peak = {label: p for label, _, _, _, p, _ in rows}
     assert peak["3"] >= (T + 1) * B * S * 4
     assert peak["whole"] - peak["3"] == (T * B - 3) * 3 * S * 4, peak
