@@ -21,14 +21,17 @@ NumPy calls rather than arithmetic, so this backend is written for few, cheap pa
   which are a temporary of the step), so that a step's working set stays in cache next to the
   weights (two rows less measured about 1 % of the step).
 
-The GEMMs go through ``mm`` (default ``numpy.matmul``): the torch layer passes torch's GEMM so
-that a process runs one BLAS thread pool, not two that fight over the cores.
+The GEMMs go through ``mm``, an object with the interface of :mod:`lltm_cupy._cpu_gemm`
+(default: NumPy's BLAS): the torch layer passes torch's (one BLAS thread pool per process, not
+two that fight over the cores). The sequence loops run them gate-major, so that the products
+land in the element-wise step's layout with the bias already added: no pass transposes them.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import _packing
+from ._cpu_gemm import NUMPY_GEMM, gate_weights
 from ._types import (LLTMCellGrads, LLTMCellSaved, LLTMGrads, LLTMSaved, LLTMSequenceGrads,
                      LLTMSequenceSaved)
 
@@ -72,18 +75,31 @@ def _d_tanh(c, out):
 #: 1.2-7x more.
 _BLOCK_ROWS = 512
 
+#: keep: a group of steps' factors in one _step_factors call each, as many steps as keep its
+#: arguments (_GROUP_ROWS rows of (B, S): scratch, z[1:], new_h, new_cell, factors) within
+#: _GROUP_BYTES, next to the weights in a core's L2 cache; at least one step.
+_GROUP_BYTES = 1 << 20
+_GROUP_ROWS = 14
+
 _ZERO = {np.dtype(t): t(0) for t in (np.float32, np.float64)}   # typed: 0.5 us less than int 0
 
 
 def _activate(z, old_cell, new_h, new_cell, factors=None) -> None:
-    """Element-wise forward of one step. z (3, B, S): the gate pre-activations, used as scratch
-    (the callers' own temporary). Writes new_h, new_cell (B, S) (``new_cell`` may be
-    ``old_cell`` itself: updated in place) and, unless ``factors`` is None (forward only: the
-    derivative work is skipped, the outputs are the same bits), ``factors`` (4, B, S), what the
-    backward multiplies by:
+    """Element-wise forward of one step: :func:`_step` and, unless ``factors`` is None,
+    :func:`_step_factors` (for callers with one step; the sequence loops call the two apart)."""
+    scratch = np.empty((6,) + new_cell.shape, z.dtype)
+    _step(z, old_cell, new_h, new_cell, scratch, factors is not None)
+    if factors is not None:
+        _step_factors(z[1:], scratch, new_h, new_cell, factors)
 
-        factors = [candidate_cell * sigmoid'(z_i),  tanh(c) * sigmoid'(z_o),
-                   input_gate * elu'(z_c),          output_gate * tanh'(c)]
+
+def _step(z, old_cell, new_h, new_cell, scratch, derivatives) -> None:
+    """Element-wise forward of one step. z (3, B, S): the gate pre-activations, used as scratch
+    (the callers' own temporary; z[1:] holds p + q below afterwards). Writes new_h, new_cell
+    (B, S) (``new_cell`` may be ``old_cell`` itself: updated in place), and leaves in
+    ``scratch`` (6, B, S) [q_i, q_o, input_gate, output_gate, p_c, candidate_cell * input_gate]
+    what :func:`_step_factors` computes the backward's factors from (p_c only with
+    ``derivatives``; without, the outputs are the same bits).
 
     Forms that keep relative accuracy for every finite input, on both sides, and never overflow,
     from p = exp(min(z, 0)) and q = exp(-max(z, 0)) (both in (0, 1], one of them exactly 1):
@@ -95,12 +111,10 @@ def _activate(z, old_cell, new_h, new_cell, factors=None) -> None:
 
     (the tutorial's (1 + tanh(z / 2)) / 2, s (1 - s) and 1 - tanh^2 are accurate only to about
     one unit in the last place of 1, which is no relative accuracy at all once a gate saturates).
-    The first two factors reuse the outputs' products: candidate_cell * input_gate *
-    sigmoid(-z_i) and new_h * sigmoid(-z_o). Values multiplied by the same factor sit side by
-    side, so that one NumPy call does two gates; outputs are passed positionally (0.3 us less
-    per call than ``out=``), except to minimum/maximum, where NumPy deprecates that.
+    Values multiplied by the same factor sit side by side, so that one NumPy call does two
+    gates; outputs are passed positionally (0.3 us less per call than ``out=``), except to
+    minimum/maximum, where NumPy deprecates that.
     """
-    scratch = np.empty((6,) + new_cell.shape, z.dtype)   # [q_i, q_o, p_i, p_o, p_c, one row]
     qp = scratch[:5]
     q, p = qp[:2], qp[2:]
     io = p[:2]
@@ -111,46 +125,67 @@ def _activate(z, old_cell, new_h, new_cell, factors=None) -> None:
     np.expm1(p[2], g)
     np.maximum(g, z[2], out=g)              # candidate_cell = elu(z_c) (expm1(z) > z for z < 0)
     # q = exp(-max(z, 0)), p = exp(min(z, 0)); p_c = elu'(z_c) only for the backward
-    e = qp if factors is not None else qp[:4]
+    e = qp if derivatives else qp[:4]
     np.exp(e, e)
     total = z[1:]                           # p + q, in rows no longer needed
     np.add(io, q, total)
     np.divide(io, total, io)                # [input_gate, output_gate]
-
     a = scratch[5]
     np.multiply(g, io[0], a)                # candidate_cell * input_gate
     np.add(a, old_cell, new_cell)
     np.tanh(new_cell, new_h)
     np.multiply(new_h, io[1], new_h)        # new_h = tanh(new_cell) * output_gate
-    if factors is None:
-        return
+
+
+def _step_factors(total, scratch, new_h, new_cell, factors) -> None:
+    """What the backward multiplies by, from what :func:`_step` left (``total`` = its z[1:],
+    ``scratch``, its outputs), for one step or, with a leading steps axis on every argument,
+    for K steps in one call each (fewer calls: at small sizes a call costs more than its
+    arithmetic):
+
+        factors = [candidate_cell * sigmoid'(z_i),  tanh(c) * sigmoid'(z_o),
+                   input_gate * elu'(z_c),          output_gate * tanh'(c)]
+
+    The first two reuse the outputs' products: candidate_cell * input_gate * sigmoid(-z_i) and
+    new_h * sigmoid(-z_o). Overwrites ``scratch``."""
+    gate = lambda a, i: a[..., i, :, :]     # noqa: E731 -- row i of (..., rows, B, S)
+    q = scratch[..., :2, :, :]
     np.divide(q, total, q)                  # sigmoid(-z) of both
-    np.multiply(a, q[0], factors[0])
-    np.multiply(new_h, q[1], factors[1])
-    _d_tanh(new_cell, scratch[5])           # next to p_c = elu'(z_c)
-    np.multiply(io, scratch[4:], factors[2:])
+    np.multiply(gate(scratch, 5), gate(scratch, 0), gate(factors, 0))
+    np.multiply(new_h, gate(scratch, 1), gate(factors, 1))
+    _d_tanh(new_cell, gate(scratch, 5))     # next to p_c = elu'(z_c)
+    np.multiply(scratch[..., 2:4, :, :], scratch[..., 4:6, :, :], factors[..., 2:4, :, :])
 
 
-def _d_gates(grad_h, grad_cell, factors, d_gates):
+def _d_gates(grad_h, grad_cell, factors, d_gates, d_new_cell=None):
     """Element-wise backward of one step from the forward's ``factors`` (4, B, S): writes
-    d_gates (3, B, S) and returns d_new_cell (B, S); grad_h / grad_cell may be None (zero).
+    d_gates (3, B, S) (any strides) and returns d_new_cell (B, S), written into
+    ``d_new_cell`` when given (it may be ``grad_cell`` itself); grad_h / grad_cell may be None
+    (zero).
 
         d_new_cell = output_gate * tanh'(c) * grad_h + grad_cell     (= d_old_cell)
         d_z_i = candidate_cell * sigmoid'(z_i) * d_new_cell
         d_z_o = tanh(c) * sigmoid'(z_o) * grad_h
         d_z_c = input_gate * elu'(z_c) * d_new_cell
     """
-    d_i, d_o, d_c = d_gates[0], d_gates[1], d_gates[2]     # indexing: unpacking costs 1 us
     if grad_h is not None:
-        d_new_cell = np.multiply(factors[3], grad_h)
-        if grad_cell is not None:
+        if grad_cell is None:
+            d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
+        elif d_new_cell is grad_cell:
+            d_new_cell += factors[3] * grad_h
+        else:
+            d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
             np.add(d_new_cell, grad_cell, d_new_cell)
-        np.multiply(factors[1], grad_h, d_o)
+        np.multiply(factors[1], grad_h, d_gates[1])
     else:
-        d_new_cell = np.zeros_like(factors[3]) if grad_cell is None else np.array(grad_cell)
-        d_o[...] = 0
-    np.multiply(factors[0], d_new_cell, d_i)
-    np.multiply(factors[2], d_new_cell, d_c)
+        if d_new_cell is None:
+            d_new_cell = np.empty_like(factors[3])
+        if grad_cell is None:
+            d_new_cell[...] = 0
+        elif d_new_cell is not grad_cell:
+            np.copyto(d_new_cell, grad_cell)
+        d_gates[1] = 0
+    np.multiply(factors[0::2], d_new_cell, d_gates[0::2])   # d_z_i and d_z_c: one call
     return d_new_cell
 
 
@@ -163,24 +198,24 @@ def _gate_major_to_rows(d_gates, out) -> None:
 # Every entry point runs under np.errstate(all="ignore"): infinities and NaN in the arguments
 # give IEEE results (the reference's), and the library, not NumPy, decides what is an error.
 
-def forward(input, weights, bias, old_h, old_cell, mm=np.matmul, keep=True):
+def forward(input, weights, bias, old_h, old_cell, mm=NUMPY_GEMM, keep=True):
     with np.errstate(all="ignore"):
         return _forward(input, weights, bias, old_h, old_cell, mm, keep)
 
 
-def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=np.matmul):
+def backward(grad_h, grad_cell, saved, needed=(True,) * 5, mm=NUMPY_GEMM):
     with np.errstate(all="ignore"):
         return _backward(grad_h, grad_cell, saved, needed, mm)
 
 
-def forward_sequence(inputs, weights, bias, h0, c0, mm=np.matmul, plan=None, keep=True):
+def forward_sequence(inputs, weights, bias, h0, c0, mm=NUMPY_GEMM, plan=None, keep=True):
     with np.errstate(all="ignore"):
         if plan is not None:
             return _forward_packed(inputs, weights, bias, h0, c0, mm, plan, keep)
         return _forward_sequence(inputs, weights, bias, h0, c0, mm, keep)
 
 
-def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, mm=np.matmul):
+def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, mm=NUMPY_GEMM):
     with np.errstate(all="ignore"):
         if saved.plan is not None:
             return _backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm)
@@ -223,7 +258,6 @@ def _forward_sequence(inputs, weights, bias, h0, c0, mm, keep):
     state = h0.shape[1]
     dtype = inputs.dtype
     x = inputs.reshape(steps * batch, features)
-    w_x = weights[:, state:]
     hs = np.empty((steps + 1, batch, state), dtype)   # [h0, h_1, ..., h_T]
     hs[0] = h0
     if keep:    # what the backward keeps
@@ -232,25 +266,47 @@ def _forward_sequence(inputs, weights, bias, h0, c0, mm, keep):
         c = c0
     else:       # forward only: one cell state, updated in place
         c = np.array(c0, dtype, order="C")
-    # h @ W_h.T with W_h.T copied to C order once: 1.3-1.9x faster per step than on the view.
-    w_h_t = np.ascontiguousarray(weights[:, :state].T)
-    # The input projection of a block of steps in one GEMM, bias added, as (K, 3, B, S), into
-    # one buffer reused block after block (the same blocks with and without keep, so both give
-    # the same bits).
+    # Gate-major GEMMs (lltm_cupy._cpu_gemm): the input projection of a block of steps in one
+    # call, bias added, as (3, K * B, S), into one buffer reused block after block (the same
+    # blocks with and without keep, so both give the same bits); each step's recurrent product
+    # added into its (3, B, S) view of it.
+    w_x = mm.operand(gate_weights(weights[:, state:]))
+    w_h = mm.operand(gate_weights(weights[:, :state]))
+    hs_op = mm.operand(hs)
     block = _packing.block_steps(batch, _BLOCK_ROWS)
-    gates = np.empty((min(block, steps), 3, batch, state), dtype)
+    buffer = np.empty(3 * min(block, steps) * batch * state, dtype)
+    # keep: the backward's factors of a group of steps in one call each (_step_factors) from
+    # what each step's _step left in its scratch and z, as many steps as keep that in cache
+    group = 1 if not keep else min(block, max(
+        1, _GROUP_BYTES // (_GROUP_ROWS * max(batch * state, 1) * dtype.itemsize)))
+    scratch = np.empty((group, 6, batch, state), dtype)
+    zs = np.empty((group, 3, batch, state), dtype)
+    z_ops = mm.rows(mm.operand(zs))
     for t0 in range(0, steps, block):
         k = min(block, steps - t0)
-        _project(x[t0 * batch: (t0 + k) * batch], w_x, bias, mm, k, batch, gates[:k])
-        for t in range(t0, t0 + k):
-            z = gates[t - t0]
-            # the recurrent GEMM, added into the step's gates (its (B, 3, S) rows moved whole)
-            z += mm(hs[t], w_h_t).reshape(batch, 3, state).transpose(1, 0, 2)
-            if keep:
-                _activate(z, c, hs[t + 1], cells[t], factors[t])
-                c = cells[t]
-            else:
-                _activate(z, c, hs[t + 1], c)
+        gates = buffer[: 3 * k * batch * state].reshape(3, k * batch, state)
+        gates_op = mm.operand(gates)
+        mm.project_gates(mm.operand(x[t0 * batch: (t0 + k) * batch]), w_x, bias, gates_op)
+        # one block's per-step operands, made in one call each (not one per step, and not for
+        # the whole sequence: what a forward-only call keeps stays the same for any length)
+        p_rows = mm.rows(gates_op.reshape(3, k, batch, state).swapaxes(0, 1))   # [j]: (3, B, S)
+        h_rows = mm.gate_rows(hs_op[t0: t0 + k])
+        first = 0                       # keep: the first step of the group (in the block)
+        for j in range(k):
+            t = t0 + j
+            i = j - first if keep else 0
+            # z = the step's projection + h @ W_h, into a contiguous (3, B, S) buffer
+            mm.add_gates(z_ops[i], p_rows[j], h_rows[j], w_h)
+            if not keep:
+                _step(zs[0], c, hs[t + 1], c, scratch[0], False)
+                continue
+            _step(zs[i], c, hs[t + 1], cells[t], scratch[i], True)
+            c = cells[t]
+            if i + 1 == group or j + 1 == k:
+                a, b = t0 + first, t + 1
+                _step_factors(zs[: i + 1, 1:], scratch[: i + 1],
+                              hs[a + 1: b + 1], cells[a: b], factors[a: b])
+                first = j + 1
     h_n = hs[steps].copy()
     if not keep:
         return hs[1:], h_n, c, None
@@ -270,17 +326,24 @@ def _backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
               else np.array(grad_outputs, dtype=dtype, order="C"))
     if steps and grad_h_n is not None:
         grad_h[steps - 1] += grad_h_n
-    # Every step's d_gates in the GEMMs' layout (T * B, 3S); one step's gate-major scratch.
+    # Every step's d_gates in the GEMMs' layout (T * B, 3S); one step's gate-major scratch
+    # (written gate-major, then copied: faster than writing the strided rows directly) and one
+    # cell-gradient buffer, updated in place.
     flat = np.empty((steps * batch, 3 * state), dtype)
+    rows_gate_major = flat.reshape(steps, batch, 3, state).transpose(0, 2, 1, 3)
     d_acts = np.empty((3, batch, state), dtype)
+    d_cell = np.empty((batch, state), dtype)
     w_h = np.ascontiguousarray(weights[:, :state])
+    w_h_op = mm.operand(w_h)
+    # per-step operands made once (the backward keeps O(T) anyway)
+    grad_h_rows = mm.rows(mm.operand(grad_h))
+    flat_rows = mm.rows(mm.operand(flat.reshape(steps, batch, 3 * state)))
     d_c = grad_c_n
     for t in range(steps - 1, -1, -1):
-        d_c = _d_gates(grad_h[t], d_c, factors[t], d_acts)
-        d_gates = flat[t * batch: (t + 1) * batch]
-        _gate_major_to_rows(d_acts, d_gates)
-        if t:
-            grad_h[t - 1] += mm(d_gates, w_h)
+        d_c = _d_gates(grad_h[t], d_c, factors[t], d_acts, d_cell)
+        np.copyto(rows_gate_major[t], d_acts)
+        if t:   # grad_h[t - 1] += d_gates(t) @ W_h
+            mm.accumulate(grad_h_rows[t - 1], flat_rows[t], w_h_op)
     if steps:
         d_h0 = mm(flat[:batch], w_h)
     else:
