@@ -9,8 +9,16 @@ backward of ``output.sum() + h_n.sum() + c_n.sum()`` into the parameters) in tim
   resident memory the forward added, whoever allocated it (NumPy, torch's CPU allocator, oneDNN's
   scratch). tracemalloc would see NumPy's allocations only, not torch's. Rounds alternate the
   implementations; the median is reported.
-- **time**: in one process, one thread unless told otherwise, process CPU time (what a loaded
-  machine disturbs least), implementations interleaved, the median of per-round ratios.
+- **time**: in one process, one thread unless told otherwise, implementations interleaved, the
+  median of per-round ratios; process CPU time with one thread (what a loaded machine disturbs
+  least), wall time with more (process time would count the threads' spin-waiting, which
+  OpenMP does between parallel regions);
+- **GEMM-only floor**: beside each implementation, the GEMMs a recurrent layer of its gate count
+  (3 for the LLTM, 4 for the LSTM) does on the same sizes, alone: ``torch.mm`` on preallocated
+  operands, the input projection in one call, one recurrent product per step, and for a
+  training step one product into the hidden-state gradient per step and the two weight
+  gradients: no element-wise work, no allocation. An implementation at its floor spends all
+  its time in the BLAS.
 """
 from __future__ import annotations
 
@@ -87,17 +95,51 @@ def memory_report(sizes=MEMORY_SIZES, rounds: int = 3, threads: int = 1) -> dict
     return report
 
 
+def _gemm_floor(steps: int, batch: int, features: int, state: int, gates: int, train: bool):
+    """A callable doing the GEMMs alone of a ``gates``-gate recurrent layer (see the module
+    docstring)."""
+    import torch
+
+    g = gates * state
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.rand(*shape, generator=gen) - 0.5   # noqa: E731
+    x, w_x = rand(steps * batch, features), rand(features, g)
+    w_h, w_h_t = rand(state, g), rand(g, state)
+    h, proj, z = rand(batch, state), torch.empty(steps * batch, g), torch.empty(batch, g)
+    d_gates, hs = rand(steps, batch, g), rand(steps * batch, state)
+    d_h = torch.empty(batch, state)
+    d_w_h, d_w_x = torch.empty(g, state), torch.empty(g, features)
+    d_rows = d_gates.unbind(0)
+    d_flat = d_gates.view(steps * batch, g)
+
+    def run():
+        torch.mm(x, w_x, out=proj)
+        for _ in range(steps):
+            torch.mm(h, w_h, out=z)
+        if train:
+            for d in d_rows:
+                torch.mm(d, w_h_t, out=d_h)
+            torch.mm(d_flat.T, hs, out=d_w_h)
+            torch.mm(d_flat.T, x, out=d_w_x)
+    return run
+
+
+#: the rows of the time reports: our LLTM, nn.LSTM, and the GEMM-only floor of each
+TIME_ROWS = ("lltm", "lstm", "lltm_gemm", "lstm_gemm")
+
+
 def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: bool = False) -> dict:
-    """Process CPU time of one no_grad forward (``train``: one forward + backward),
-    interleaved; medians and the median of the per-round ratios."""
+    """Time of one no_grad forward (``train``: one forward + backward) and of the GEMM-only
+    floors, interleaved: process CPU time with one thread, wall time with more; medians and
+    the median of the per-round ratio LLTM / nn.LSTM."""
     import torch
 
     torch.set_num_threads(threads)
+    clock = time.process_time if threads == 1 else time.perf_counter
     report = {}
     for steps, batch, features, state in sizes:
         modules = {impl: _module(impl, features, state) for impl in INFERENCE_IMPLS}
         x = torch.randn(steps, batch, features)
-        times = {impl: [] for impl in INFERENCE_IMPLS}
 
         def run(module):
             if not train:
@@ -106,19 +148,24 @@ def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: boo
             out, (h, c) = module(x)
             (out.sum() + h.sum() + c.sum()).backward()
 
+        calls = {impl: (lambda m=modules[impl]: run(m)) for impl in INFERENCE_IMPLS}
+        calls["lltm_gemm"] = _gemm_floor(steps, batch, features, state, 3, train)
+        calls["lstm_gemm"] = _gemm_floor(steps, batch, features, state, 4, train)
+        times = {row: [] for row in TIME_ROWS}
         with torch.set_grad_enabled(train):
-            for impl in INFERENCE_IMPLS:
+            for row in TIME_ROWS:
                 for _ in range(2):
-                    run(modules[impl])
+                    calls[row]()
             for r in range(rounds):
-                for impl in (INFERENCE_IMPLS if r % 2 == 0 else INFERENCE_IMPLS[::-1]):
-                    t0 = time.process_time()
-                    run(modules[impl])
-                    times[impl].append(time.process_time() - t0)
+                for row in (TIME_ROWS if r % 2 == 0 else TIME_ROWS[::-1]):
+                    t0 = clock()
+                    calls[row]()
+                    times[row].append(clock() - t0)
         ratios = [a / b for a, b in zip(times["lltm"], times["lstm"])]
         report[str((steps, batch, features, state))] = {
-            "lltm_s": statistics.median(times["lltm"]), "lstm_s": statistics.median(times["lstm"]),
-            "ratio": statistics.median(ratios), "rounds": rounds, "threads": threads}
+            **{f"{row}_s": statistics.median(times[row]) for row in TIME_ROWS},
+            "ratio": statistics.median(ratios), "rounds": rounds, "threads": threads,
+            "clock": "process" if threads == 1 else "wall"}
     return report
 
 
@@ -133,20 +180,24 @@ def format_inference(memory: dict, timing: dict, training: dict = None) -> str:
             a, b = r["lltm"]["peak_bytes"], r["lstm"]["peak_bytes"]
             lines.append(f"{size:<22} {a / 1e6:>9.1f} {b / 1e6:>11.1f} {a / b:>6.2f} "
                          f"{r['lltm']['output_bytes'] / 1e6:>10.1f}")
-    if timing:
-        first = next(iter(timing.values()))
-        lines += ["", f"inference time: one forward under no_grad, process CPU time, "
-                      f"{first['threads']} thread(s), median of {first['rounds']} interleaved rounds",
-                  f"{'(T, B, F, S)':<22} {'LLTM ms':>9} {'nn.LSTM ms':>11} {'ratio':>6}"]
-        for size, r in timing.items():
+    for title, table in (("inference time: one forward under no_grad", timing),
+                         ("training step: forward + backward of the parameters", training)):
+        if not table:
+            continue
+        first = next(iter(table.values()))
+        clock = "process CPU time" if first.get("clock", "process") == "process" else "wall time"
+        lines += ["", f"{title}, {clock}, {first['threads']} thread(s), median of "
+                      f"{first['rounds']} interleaved rounds; GEMM-only: the same layer's GEMMs "
+                      f"alone (torch.mm), the floor",
+                  f"{'(T, B, F, S)':<22} {'LLTM ms':>9} {'nn.LSTM ms':>11} {'ratio':>6} "
+                  f"{'LLTM GEMM-only':>15} {'nn.LSTM GEMM-only':>18}"]
+        for size, r in table.items():
             lines.append(f"{size:<22} {r['lltm_s'] * 1e3:>9.1f} {r['lstm_s'] * 1e3:>11.1f} "
-                         f"{r['ratio']:>6.2f}")
-    if training:
-        first = next(iter(training.values()))
-        lines += ["", f"training step: forward + backward of the parameters, process CPU time, "
-                      f"{first['threads']} thread(s), median of {first['rounds']} interleaved rounds",
-                  f"{'(T, B, F, S)':<22} {'LLTM ms':>9} {'nn.LSTM ms':>11} {'ratio':>6}"]
-        for size, r in training.items():
-            lines.append(f"{size:<22} {r['lltm_s'] * 1e3:>9.1f} {r['lstm_s'] * 1e3:>11.1f} "
-                         f"{r['ratio']:>6.2f}")
+                         f"{r['ratio']:>6.2f} {_floor(r, 'lltm'):>15} {_floor(r, 'lstm'):>18}")
     return "\n".join(lines)
+
+
+def _floor(r: dict, impl: str) -> str:
+    """'ms (x of the implementation's time)'"""
+    floor = r[f"{impl}_gemm_s"]
+    return f"{floor * 1e3:.1f} ({floor / r[f'{impl}_s']:.2f})"
