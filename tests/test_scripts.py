@@ -146,6 +146,29 @@ def test_benchmark_skips_an_unnamed_implementation_with_the_reason(capsys):
         bm.run_size(cfg, ["reference", "array"], quiet=True, strict=True)
 
 
+def test_output_check_allows_rounding_that_grows_with_the_steps():
+    """The check before timing refuses an error of 2e-4 (float32) on one step or 64 steps but
+    not on 512 (rounding of the never-decaying cell state grows with the steps: 3.3e-4 at 512
+    steps on the CPU), and refuses an O(1) error at any length."""
+    import numpy as np
+
+    from lltm_cupy.benchmark import _common
+
+    cfg = _common.Config(4, 3, 5)
+    want = np.linspace(1, 2, 12).reshape(3, 4)
+
+    class _Forward:
+        def forward(self):
+            return None
+
+    for steps, error, kept in ((1, 2e-4, False), (64, 2e-4, False), (512, 2e-4, True),
+                               (512, 1e-2, False), (4096, 0.5, False)):
+        runners = {"impl": _Forward()}
+        _common.check_outputs(runners, lambda name, out: [want * (1 + error)],
+                              lambda name: [want], cfg, {}, False, True, steps=steps)
+        assert (list(runners) == ["impl"]) == kept, (steps, error)
+
+
 def _png_size(path):
     import struct
 

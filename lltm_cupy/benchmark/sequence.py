@@ -237,7 +237,7 @@ def _check_sequences(runners, seq, xs, h, c, cfg, skipped, strict, quiet):
         ragged = reference("ragged", seq, xs, lengths=runners[name].lengths)
         return [ragged[1]] if name == "ragged" else [ragged[0], ragged[1]]
 
-    check_outputs(runners, pick, expected, cfg, skipped, strict, quiet)
+    check_outputs(runners, pick, expected, cfg, skipped, strict, quiet, steps=len(xs))
 
 
 def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False) -> dict:
