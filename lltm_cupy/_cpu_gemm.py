@@ -14,10 +14,12 @@ thread pool per process, not two that fight over the cores). Besides ``mm(a, b)`
 - ``add_gates(out, z, h, w)``: ``out[g] = z[g] + h @ w[g]`` (out, z (3, B, S), w (3, S, S));
 - ``accumulate(out, a, b)``: ``out += a @ b``.
 
-Gate-major GEMMs (three (B, S) products against per-gate weights (3, K, S)) write the layout the
-element-wise step reads, so that no pass transposes the products, and with torch's BLAS they are
-as fast as one (B, 3S) product or faster (one thread, float32, (B, S) = (16, 128) to (64, 512):
-``python scripts/benchmark.py --sequence``).
+Gate-major GEMMs (three (B, S) products against per-gate weights (3, K, S), one batched call)
+write the layout the element-wise step reads, so that no pass transposes the products. With
+torch's BLAS (MKL, one thread, float32) the step's recurrent product plus its projection,
+``torch.baddbmm(z, h, w, out=out)``, took 12.3 / 76 / 685 us at (B, S) = (16, 128) / (32, 256) /
+(64, 512), against 15.6 / 88 / 703 us for one (B, 3S) product and the pass that adds it into
+gate-major order, and 14.9 / 80 / 692 us for ``baddbmm_`` into the strided projection itself.
 """
 from __future__ import annotations
 
