@@ -112,7 +112,7 @@ def train(cfg: Config) -> dict:
     models = _models(cfg)
     runs = {name: torch.compile(m) if cfg.compile else m for name, m in models.items()}
     optims = {name: torch.optim.Adam(m.parameters(), lr=cfg.lr) for name, m in models.items()}
-    record = {name: {"loss": [], "test_accuracy": [], "train_seconds": 0.0} for name in models}
+    record = _new_record(models)
     n = x_tr_t.shape[1]
     steps_per_epoch = -(-n // cfg.batch_size)
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -142,31 +142,69 @@ def train(cfg: Config) -> dict:
         bar.set_postfix({"epoch": epoch + 1,
                          "test acc (ours)": f"{record[MODELS[0]]['test_accuracy'][-1]:.3f}"})
     bar.close()
+    result = _result(cfg, record, int(n), int(len(y_te)), steps_per_epoch)
+    result["first_epoch_loss_gap"] = _first_epoch_loss_gap(record, MODELS[0], MODELS[1],
+                                                           steps_per_epoch)
+    result["loss_gap_tolerance"] = LOSS_GAP_TOLERANCE[cfg.dtype]
+    return result
+
+
+# The record and table helpers below serve this module and lltm_cupy.digits_array (the same
+# JSON layout and table for the torch and the array-API training).
+
+def _new_record(names) -> dict:
+    """An empty training record per model name: every step's loss, the test accuracy after
+    every epoch, the seconds spent in training steps."""
+    return {name: {"loss": [], "test_accuracy": [], "train_seconds": 0.0} for name in names}
+
+
+def _result(cfg, record: dict, train_samples: int, test_samples: int,
+            steps_per_epoch: int) -> dict:
+    """The JSON-ready result of a finished run: ``record`` completed with each model's final
+    loss and seconds per step, with the config and the data's sizes."""
     total_steps = cfg.epochs * steps_per_epoch
     for r in record.values():
         r["final_loss"] = r["loss"][-1]
         r["seconds_per_step"] = r["train_seconds"] / total_steps
-    ours = np.array(record[MODELS[0]]["loss"][:steps_per_epoch])
-    tutorial = np.array(record[MODELS[1]]["loss"][:steps_per_epoch])
-    gap = float(np.max(np.abs(ours - tutorial) / np.abs(tutorial)))
-    return {"config": dataclasses.asdict(cfg), "train_samples": int(n),
-            "test_samples": int(len(y_te)), "steps_per_epoch": steps_per_epoch,
-            "models": record, "first_epoch_loss_gap": gap,
-            "loss_gap_tolerance": LOSS_GAP_TOLERANCE[cfg.dtype]}
+    return {"config": dataclasses.asdict(cfg), "train_samples": train_samples,
+            "test_samples": test_samples, "steps_per_epoch": steps_per_epoch, "models": record}
+
+
+def _first_epoch_loss_gap(record: dict, name: str, reference: str, steps: int) -> float:
+    """The largest relative gap between the per-step losses of models ``name`` and
+    ``reference`` over the first ``steps`` steps, relative to ``reference``'s."""
+    losses = np.array(record[name]["loss"][:steps])
+    reference_losses = np.array(record[reference]["loss"][:steps])
+    return float(np.max(np.abs(losses - reference_losses) / np.abs(reference_losses)))
+
+
+def _model_rows(models: dict, name_width: int) -> list:
+    """The table's header, its rule and a row per model of a result's ``models``: test accuracy
+    after the last epoch, final loss, training time, time per step; the model names in a
+    column ``name_width`` wide."""
+    head = (f"{'model':<{name_width}}{'test accuracy':>15}{'final loss':>12}"
+            f"{'training time':>15}{'time per step':>15}")
+    lines = [head, "-" * len(head)]
+    for name, r in models.items():
+        lines.append(f"{name:<{name_width}}{r['test_accuracy'][-1]:>15.4f}"
+                     f"{r['final_loss']:>12.4f}{r['train_seconds']:>14.2f}s"
+                     f"{r['seconds_per_step'] * 1e3:>13.2f}ms")
+    return lines
+
+
+def _run_line(result: dict, where: str, layers: str = "") -> str:
+    """The table's line on the run: data, epochs, batch, state size (then ``layers``), dtype,
+    ``where`` it ran, learning rate and seed."""
+    cfg = result["config"]
+    return (f"{result['train_samples']} training and {result['test_samples']} test images, "
+            f"{cfg['epochs']} epochs of {result['steps_per_epoch']} steps (batch "
+            f"{cfg['batch_size']}), state {cfg['state_size']}{layers}, {cfg['dtype']} on "
+            f"{where}, Adam lr {cfg['lr']}, seed {cfg['seed']}")
 
 
 def format_table(result: dict) -> str:
-    head = (f"{'model':<26}{'test accuracy':>15}{'final loss':>12}{'training time':>15}"
-            f"{'time per step':>15}")
-    lines = [head, "-" * len(head)]
-    for name, r in result["models"].items():
-        lines.append(f"{name:<26}{r['test_accuracy'][-1]:>15.4f}{r['final_loss']:>12.4f}"
-                     f"{r['train_seconds']:>14.2f}s{r['seconds_per_step'] * 1e3:>13.2f}ms")
-    cfg = result["config"]
-    lines.append(f"{result['train_samples']} training and {result['test_samples']} test images, "
-                 f"{cfg['epochs']} epochs of {result['steps_per_epoch']} steps (batch "
-                 f"{cfg['batch_size']}), state {cfg['state_size']}, {cfg['dtype']} on "
-                 f"{cfg['device']}, Adam lr {cfg['lr']}, seed {cfg['seed']}")
+    lines = _model_rows(result["models"], 26)
+    lines.append(_run_line(result, result["config"]["device"]))
     lines.append(f"largest relative gap between the per-step losses of our LLTM and the "
                  f"tutorial's over epoch one: {result['first_epoch_loss_gap']:.2e} "
                  f"(tolerance {result['loss_gap_tolerance']:.0e})")

@@ -20,7 +20,8 @@ import numpy as np
 import lltm_cupy
 
 from ._extras import require
-from .digits import LOSS_GAP_TOLERANCE, load_data
+from .digits import (LOSS_GAP_TOLERANCE, _first_epoch_loss_gap, _model_rows, _new_record,
+                     _result, _run_line, load_data)
 
 __all__ = ["ArrayConfig", "ARRAY_MODEL", "TORCH_MODEL", "ACCURACY_MARGIN", "Adam", "train",
            "format_table"]
@@ -169,7 +170,7 @@ def train(cfg: ArrayConfig) -> dict:
     model = _Model(cfg, xp)
     adam = Adam(model.params, lr=cfg.lr)
     names = [ARRAY_MODEL] + ([TORCH_MODEL] if cfg.compare_torch else [])
-    record = {name: {"loss": [], "test_accuracy": [], "train_seconds": 0.0} for name in names}
+    record = _new_record(names)
     if cfg.compare_torch:
         import torch
 
@@ -213,17 +214,10 @@ def train(cfg: ArrayConfig) -> dict:
         bar.set_postfix({"epoch": epoch + 1,
                          "test acc": f"{record[ARRAY_MODEL]['test_accuracy'][-1]:.3f}"})
     bar.close()
-    total = cfg.epochs * steps_per_epoch
-    for r in record.values():
-        r["final_loss"] = r["loss"][-1]
-        r["seconds_per_step"] = r["train_seconds"] / total
-    result = {"config": dataclasses.asdict(cfg), "train_samples": int(n),
-              "test_samples": int(len(y_te)), "steps_per_epoch": steps_per_epoch,
-              "models": record}
+    result = _result(cfg, record, int(n), int(len(y_te)), steps_per_epoch)
     if cfg.compare_torch:
-        a = np.array(record[ARRAY_MODEL]["loss"][:steps_per_epoch])
-        t = np.array(record[TORCH_MODEL]["loss"][:steps_per_epoch])
-        result["first_epoch_loss_gap"] = float(np.max(np.abs(a - t) / np.abs(t)))
+        result["first_epoch_loss_gap"] = _first_epoch_loss_gap(record, ARRAY_MODEL, TORCH_MODEL,
+                                                               steps_per_epoch)
         result["loss_gap_tolerance"] = LOSS_GAP_TOLERANCE[cfg.dtype]
         result["accuracy_gap"] = abs(record[ARRAY_MODEL]["test_accuracy"][-1]
                                      - record[TORCH_MODEL]["test_accuracy"][-1])
@@ -233,18 +227,10 @@ def train(cfg: ArrayConfig) -> dict:
 
 
 def format_table(result: dict) -> str:
-    head = (f"{'model':<20}{'test accuracy':>15}{'final loss':>12}{'training time':>15}"
-            f"{'time per step':>15}")
-    lines = [head, "-" * len(head)]
-    for name, r in result["models"].items():
-        lines.append(f"{name:<20}{r['test_accuracy'][-1]:>15.4f}{r['final_loss']:>12.4f}"
-                     f"{r['train_seconds']:>14.2f}s{r['seconds_per_step'] * 1e3:>13.2f}ms")
+    lines = _model_rows(result["models"], 20)
     cfg = result["config"]
-    lines.append(f"{result['train_samples']} training and {result['test_samples']} test images, "
-                 f"{cfg['epochs']} epochs of {result['steps_per_epoch']} steps (batch "
-                 f"{cfg['batch_size']}), state {cfg['state_size']}, {cfg['num_layers']} layer(s)"
-                 f"{', bidirectional' if cfg['bidirectional'] else ''}, {cfg['dtype']} on "
-                 f"{cfg['array']}, Adam lr {cfg['lr']}, seed {cfg['seed']}")
+    lines.append(_run_line(result, cfg["array"], f", {cfg['num_layers']} layer(s)"
+                           f"{', bidirectional' if cfg['bidirectional'] else ''}"))
     if "first_epoch_loss_gap" in result:
         lines.append(f"array API vs torch LLTM from the same parameters: largest relative gap "
                      f"between the per-step losses over epoch one {result['first_epoch_loss_gap']:.2e}"
