@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from ._types import LLTMSaved, LLTMSequenceSaved
+from ._types import LLTMCellSaved, LLTMLayersSaved, LLTMSaved, LLTMSequenceSaved
 
 __all__ = ["array_backend", "check_shapes", "check_forward", "check_backward",
            "check_sequence_shapes", "check_forward_sequence", "check_backward_sequence",
@@ -190,15 +190,28 @@ _NO_SAVED = (" (a forward with return_saved=False keeps nothing for a backward: 
              "return_saved=True)")
 
 
-def check_backward(grad_h, grad_cell, saved):
-    """Validate backward arguments; return the backend name. Either gradient may be None."""
-    if not isinstance(saved, LLTMSaved):
-        raise TypeError(f"lltm_cupy: saved must be the LLTMSaved returned by lltm_cupy.forward, "
-                        f"got {type(saved).__qualname__}{_NO_SAVED if saved is None else ''}")
+def _check_saved(saved, saved_type: type, forward: str, none_hint: str = _NO_SAVED) -> None:
+    """TypeError unless ``saved`` is the ``saved_type`` that ``lltm_cupy.<forward>`` returns;
+    for ``None``, the message adds ``none_hint`` (by default: what return_saved=False does)."""
+    if not isinstance(saved, saved_type):
+        raise TypeError(f"lltm_cupy: saved must be the {saved_type.__name__} returned by "
+                        f"lltm_cupy.{forward}, got {type(saved).__qualname__}"
+                        f"{none_hint if saved is None else ''}")
+
+
+def _check_step_gradients(grad_h, grad_cell, saved) -> str:
+    """grad_h and grad_cell (either may be None) of one step's backward: (batch, state) and
+    the dtype of ``saved.new_cell``; returns the backend name."""
     shape = tuple(saved.new_cell.shape)
     return _check_gradients({"grad_h": (grad_h, shape, "(batch, state) like new_cell"),
                              "grad_cell": (grad_cell, shape, "(batch, state) like new_cell")},
                             saved, saved.new_cell.dtype, saved.new_cell)
+
+
+def check_backward(grad_h, grad_cell, saved):
+    """Validate backward arguments; return the backend name. Either gradient may be None."""
+    _check_saved(saved, LLTMSaved, "forward")
+    return _check_step_gradients(grad_h, grad_cell, saved)
 
 
 _SEQUENCE_NAMES = ("inputs", "weights", "bias", "h0", "c0")
@@ -231,10 +244,7 @@ def check_forward_sequence(inputs, weights, bias, h0, c0) -> str:
 
 def check_backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved):
     """Validate backward_sequence arguments; return the backend name. Any gradient may be None."""
-    if not isinstance(saved, LLTMSequenceSaved):
-        raise TypeError(f"lltm_cupy: saved must be the LLTMSequenceSaved returned by "
-                        f"lltm_cupy.forward_sequence, got {type(saved).__qualname__}"
-                        f"{_NO_SAVED if saved is None else ''}")
+    _check_saved(saved, LLTMSequenceSaved, "forward_sequence")
     state = saved.cells.shape[-1]
     steps, batch = ((saved.plan.steps, len(saved.plan.perm)) if saved.plan is not None
                     else saved.cells.shape[:2])
@@ -270,12 +280,7 @@ def check_forward_layers(inputs, parameters: dict, h0, c0, structure) -> str:
 
 def check_backward_layers(grad_outputs, grad_h_n, grad_c_n, saved):
     """Validate backward_layers' gradients; any may be None. Returns the backend name."""
-    from ._types import LLTMLayersSaved
-
-    if not isinstance(saved, LLTMLayersSaved):
-        raise TypeError(f"lltm_cupy: saved must be the LLTMLayersSaved returned by "
-                        f"lltm_cupy.forward_layers, got {type(saved).__qualname__}"
-                        f"{_NO_SAVED if saved is None else ''}")
+    _check_saved(saved, LLTMLayersSaved, "forward_layers")
     s = saved.structure
     steps, batch = saved.shape[:2]
     states = (s.num_layers * s.directions, batch, s.hidden_size)
@@ -306,12 +311,6 @@ def check_cell_forward(gates, old_cell) -> str:
 
 def check_cell_backward(grad_h, grad_cell, saved) -> str:
     """Validate cell_backward's arguments; either gradient may be None."""
-    from ._types import LLTMCellSaved
-
-    if not isinstance(saved, LLTMCellSaved):
-        raise TypeError(f"lltm_cupy: saved must be the LLTMCellSaved returned by "
-                        f"lltm_cupy.cell_forward, got {type(saved).__qualname__}")
-    shape = tuple(saved.new_cell.shape)
-    return _check_gradients({"grad_h": (grad_h, shape, "(batch, state) like new_cell"),
-                             "grad_cell": (grad_cell, shape, "(batch, state) like new_cell")},
-                            saved, saved.new_cell.dtype, saved.new_cell)
+    # cell_forward always returns its saved: no return_saved hint for None
+    _check_saved(saved, LLTMCellSaved, "cell_forward", none_hint="")
+    return _check_step_gradients(grad_h, grad_cell, saved)

@@ -79,6 +79,45 @@ def test_backward_errors():
         lltm_cupy.backward(gh.tolist(), gc, saved)
 
 
+_NO_SAVED = (" (a forward with return_saved=False keeps nothing for a backward: run it with "
+             "return_saved=True)")
+
+
+@pytest.mark.parametrize("backward,saved_type,forward", [
+    (lambda s: lltm_cupy.backward(None, None, s), "LLTMSaved", "forward"),
+    (lambda s: lltm_cupy.backward_sequence(None, None, None, s), "LLTMSequenceSaved",
+     "forward_sequence"),
+    (lambda s: lltm_cupy.backward_layers(None, None, None, s), "LLTMLayersSaved",
+     "forward_layers"),
+    (lambda s: lltm_cupy.cell_backward(None, None, s), "LLTMCellSaved", "cell_forward"),
+], ids=["backward", "backward_sequence", "backward_layers", "cell_backward"])
+@pytest.mark.parametrize("saved", [(1, 2, 3), None], ids=["tuple", "None"])
+def test_saved_of_another_kind_names_the_forward_that_makes_it(backward, saved_type, forward,
+                                                               saved):
+    """The whole message: the saved type and the forward that returns it, what was given, and
+    for None the return_saved hint, except for cell_forward, which has no return_saved."""
+    got = "tuple" if saved is not None else "NoneType"
+    hint = _NO_SAVED if saved is None and forward != "cell_forward" else ""
+    message = (f"lltm_cupy: saved must be the {saved_type} returned by lltm_cupy.{forward}, "
+               f"got {got}{hint}")
+    with pytest.raises(TypeError) as info:
+        backward(saved)
+    assert str(info.value) == message
+
+
+def test_cell_backward_gradient_errors():
+    batch, state = 3, 5
+    gates = np.zeros((batch, 3 * state), np.float32)
+    old_cell = np.zeros((batch, state), np.float32)
+    _, _, saved = lltm_cupy.cell_forward(gates, old_cell)
+    with pytest.raises(ValueError, match=r"^lltm_cupy: grad_cell must have shape \(3, 5\) "
+                                         r"\(batch, state\) like new_cell, got \(3, 4\)$"):
+        lltm_cupy.cell_backward(None, old_cell[:, :4], saved)
+    with pytest.raises(TypeError, match="^lltm_cupy: grad_h must have the forward's dtype "
+                                        "float32, got float64$"):
+        lltm_cupy.cell_backward(old_cell.astype(np.float64), None, saved)
+
+
 @pytest.mark.gpu
 def test_mixed_numpy_and_cupy():
     reason = __import__("conftest").gpu_unavailable_reason()
