@@ -19,7 +19,7 @@ import numpy as np
 
 from ._gemm import d_bias as bias_gradient
 from ._kernels import launch_config
-from ._packing import pack_rows, unpack_rows
+from ._packing import incoming_cell_grad, pack_rows, unpack_rows
 from ._types import LLTMSequenceGrads, LLTMSequenceSaved
 
 
@@ -194,16 +194,9 @@ def backward_packed(cupy, get_kernels, grad_outputs, grad_h_n, grad_c_n, saved, 
         for tau in range(len(sizes) - 1, -1, -1):
             n, nxt = sizes[tau], sizes[tau + 1] if tau + 1 < len(sizes) else 0
             rows_t = plan.step(tau)
-            if d_c is not None and nxt == n:
-                dc_in = d_c
-            elif d_c is None and gcn is None:
-                dc_in = None
-            else:
-                dc_in = cupy.zeros((n, state), dtype)
-                if d_c is not None:
-                    dc_in[:nxt] = d_c
-                if gcn is not None:
-                    dc_in[nxt:] = gcn[nxt:n]
+            # the cell gradient entering step tau (the call only where sequences end)
+            dc_in = (d_c if d_c is not None and nxt == n
+                     else incoming_cell_grad(cupy, d_c, gcn, n, nxt, state, dtype))
             d_c_out = cupy.empty((n, state), dtype)
             grid, block, wide = launch_config(n * state)
             get_kernels(dtype, wide).bwd(grid, block, (

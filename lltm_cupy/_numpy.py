@@ -479,15 +479,9 @@ def _backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
         n, nxt = sizes[tau], sizes[tau + 1] if tau + 1 < len(sizes) else 0
         rows_t = plan.step(tau)
         # the cell gradient entering step tau: from step tau + 1 for the rows still running
-        # there, the final state's for the rows that end here
-        if d_c is not None and nxt == n:
-            dc_in = d_c
-        elif d_c is None and gcn is None:
-            dc_in = None
-        else:
-            dc_in = np.empty((n, state), dtype)
-            dc_in[:nxt] = d_c if d_c is not None else 0
-            dc_in[nxt:] = gcn[nxt:n] if gcn is not None else 0
+        # there, the final state's for the rows that end here (the call only where any do)
+        dc_in = (d_c if d_c is not None and nxt == n
+                 else _packing.incoming_cell_grad(np, d_c, gcn, n, nxt, state, dtype))
         d_acts = scratch[: 3 * n * state].reshape(3, n, state)
         f = factors[4 * state * rows_t.start: 4 * state * rows_t.stop].reshape(4, n, state)
         d_c = _d_gates(grad_h[rows_t], dc_in, f, d_acts)

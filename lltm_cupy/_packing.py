@@ -41,7 +41,7 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["Plan", "plan", "cached_plan", "packed_plan", "pack_rows", "unpack_rows",
-           "block_steps", "step_blocks", "CaptureError"]
+           "incoming_cell_grad", "block_steps", "step_blocks", "CaptureError"]
 
 
 class CaptureError(RuntimeError):
@@ -268,6 +268,23 @@ def unpack_rows(rows, plan: Plan, xp, t_index, b_index, data_index):
     if len(rows):
         out[t_index, b_index] = rows
     return out
+
+
+def incoming_cell_grad(xp, d_c, grad_c_n, n: int, nxt: int, state: int, dtype):
+    """The cell-state gradient entering step tau of a packed backward (``xp``: the array
+    module), for the step's ``n`` rows, of which the first ``nxt`` run on at step tau + 1:
+    ``d_c`` (nxt, state), what step tau + 1 passed back (None: no step yet), for those, and
+    the final state's gradient ``grad_c_n[nxt:n]`` (``grad_c_n``: (batch, state) in the sorted
+    order, or None for zero) for the rows whose sequences end at step tau. Returns ``d_c``
+    itself where no sequence ends there, and None (zero) where both are None."""
+    if d_c is not None and nxt == n:
+        return d_c
+    if d_c is None and grad_c_n is None:
+        return None
+    dc_in = xp.empty((n, state), dtype)     # each row written once (not zeros, then a copy)
+    dc_in[:nxt] = 0 if d_c is None else d_c
+    dc_in[nxt:] = 0 if grad_c_n is None else grad_c_n[nxt:n]
+    return dc_in
 
 
 def block_steps(batch: int, rows: int) -> int:
