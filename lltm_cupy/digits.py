@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 
 from ._extras import MissingExtra, pyplot, require
 
 __all__ = ["Config", "MODELS", "LOSS_GAP_TOLERANCE", "MissingExtra", "require", "pyplot",
-           "load_data", "train", "format_table", "plot_curves"]
+           "load_data", "train", "format_table", "plot_curves", "add_training_options",
+           "add_output_options", "write_outputs"]
 
 MODELS = ("LLTM (ours)", "LLTM (tutorial, stepped)", "nn.LSTM")
 #: The largest relative gap between the per-step training losses of our LLTM and the tutorial's
@@ -34,6 +37,7 @@ MODELS = ("LLTM (ours)", "LLTM (tutorial, stepped)", "nn.LSTM")
 LOSS_GAP_TOLERANCE = {"float32": 1e-4, "float64": 1e-12}
 
 
+# Apart from digits_array.ArrayConfig on purpose: each run's own fields, in its own JSON order.
 @dataclasses.dataclass
 class Config:
     epochs: int = 10
@@ -253,3 +257,38 @@ def plot_curves(result: dict, path, machine: str = "") -> tuple:
     size = tuple(int(v) for v in fig.get_size_inches() * fig.dpi)
     plt.close(fig)
     return size
+
+
+# ------------------------------------------------------------------ the scripts' shared parts
+# (scripts/train_digits.py and scripts/train_digits_array.py)
+
+def add_training_options(parser, defaults=Config) -> None:
+    """--epochs, --batch-size, --state-size, --seed, --dtype and --lr on an argparse
+    ``parser``, with the defaults of the config class ``defaults`` (:class:`Config` or
+    :class:`lltm_cupy.digits_array.ArrayConfig`)."""
+    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--state-size", type=int, default=defaults.state_size)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--dtype", choices=("float32", "float64"), default=defaults.dtype)
+    parser.add_argument("--lr", type=float, default=defaults.lr,
+                        help="Adam learning rate (default %(default)s)")
+
+
+def add_output_options(parser) -> None:
+    """--json, --plot and --no-progress on an argparse ``parser`` (see :func:`write_outputs`)."""
+    parser.add_argument("--json", metavar="FILE", help="write every loss and accuracy as JSON")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="loss and accuracy curves, one figure")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def write_outputs(result: dict, json_path=None, plot_path=None) -> None:
+    """Write ``result`` as JSON to ``json_path`` and its curves (:func:`plot_curves`, titled
+    with ``result["machine"]``) to ``plot_path``, each where given; say so on stdout."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+        print(f"wrote {json_path}")
+    if plot_path:
+        width, height = plot_curves(result, plot_path, result["machine"])
+        print(f"wrote {plot_path} ({width}x{height} pixels)")

@@ -34,6 +34,7 @@ ARRAY_MODEL, TORCH_MODEL = "LLTM (array API)", "LLTM (torch)"
 ACCURACY_MARGIN = 0.02
 
 
+# Apart from digits.Config on purpose: each run's own fields, in its own JSON order.
 @dataclasses.dataclass
 class ArrayConfig:
     epochs: int = 10

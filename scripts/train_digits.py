@@ -9,7 +9,6 @@ Usage: python scripts/train_digits.py [--epochs N] [--plot FILE.png] [--json FIL
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,17 +19,10 @@ from lltm_cupy import digits  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--state-size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    digits.add_training_options(p)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
     p.add_argument("--compile", action="store_true", help="torch.compile the three models")
-    p.add_argument("--json", metavar="FILE", help="write every loss and accuracy as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="loss and accuracy curves, one figure")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    digits.add_output_options(p)
     args = p.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.state_size < 1:
         p.error("--epochs, --batch-size and --state-size must be positive")
@@ -57,14 +49,8 @@ def main(argv=None) -> int:
     result["machine"] = machine_name(args.device == "cuda")
     print(digits.format_table(result))
     print(f"on {result['machine']}, torch {torch.__version__}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
-    if args.plot:
-        from lltm_cupy.benchmark import machine_name
-
-        width, height = digits.plot_curves(result, args.plot, machine_name(args.device == "cuda"))
-        print(f"wrote {args.plot} ({width}x{height} pixels)")
+    digits.write_outputs(result, args.json, args.plot)
+    # this comparison's own pass criterion and message (train_digits_array.py has its own)
     if result["first_epoch_loss_gap"] > result["loss_gap_tolerance"]:
         print("FAIL: our LLTM's losses left the tutorial's by more than float rounding allows",
               file=sys.stderr)

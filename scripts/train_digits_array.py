@@ -12,7 +12,6 @@ Usage: python scripts/train_digits_array.py [--array numpy|cupy] [--epochs N] [-
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,19 +24,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--array", choices=("numpy", "cupy"), default="numpy",
                    help="NumPy on the CPU or CuPy on the GPU (default numpy)")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--state-size", type=int, default=64)
-    p.add_argument("--layers", type=int, default=1)
+    digits.add_training_options(p, digits_array.ArrayConfig)
+    p.add_argument("--layers", type=int, default=digits_array.ArrayConfig.num_layers)
     p.add_argument("--bidirectional", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
     p.add_argument("--compare-torch", action="store_true",
                    help="train the torch LLTM beside it from the same parameters (needs torch)")
-    p.add_argument("--json", metavar="FILE", help="write every loss and accuracy as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="loss and accuracy curves, one figure")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    digits.add_output_options(p)
     args = p.parse_args(argv)
     if min(args.epochs, args.batch_size, args.state_size, args.layers) < 1:
         p.error("--epochs, --batch-size, --state-size and --layers must be positive")
@@ -76,12 +68,8 @@ def main(argv=None) -> int:
         result["machine"] = machine_name(False)
     print(digits_array.format_table(result))
     print(f"on {result['machine']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
-    if args.plot:
-        width, height = digits.plot_curves(result, args.plot, result["machine"])
-        print(f"wrote {args.plot} ({width}x{height} pixels)")
+    digits.write_outputs(result, args.json, args.plot)
+    # this comparison's own pass criterion and message (train_digits.py has its own)
     if args.compare_torch and (result["first_epoch_loss_gap"] > result["loss_gap_tolerance"]
                                or result["accuracy_gap"] > result["accuracy_margin"]):
         print("FAIL: the array model and the torch LLTM parted by more than rounding allows",
