@@ -133,7 +133,9 @@ step "tests (compiled)" 65 "$out/gpu_tests.txt" python3 -m pytest -q -rs -m gpu 
 # compiled-ro (the tutorial's reference under torch.compile mode="reduce-overhead") is not in
 # this row: on torch 2.11 its first backward failed with "accessing tensor output of CUDAGraphs
 # that has been overwritten by a subsequent run" (H200), with and without
-# cudagraph_mark_step_begin before each step. `--impl compiled-ro` still runs it by hand.
+# cudagraph_mark_step_begin before each step, and also with its outputs cloned outside the
+# compiled region (the tensor named is the reference's new_h, made inside the compiled
+# forward). `--impl compiled-ro` still runs it by hand.
 step "bench tutorial" 45 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda -b 16 -f 32 \
     -s 128 -r 200 \
     --impl reference,compiled,reference-graph,cell,cell-graph,array,lstm \
