@@ -115,26 +115,38 @@ def _step(z, old_cell, new_h, new_cell, scratch, derivatives) -> None:
     gates; outputs are passed positionally (0.3 us less per call than ``out=``), except to
     minimum/maximum, where NumPy deprecates that.
     """
+    _step_on(_step_views(z, scratch, derivatives), old_cell, new_h, new_cell)
+
+
+def _step_views(z, scratch, derivatives) -> tuple:
+    """The views :func:`_step_on` works on, of a step's z (3, B, S) and scratch (6, B, S): made
+    once per buffer by the sequence loops, which reuse their buffers step after step (a dozen
+    views cost about 2 us, a step at B * S = 2k about 20)."""
     qp = scratch[:5]
     q, p = qp[:2], qp[2:]
     io = p[:2]
-    np.minimum(z, _ZERO[z.dtype], out=p)
-    np.maximum(z[:2], _ZERO[z.dtype], out=q)
+    zero = _ZERO[z.dtype]
+    # z_i's row takes the candidate cell, z_o's and z_c's p + q, once no longer needed
+    return (z, zero, p, z[:2], q, p[2], z[0], z[2], qp if derivatives else qp[:4], z[1:], io,
+            scratch[5], io[0], io[1])
+
+
+def _step_on(views, old_cell, new_h, new_cell) -> None:
+    """:func:`_step` on views made by :func:`_step_views`."""
+    z, zero, p, z_io, q, p_c, g, z_c, e, total, io, a, input_gate, output_gate = views
+    np.minimum(z, zero, out=p)
+    np.maximum(z_io, zero, out=q)
     np.negative(q, q)                       # -max(z, 0) (min(z, 0) - z is NaN at z = -inf)
-    g = z[0]                                # z_i is no longer needed
-    np.expm1(p[2], g)
-    np.maximum(g, z[2], out=g)              # candidate_cell = elu(z_c) (expm1(z) > z for z < 0)
+    np.expm1(p_c, g)
+    np.maximum(g, z_c, out=g)               # candidate_cell = elu(z_c) (expm1(z) > z for z < 0)
     # q = exp(-max(z, 0)), p = exp(min(z, 0)); p_c = elu'(z_c) only for the backward
-    e = qp if derivatives else qp[:4]
     np.exp(e, e)
-    total = z[1:]                           # p + q, in rows no longer needed
-    np.add(io, q, total)
+    np.add(io, q, total)                    # p + q
     np.divide(io, total, io)                # [input_gate, output_gate]
-    a = scratch[5]
-    np.multiply(g, io[0], a)                # candidate_cell * input_gate
+    np.multiply(g, input_gate, a)           # candidate_cell * input_gate
     np.add(a, old_cell, new_cell)
     np.tanh(new_cell, new_h)
-    np.multiply(new_h, io[1], new_h)        # new_h = tanh(new_cell) * output_gate
+    np.multiply(new_h, output_gate, new_h)  # new_h = tanh(new_cell) * output_gate
 
 
 def _step_factors(total, scratch, new_h, new_cell, factors) -> None:
@@ -171,8 +183,8 @@ def _d_gates(grad_h, grad_cell, factors, d_gates, d_new_cell=None):
     if grad_h is not None:
         if grad_cell is None:
             d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
-        elif d_new_cell is grad_cell:
-            d_new_cell += factors[3] * grad_h
+        elif d_new_cell is grad_cell:       # in place; d_z_i's row as the product's scratch
+            np.add(d_new_cell, np.multiply(factors[3], grad_h, d_gates[0]), d_new_cell)
         else:
             d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
             np.add(d_new_cell, grad_cell, d_new_cell)
@@ -282,6 +294,7 @@ def _forward_sequence(inputs, weights, bias, h0, c0, mm, keep):
     scratch = np.empty((group, 6, batch, state), dtype)
     zs = np.empty((group, 3, batch, state), dtype)
     z_ops = mm.rows(mm.operand(zs))
+    views = [_step_views(zs[i], scratch[i], keep) for i in range(group)]
     for t0 in range(0, steps, block):
         k = min(block, steps - t0)
         gates = buffer[: 3 * k * batch * state].reshape(3, k * batch, state)
@@ -298,9 +311,9 @@ def _forward_sequence(inputs, weights, bias, h0, c0, mm, keep):
             # z = the step's projection + h @ W_h, into a contiguous (3, B, S) buffer
             mm.add_gates(z_ops[i], p_rows[j], h_rows[j], w_h)
             if not keep:
-                _step(zs[0], c, hs[t + 1], c, scratch[0], False)
+                _step_on(views[0], c, hs[t + 1], c)
                 continue
-            _step(zs[i], c, hs[t + 1], cells[t], scratch[i], True)
+            _step_on(views[i], c, hs[t + 1], cells[t])
             c = cells[t]
             if i + 1 == group or j + 1 == k:
                 a, b = t0 + first, t + 1
@@ -339,11 +352,13 @@ def _backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
     grad_h_rows = mm.rows(mm.operand(grad_h))
     flat_rows = mm.rows(mm.operand(flat.reshape(steps, batch, 3 * state)))
     d_c = grad_c_n
-    for t in range(steps - 1, -1, -1):
-        d_c = _d_gates(grad_h[t], d_c, factors[t], d_acts, d_cell)
-        np.copyto(rows_gate_major[t], d_acts)
+    accumulate = mm.accumulate
+    for t, g_h, f, rows in zip(range(steps - 1, -1, -1), grad_h[::-1], factors[::-1],
+                               rows_gate_major[::-1]):
+        d_c = _d_gates(g_h, d_c, f, d_acts, d_cell)
+        np.copyto(rows, d_acts)
         if t:   # grad_h[t - 1] += d_gates(t) @ W_h
-            mm.accumulate(grad_h_rows[t - 1], flat_rows[t], w_h_op)
+            accumulate(grad_h_rows[t - 1], flat_rows[t], w_h_op)
     if steps:
         d_h0 = mm(flat[:batch], w_h)
     else:
