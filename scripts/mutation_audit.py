@@ -130,7 +130,7 @@ MUTANTS = [
            "np.multiply(new_h, gate(scratch, 0), gate(factors, 1))",
            NUMPY_TESTS, "NumPy: the output gate's sigmoid' uses sigmoid(-z_i)"),
     Mutant("numpy-bptt-overwrites", "lltm_cupy/_numpy.py",
-           "            mm.accumulate(grad_h_rows[t - 1], flat_rows[t], w_h_op)",
+           "            accumulate(grad_h_rows[t - 1], flat_rows[t], w_h_op)",
            "            grad_h[t - 1] = mm(flat[t * batch: (t + 1) * batch], w_h)",
            NUMPY_TESTS, "NumPy sequence backward: the recurrent gradient replaces grad_outputs"),
     Mutant("numpy-factor-group-h-shifted", "lltm_cupy/_numpy.py",
