@@ -8,14 +8,13 @@ on NumPy, the emulated CuPy's allocation log on the GPU path.
 """
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 import pytest
 
 import lltm_cupy
 from lltm_cupy import _cupy, _numpy, _packing
 from conftest import TOLERANCE, max_error, reference_results, make_case, to_numpy
+from helpers.memory import peak_traced_bytes
 
 NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 SEQ = ("inputs", "weights", "bias", "h0", "c0")
@@ -140,15 +139,6 @@ def test_bad_return_saved_and_backward_of_nothing():
         lltm_cupy.backward_sequence(None, seq["h0"], None, saved)
 
 
-def _peak_numpy(call):
-    tracemalloc.start()
-    try:
-        result = call()
-        return tracemalloc.get_traced_memory()[1], result
-    finally:
-        tracemalloc.stop()
-
-
 @pytest.mark.parametrize("lengths", [None, "ragged"])
 def test_numpy_memory_beyond_the_outputs_does_not_grow_with_steps(monkeypatch, lengths):
     """Peak bytes of the call minus its outputs' bytes, at 50 and 200 steps: forward only, the
@@ -166,7 +156,7 @@ def test_numpy_memory_beyond_the_outputs_does_not_grow_with_steps(monkeypatch, l
         kw = {} if lengths is None else {"lengths": ragged}
         rows[steps] = 0 if lengths is None else int(ragged.sum())
         for keep in (True, False):
-            peak, (outputs, h_n, c_n, saved) = _peak_numpy(
+            peak, (outputs, h_n, c_n, saved) = peak_traced_bytes(
                 lambda: lltm_cupy.forward_sequence(*args, **kw, return_saved=keep))
             extra[steps, keep] = peak - outputs.nbytes
     grown = extra[200, False] - extra[50, False]

@@ -101,6 +101,15 @@ def _inputs(model, seed=1):
     return x, h0, c0
 
 
+def _training_with_dropout(layers, bidirectional, p):
+    """A model of :func:`_model` in training mode with dropout ``p`` between its layers, and
+    its inputs x, h0, c0 of :func:`_inputs`, detached."""
+    model = _model(layers, bidirectional)
+    model.dropout = p
+    model.train()
+    return (model, *(t.detach() for t in _inputs(model)))
+
+
 LENGTHS = {"sorted with T and 1": [5, 3, 3, 1], "unsorted with ties": [2, 5, 1, 2]}
 
 
@@ -265,10 +274,7 @@ def test_dropout_goes_between_layers_only(request, path):
     (and none after the last) under the same seed: pins where dropout goes and which RNG
     draws it makes, not only its mean."""
     _path(request, path)
-    model = _model(3, True)
-    model.dropout = 0.4
-    model.train()
-    x, h0, c0 = (t.detach() for t in _inputs(model))
+    model, x, h0, c0 = _training_with_dropout(3, True, 0.4)
     torch.manual_seed(7)
     out, (h_n, c_n) = model(x, (h0, c0))
     torch.manual_seed(7)
@@ -296,10 +302,7 @@ def test_no_dropout_on_the_last_layers_output(request, path, packed):
     output must have none (an LLTM's h is never exactly 0 here), and the last step of the
     output must equal the last layer's h_n, as in eval mode."""
     _path(request, path)
-    model = _model(2, False)
-    model.dropout = 0.99
-    model.train()
-    x, h0, c0 = (t.detach() for t in _inputs(model))
+    model, x, h0, c0 = _training_with_dropout(2, False, 0.99)
     torch.manual_seed(3)
     if packed:
         packed_out, (h_n, _) = model(pack_padded_sequence(x, torch.tensor([T] * B)), (h0, c0))

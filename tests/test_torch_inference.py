@@ -7,7 +7,6 @@ received) and on the memory they took, not on timing.
 from __future__ import annotations
 
 import contextlib
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from torch.nn.utils.rnn import pack_padded_sequence  # noqa: E402
 
 from lltm_cupy import _cupy, _numpy  # noqa: E402
 from lltm_cupy.torch import LLTM, LLTMCell, lltm_sequence  # noqa: E402
+from helpers.memory import peak_traced_bytes  # noqa: E402
 from test_torch import CUDA_REASON, needs_cuda  # noqa: E402
 
 
@@ -157,15 +157,6 @@ def test_inference_ops_pass_opcheck():
                           (torch.tensor(rng.standard_normal((T, B, F))), w, b, h, c))
 
 
-def _numpy_peak(call):
-    tracemalloc.start()
-    try:
-        out = call()
-        return tracemalloc.get_traced_memory()[1], out
-    finally:
-        tracemalloc.stop()
-
-
 def test_cpu_memory_beyond_the_output_does_not_grow_with_steps(monkeypatch):
     """Every array the CPU path makes is NumPy's (torch views it), so tracemalloc sees them:
     under no_grad the peak beyond the output is the same at 50 and 200 steps; with grad the
@@ -180,7 +171,7 @@ def test_cpu_memory_beyond_the_output_does_not_grow_with_steps(monkeypatch):
         xs = torch.randn(steps, B, F)
         for grad in (False, True):
             with torch.set_grad_enabled(grad):
-                peak, (out, _) = _numpy_peak(lambda: model(xs))
+                peak, (out, _) = peak_traced_bytes(lambda: model(xs))
             extra[steps, grad] = peak - out.numel() * out.element_size()
             del out
     assert extra[200, False] - extra[50, False] <= 1024, extra
