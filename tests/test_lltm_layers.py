@@ -300,17 +300,25 @@ def test_dropout_goes_between_layers_only(request, path):
 def test_no_dropout_on_the_last_layers_output(request, path, packed):
     """At p close to 1 nearly every element of a dropped-out tensor is 0; the last layer's
     output must have none (an LLTM's h is never exactly 0 here), and the last step of the
-    output must equal the last layer's h_n, as in eval mode."""
+    output must equal the last layer's h_n, as in eval mode; while dropout between the layers
+    is active (the same model in eval mode gives another output)."""
     _path(request, path)
     model, x, h0, c0 = _training_with_dropout(2, False, 0.99)
-    torch.manual_seed(3)
-    if packed:
-        packed_out, (h_n, _) = model(pack_padded_sequence(x, torch.tensor([T] * B)), (h0, c0))
-        out = pad_packed_sequence(packed_out)[0]
-    else:
+
+    def run():
+        torch.manual_seed(3)
+        if packed:
+            packed_out, (h_n, _) = model(pack_padded_sequence(x, torch.tensor([T] * B)),
+                                         (h0, c0))
+            return pad_packed_sequence(packed_out)[0], h_n
         out, (h_n, _) = model(x, (h0, c0))
+        return out, h_n
+
+    out, h_n = run()
     assert int((out == 0).sum()) == 0, f"{int((out == 0).sum())} zeros of {out.numel()}"
     torch.testing.assert_close(out[-1], h_n[-1], rtol=0, atol=0)
+    model.eval()
+    assert not torch.equal(out, run()[0]), "the training-mode output is the eval one: no dropout"
 
 
 # ------------------------------------------------------------------------- gradcheck, compile
