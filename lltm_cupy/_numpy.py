@@ -6,11 +6,11 @@ NumPy calls rather than arithmetic, so this backend is written for few, cheap pa
 
 - the gate values live gate-major, as (3, batch, state), so that every element-wise call runs
   on contiguous memory: a NumPy ufunc on a column slice of a (batch, 3 * state) array costs
-  2-3 us more per call at the tutorial's size; the layout change happens once per step, folded
-  into the bias add (forward) and into one copy of the gate gradients back to
-  (batch, 3 * state) for the GEMMs (backward);
+  2-3 us more per call at the tutorial's size; one step's layout change is folded into the
+  bias add (forward; the sequence loops need none, their GEMMs write gate-major) and into one
+  copy of the gate gradients back to (batch, 3 * state) for the GEMMs (backward);
 - every activation and derivative is evaluated in a form that keeps relative accuracy for every
-  finite input on both sides, never overflows and needs no branch (``_activate`` lists them);
+  finite input on both sides, never overflows and needs no branch (``_step`` lists them);
   the tutorial's sigmoid = (1 + tanh(z / 2)) / 2, s (1 - s) and 1 - tanh^2 are accurate only to
   about one unit in the last place of 1, i.e. not at all relative to a saturated gate's tiny
   value or derivative;
@@ -280,8 +280,8 @@ def _forward_sequence(inputs, weights, bias, h0, c0, mm, keep):
         c = np.array(c0, dtype, order="C")
     # Gate-major GEMMs (lltm_cupy._cpu_gemm): the input projection of a block of steps in one
     # call, bias added, as (3, K * B, S), into one buffer reused block after block (the same
-    # blocks with and without keep, so both give the same bits); each step's recurrent product
-    # added into its (3, B, S) view of it.
+    # blocks with and without keep, so both give the same bits); each step's z = its (3, B, S)
+    # view of that plus the recurrent product, written by one call into a contiguous buffer.
     w_x = mm.operand(gate_weights(weights[:, state:]))
     w_h = mm.operand(gate_weights(weights[:, :state]))
     hs_op = mm.operand(hs)
