@@ -63,6 +63,13 @@ CUPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_le
               "tests/test_bfloat16.py")
 LAYER_TESTS = ("tests/test_lltm_layers.py", "tests/test_torch_sequence.py",
                "tests/test_torch_cuda_path.py")
+#: forward only (keep=False): against the training forward's bits, on both backends
+INFERENCE_TESTS = ("tests/test_inference.py", "tests/test_torch_inference.py")
+#: the array API's whole models (forward_layers / backward_layers)
+ARRAY_LAYER_TESTS = ("tests/test_layers.py", "tests/test_layers_torch.py")
+#: the torch LLTM module (state dicts, batch_first, PackedSequence)
+MODULE_TESTS = ("tests/test_lltm_layers.py", "tests/test_dropin.py", "tests/test_torch_sequence.py",
+                "tests/test_layers_torch.py")
 
 
 @dataclass(frozen=True)
@@ -186,6 +193,88 @@ MUTANTS = [
            "    return g[1], g[2], g[3], g[0], g[4]", "    return g[0], g[2], g[3], g[1], g[4]",
            ("tests/test_torch.py", "tests/test_torch_sequence.py"),
            "LLTMFunction returns d_old_h as the input's gradient and vice versa"),
+    # ------------------------------------------------- forward only (keep=False) paths
+    Mutant("torch-forward-only-input-ignored", "lltm_cupy/torch/_ops.py",
+           "return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)",
+           "return torch.is_grad_enabled() and any(t.requires_grad for t in tensors[1:])",
+           INFERENCE_TESTS + ("tests/test_torch.py", "tests/test_torch_sequence.py"),
+           "torch layer: forward only chosen when only the input requires grad (frozen "
+           "parameters: the input gets no gradient)"),
+    Mutant("numpy-packed-forward-only-h-n-sorted", "lltm_cupy/_numpy.py",
+           "h_n[plan.perm], c_n[plan.perm] = h_state, c_state",
+           "h_n[:], c_n[:] = h_state, c_state",
+           INFERENCE_TESTS + ("tests/test_layers.py",),
+           "NumPy forward only, variable lengths: h_n, c_n left in the sorted (longest first) "
+           "order"),
+    Mutant("numpy-packed-forward-only-reverse-time", "lltm_cupy/_numpy.py",
+           "outputs[t_index[rows_t], b_index[rows_t]] = h_state[:n]",
+           "outputs[tau, b_index[rows_t]] = h_state[:n]",
+           INFERENCE_TESTS + ("tests/test_layers.py",),
+           "NumPy forward only, variable lengths: reverse outputs written at step tau, not at "
+           "each sequence's own time L - 1 - tau"),
+    Mutant("cupy-packed-forward-only-h-n-step-early", "lltm_cupy/_cupy_packed.py",
+           "h_sorted[nxt:n] = h_out[nxt:n]", "h_sorted[nxt:n] = h_in[nxt:n]",
+           INFERENCE_TESTS + ("tests/test_layers.py",),
+           "CuPy forward only, variable lengths: a sequence's h_n is its state before its last "
+           "step"),
+    Mutant("cupy-packed-forward-only-direct-reverse", "lltm_cupy/_cupy_packed.py",
+           "if d.perm is None and not plan.reverse:", "if d.perm is None:",
+           INFERENCE_TESTS + ("tests/test_layers.py",),
+           "CuPy forward only, sorted lengths: the reverse direction's outputs written straight "
+           "at outputs[tau] too"),
+    Mutant("fused-forward-only-cell-not-carried", "lltm_cupy/_cupy_fused.py",
+           "h_prev, c_prev = h_last, c_last", "h_prev = h_last",
+           ("tests/test_fused_sequence.py",) + INFERENCE_TESTS,
+           "fused forward only: a block of steps starts from c0, not the previous block's "
+           "final cell"),
+    # ---------------------------------------------------- the CPU sequence loops' GEMMs
+    Mutant("numpy-gemm-accumulate-overwrites", "lltm_cupy/_cpu_gemm.py",
+           "np.add(out, np.matmul(a, b), out)", "np.matmul(a, b, out=out)",
+           NUMPY_TESTS, "NumpyGemm.accumulate: out = a @ b instead of out += a @ b"),
+    Mutant("torch-gemm-project-drops-bias", "lltm_cupy/torch/_interop.py",
+           "torch.baddbmm(torch.from_numpy(bias).reshape(3, 1, -1).expand(3, rows, -1),\n"
+           "                      x.expand(3, *x.shape), w, out=out)",
+           "torch.bmm(x.expand(3, *x.shape), w, out=out)",
+           ("tests/test_torch.py", "tests/test_torch_sequence.py", "tests/test_lltm_layers.py"),
+           "TorchGemm.project_gates: the bias left out of the input projection"),
+    Mutant("torch-gemm-add-gates-drops-projection", "lltm_cupy/torch/_interop.py",
+           "torch.baddbmm(z, h, w, out=out)", "torch.bmm(h, w, out=out)",
+           ("tests/test_torch.py", "tests/test_torch_sequence.py", "tests/test_lltm_layers.py"),
+           "TorchGemm.add_gates: z = h @ W_h, the step's input projection dropped"),
+    # ------------------------------------------------------- whole models, the packing
+    Mutant("layers-backward-mask-dropped", "lltm_cupy/_layers.py",
+           "            d_x = d_x * saved.masks[k - 1]\n", "            pass\n",
+           ARRAY_LAYER_TESTS, "backward_layers: the gradient not multiplied by the dropout mask "
+           "of the layer's input"),
+    Mutant("layers-directions-concatenated-reversed", "lltm_cupy/_layers.py",
+           "x = outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=-1)",
+           "x = outs[0] if len(outs) == 1 else xp.concatenate(outs[::-1], axis=-1)",
+           ARRAY_LAYER_TESTS, "forward_layers: a layer above the first takes the reverse "
+           "direction's outputs first"),
+    Mutant("packing-step-blocks-skip-step", "lltm_cupy/_packing.py",
+           "            tau0 = tau - 1\n", "            tau0 = tau\n",
+           ("tests/test_inference.py", "tests/test_lengths.py", "tests/test_layers.py"),
+           "step_blocks: the next block starts one step late (a step at each block boundary "
+           "never runs)"),
+    Mutant("fused-packed-h0-not-sorted", "lltm_cupy/_cupy_fused.py",
+           "h_prev, c_prev = h0[perm], c0[perm]", "h_prev, c_prev = h0, c0",
+           ("tests/test_fused_sequence.py",),
+           "fused, variable lengths: h0, c0 read in the caller's order, not the sorted one"),
+    # ----------------------------------------------------------------- the torch LLTM
+    Mutant("module-packed-h0-unsorted-indices", "lltm_cupy/torch/_modules.py",
+           "order = input.sorted_indices", "order = input.unsorted_indices",
+           MODULE_TESTS, "LLTM, unsorted PackedSequence: h_0, c_0 permuted by unsorted_indices, "
+           "not sorted_indices"),
+    Mutant("module-batch-first-reshape", "lltm_cupy/torch/_modules.py",
+           "input.transpose(0, 1) if self.batch_first else input",
+           "input.reshape(input.shape[1], input.shape[0], -1) if self.batch_first else input",
+           MODULE_TESTS, "LLTM, batch_first: the input reshaped to (steps, batch), not "
+           "transposed"),
+    Mutant("module-old-keys-without-prefix", "lltm_cupy/torch/_modules.py",
+           "if prefix + old in state_dict and prefix + new not in state_dict:",
+           "if old in state_dict and new not in state_dict:",
+           MODULE_TESTS, "state dicts of the tutorial's names (weights, bias) renamed only at "
+           "the top level, not inside a parent module"),
     # --------------------------------------------------------------- checks, reference
     Mutant("check-dtypes-removed", "lltm_cupy/_checks.py",
            "    if any(d != first for d in dtypes.values()):",

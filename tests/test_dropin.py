@@ -104,6 +104,62 @@ def test_round_tripped_modules_still_load_the_older_state_dicts():
         pickle.loads(pickle.dumps(LLTM(F, H, num_layers=2))).load_state_dict(cell.state_dict())
 
 
+class _Tagger(nn.Module):
+    """A model holding a recurrent cell under a name, as a checkpoint's keys nest it
+    (``rnn.weights``, ``rnn.bias``)."""
+
+    def __init__(self, rnn):
+        super().__init__()
+        self.embed = nn.Linear(F, F)
+        self.rnn = rnn
+
+
+def _final_h(rnn, x):
+    """The hidden state after the steps of ``x`` (T, B, F): a cell stepped, an LLTM at once."""
+    if isinstance(rnn, LLTM):
+        return rnn(x)[1][0][0]
+    state = None
+    for step in x:
+        state = rnn(step, state)
+    return state[0]
+
+
+def _tutorial_cell(f, h):
+    from lltm_cupy.torch import ReferenceLLTMCell
+
+    return ReferenceLLTMCell(f, h)
+
+
+NESTED_LOADS = {  # the older checkpoint's module -> the module that loads it
+    "tutorial cell -> LLTM": (_tutorial_cell, LLTM),
+    "LLTMCell -> LLTM": (LLTMCell, LLTM),
+    "LLTM -> LLTMCell": (LLTM, LLTMCell),
+}
+
+
+@pytest.mark.parametrize("source, target", NESTED_LOADS.values(), ids=NESTED_LOADS.keys())
+def test_older_state_dicts_load_inside_a_parent_module(source, target):
+    """The older keys are renamed under the module's own prefix, not only at the top level: a
+    checkpoint of a model holding the tutorial's cell (keys ``rnn.weights``, ``rnn.bias``) loads
+    strictly into the same model holding a one-layer LLTM (``rnn.weights_l0``, ...), and back
+    into one holding an LLTMCell; the values arrive where they belong, the caller's dict is left
+    as it was."""
+    torch.manual_seed(6)
+    old = _Tagger(source(F, H))
+    state = old.state_dict()
+    keys = list(state)
+    new = _Tagger(target(F, H))
+    new.load_state_dict(state)
+    assert list(state) == keys
+    pairs = list(zip(new.rnn.named_parameters(), old.rnn.named_parameters()))
+    assert len(pairs) == 2
+    for (name, p), (old_name, q) in pairs:     # weights, bias: under either name
+        assert name.replace("_l0", "") == old_name.replace("_l0", "") and torch.equal(p, q), name
+    assert torch.equal(new.embed.weight, old.embed.weight)
+    x = torch.randn(T, B, F)
+    torch.testing.assert_close(_final_h(new.rnn, x), _final_h(old.rnn, x), rtol=1e-5, atol=1e-6)
+
+
 def test_module_holding_an_lltm_saves_whole():
     """torch.save(model) of a model holding our modules (word_language_model's pattern)."""
     model = nn.Sequential(nn.Linear(F, F), LLTMCell(F, H))
