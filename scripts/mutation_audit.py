@@ -372,10 +372,11 @@ def main(argv=None) -> int:
     if args.limit is not None:
         mutants = mutants[:args.limit]
     if args.list:
+        width = max(len(m.name) for m in MUTANTS)
         for m in MUTANTS:
             count = (ROOT / m.path).read_text().count(m.old)
             applies = count == 1 or (m.nth and count > m.nth)
-            print(f"{m.name:32} {m.path:30} {'' if applies else '[NOT FOUND] '}{m.what}")
+            print(f"{m.name:{width}} {m.path:30} {'' if applies else '[NOT FOUND] '}{m.what}")
         return 0
 
     copy = Path(tempfile.mkdtemp(prefix="lltm-audit-"))
