@@ -171,7 +171,7 @@ MUTANTS = [
            ("tests/test_lengths.py", "tests/test_lltm_layers.py", "tests/test_layers.py"),
            "reverse direction starts at the padded end, not each sequence's own last step"),
     # -------------------------------------------------------------------- torch layer
-    Mutant("dropout-after-last-layer", "lltm_cupy/torch/_modules.py",
+    Mutant("dropout-after-last-layer", "lltm_cupy/torch/_lltm_module.py",
            "and k < self.num_layers - 1:", "and self.num_layers > 1:",
            LAYER_TESTS, "LLTM applies dropout after the last layer too"),
     Mutant("stream-null", "lltm_cupy/torch/_interop.py",
@@ -186,15 +186,15 @@ MUTANTS = [
            "'handle', torch.cuda.current_stream(device).cuda_stream))",
            ("tests/test_torch_cuda_path.py", "tests/test_lltm_layers.py"),
            "torch's stream read once and cached across calls"),
-    Mutant("h-n-directions-swapped", "lltm_cupy/torch/_modules.py",
+    Mutant("h-n-directions-swapped", "lltm_cupy/torch/_lltm_module.py",
            "                h_n.append(h)\n", "                h_n.insert(len(h_n) - d, h)\n",
            LAYER_TESTS, "bidirectional h_n: reverse direction stored before the forward one"),
-    Mutant("autograd-grads-order", "lltm_cupy/torch/_ops.py",
+    Mutant("autograd-grads-order", "lltm_cupy/torch/_dispatch.py",
            "    return g[1], g[2], g[3], g[0], g[4]", "    return g[0], g[2], g[3], g[1], g[4]",
            ("tests/test_torch.py", "tests/test_torch_sequence.py"),
            "LLTMFunction returns d_old_h as the input's gradient and vice versa"),
     # ------------------------------------------------- forward only (keep=False) paths
-    Mutant("torch-forward-only-input-ignored", "lltm_cupy/torch/_ops.py",
+    Mutant("torch-forward-only-input-ignored", "lltm_cupy/torch/_dispatch.py",
            "return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)",
            "return torch.is_grad_enabled() and any(t.requires_grad for t in tensors[1:])",
            INFERENCE_TESTS + ("tests/test_torch.py", "tests/test_torch_sequence.py"),
@@ -261,16 +261,16 @@ MUTANTS = [
            ("tests/test_fused_sequence.py",),
            "fused, variable lengths: h0, c0 read in the caller's order, not the sorted one"),
     # ----------------------------------------------------------------- the torch LLTM
-    Mutant("module-packed-h0-unsorted-indices", "lltm_cupy/torch/_modules.py",
+    Mutant("module-packed-h0-unsorted-indices", "lltm_cupy/torch/_lltm_module.py",
            "order = input.sorted_indices", "order = input.unsorted_indices",
            MODULE_TESTS, "LLTM, unsorted PackedSequence: h_0, c_0 permuted by unsorted_indices, "
            "not sorted_indices"),
-    Mutant("module-batch-first-reshape", "lltm_cupy/torch/_modules.py",
+    Mutant("module-batch-first-reshape", "lltm_cupy/torch/_lltm_module.py",
            "input.transpose(0, 1) if self.batch_first else input",
            "input.reshape(input.shape[1], input.shape[0], -1) if self.batch_first else input",
            MODULE_TESTS, "LLTM, batch_first: the input reshaped to (steps, batch), not "
            "transposed"),
-    Mutant("module-old-keys-without-prefix", "lltm_cupy/torch/_modules.py",
+    Mutant("module-old-keys-without-prefix", "lltm_cupy/torch/_module_args.py",
            "if prefix + old in state_dict and prefix + new not in state_dict:",
            "if old in state_dict and new not in state_dict:",
            MODULE_TESTS, "state dicts of the tutorial's names (weights, bias) renamed only at "

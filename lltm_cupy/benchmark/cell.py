@@ -282,7 +282,7 @@ def _make_runners(cfg: Config, impls, quiet, strict=False):
                     runner.backward(runner.forward())
                 runners[name] = runner
             elif name == "cell-op":
-                from ..torch._ops import _lltm_forward_op
+                from ..torch._cell_op import _lltm_forward_op
 
                 class CustomOpCell(lt.LLTMCell):
                     """LLTMCell through the custom operator even in eager mode."""

@@ -11,15 +11,19 @@ torch's BLAS, so that the process has one BLAS thread pool.
 One file per job:
 
 - ``_interop``: checks, conversions, device, stream, memory and GEMM of a backend call;
-- ``_ops``: the autograd Functions (eager) and custom operators (torch.compile), autocast;
-- ``_modules``: ``LLTMCell`` and ``LLTM``;
+- ``_dispatch``: what every call decides before the backend runs (autocast, forward only);
+- ``_cell_op`` / ``_sequence_op``: the autograd Functions (eager) and custom operators
+  (torch.compile) of one step and of whole sequences;
+- ``_module_args``, ``_cell_module``, ``_lltm_module``: ``LLTMCell`` and ``LLTM``, their checks;
 - ``reference``: the pure-torch reference (:func:`lltm_reference`, :class:`ReferenceLLTMCell`),
   the tutorial's Python LLTM differentiated by autograd.
 """
 from __future__ import annotations
 
-from ._modules import LLTM, LLTMCell
-from ._ops import LLTMFunction, LLTMSequenceFunction, lltm, lltm_sequence
+from ._cell_module import LLTMCell
+from ._cell_op import LLTMFunction, lltm
+from ._lltm_module import LLTM
+from ._sequence_op import LLTMSequenceFunction, lltm_sequence
 from .reference import ReferenceLLTMCell, lltm_reference
 
 __all__ = ["lltm", "LLTMFunction", "LLTMCell", "lltm_sequence", "LLTMSequenceFunction", "LLTM",

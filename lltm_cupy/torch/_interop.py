@@ -46,7 +46,7 @@ __all__ = ["check", "backend_call", "torch_mm", "TORCH_GEMM", "torch_gemm", "use
 
 NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 #: What each backend computes in. bfloat16 CPU tensors are computed in float32 by the layer above
-#: (lltm_cupy.torch._ops), so they never reach the NumPy backend.
+#: (lltm_cupy.torch._dispatch), so they never reach the NumPy backend.
 DTYPES = {"cpu": (torch.float32, torch.float64),
           "cuda": (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 #: CuPy dtype -> torch dtype; uint16 arrays are bfloat16 bits (lltm_cupy._kernels.BFLOAT16)

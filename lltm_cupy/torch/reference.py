@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._modules import _CellBase
+from ._cell_module import _CellBase
 
 __all__ = ["lltm_reference", "ReferenceLLTMCell"]
 
