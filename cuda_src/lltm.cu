@@ -2,7 +2,7 @@
 //
 // Compiled at run time by cupy.RawModule (NVRTC) for the GPU, and, in the test suite, as plain
 // host C++ with tests/host_shim/shim.h so that the same arithmetic runs on the CPU.
-// The file includes no header: the offline NVRTC test (lltm_cupy._kernels.compile_offline)
+// The file includes no header: the offline NVRTC test (lltm_cupy._cuda.kernels.compile_offline)
 // needs no CUDA toolkit include path. CuPy's own compile path still needs the toolkit's headers
 // (cupy-cuda13x[ctk], the `cuda` extra, or a system CUDA toolkit).
 //

@@ -1,8 +1,8 @@
 // Fused whole-sequence kernels of the LLTM cell: one launch runs every step of one layer and
 // direction, with the recurrent weights W_h (3S x S) in shared memory for all steps.
 //
-// This file is compiled after cuda_src/lltm.cu, in the same translation unit (lltm_cupy/_kernels.py
-// joins the two texts for NVRTC; the host build includes both), and uses its scalar types
+// This file is compiled after cuda_src/lltm.cu, in the same translation unit
+// (lltm_cupy/_cuda/kernels.py joins the two texts for NVRTC; the host build includes both), and uses its scalar types
 // (lltm_traits) and the cell's numerics (lltm_cell_forward / lltm_cell_backward): one definition
 // of the arithmetic for the element-wise and the fused kernels.
 //
@@ -26,7 +26,7 @@
 // holds all `batch` rows at t * batch. A row inactive at step t is inactive at every later step
 // (forward), so each block keeps its rows' states in shared memory and stops when none is left.
 //
-// Shared memory (dynamic, bytes; A = arithmetic type, T = storage type; lltm_cupy/_cupy_fused.py
+// Shared memory (dynamic, bytes; A = arithmetic type, T = storage type; lltm_cupy/_cuda/fused.py
 // computes the same sizes):
 //   forward:  3 S^2 sizeof(T)  (W_h transposed, (S, 3S): consecutive threads read consecutive
 //             words) + tile * 3 S sizeof(A)  (h of the step and of the next, c)

@@ -39,7 +39,7 @@ def _backend(name: str):
     if name == "numpy":
         from . import _numpy as backend
     else:
-        from . import _cupy as backend
+        from . import _cuda as backend
     return backend
 
 
@@ -232,26 +232,26 @@ def warmup(dtypes=("float32",), device=None, *, fused=False) -> None:
     torch layer's GEMMs use under capture (creating them inside a capture fails). Needs CuPy and
     a GPU (RuntimeError otherwise).
     """
-    from . import _cupy
+    from . import _cuda
 
     try:
         specs = [dtypes] if isinstance(dtypes, str) else list(dtypes)
     except TypeError:
         specs = [dtypes]
-    parsed = list(dict.fromkeys(_cupy.warmup_dtype(d) for d in specs))
+    parsed = list(dict.fromkeys(_cuda.warmup_dtype(d) for d in specs))
     if device is None or isinstance(device, int):
         device_id = device
     elif getattr(device, "type", "cuda") != "cuda":
         raise ValueError(f"lltm_cupy.warmup: device must be a CUDA device, got {device}")
     else:
         device_id = getattr(device, "index", getattr(device, "id", None))
-    _cupy.warmup(parsed, device_id, fused=_flag("fused", fused))
+    _cuda.warmup(parsed, device_id, fused=_flag("fused", fused))
     import sys
 
     if "torch" in sys.modules:      # a torch user: torch's cuBLAS handles for a later capture
         from .torch import _interop
 
-        _interop.prepare_capture(_cupy._cupy().cuda.Device(device_id).id)
+        _interop.prepare_capture(_cuda.kernels.cupy_module().cuda.Device(device_id).id)
 
 
 # Above the per-layer calls (they import the dispatch defined here).

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """GPU only: time and peak memory of a forward-only sequence against the block size of its
-input projection (the rows of one GEMM of the input projection, ``lltm_cupy._cupy._BLOCK_ROWS``,
+input projection (the rows of one GEMM of the input projection, ``lltm_cupy._cuda.sequence._BLOCK_ROWS``,
 which the fixed-length and the variable-length paths read).
 
 For each size (T, B, F, S) and block size: ``lltm_cupy.forward_sequence(..., return_saved=False)``
@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 import lltm_cupy  # noqa: E402
-from lltm_cupy import _cupy  # noqa: E402
+from lltm_cupy._cuda import sequence as _sequence  # noqa: E402
 from lltm_cupy._packing import block_steps  # noqa: E402
 
 DEFAULT_SIZES = "500x64x16x512,128x32x128x256"
@@ -108,11 +108,11 @@ def measure(cupy, T, B, F, S, blocks, runs, warmup, dtype):
     """Rows ``(block label, rows, steps per block, median ms, peak bytes, error)`` for one size;
     raises AssertionError where a block size's results are off the float64 run. The block
     size of the library is set for each and restored at the end."""
-    default = _cupy._BLOCK_ROWS
+    default = _sequence._BLOCK_ROWS
     try:
         return _measure(cupy, T, B, F, S, blocks, runs, warmup, dtype)
     finally:
-        _cupy._BLOCK_ROWS = default
+        _sequence._BLOCK_ROWS = default
 
 
 def _measure(cupy, T, B, F, S, blocks, runs, warmup, dtype):
@@ -122,7 +122,7 @@ def _measure(cupy, T, B, F, S, blocks, runs, warmup, dtype):
     rows = []
     for block in blocks:
         block_rows = T * B if block is None else block
-        _cupy._BLOCK_ROWS = block_rows
+        _sequence._BLOCK_ROWS = block_rows
         got = lltm_cupy.forward_sequence(*args, return_saved=False)[:3]
         error = _error(got, want)
         assert error <= TOLERANCE[dtype], (
@@ -175,7 +175,7 @@ def main(argv=None):
     print(f"forward only, {args.dtype}, GPU {device.id}: {name}; CuPy {cupy.__version__}, "
           f"NumPy {np.__version__}; median of {args.runs} calls after {args.warmup} warm-up, "
           f"CUDA events; peak: bytes allocated during one call, outputs included")
-    default, status = _cupy._BLOCK_ROWS, 0
+    default, status = _sequence._BLOCK_ROWS, 0
     for T, B, F, S in args.sizes:
         out_mb = T * B * S * np.dtype(args.dtype).itemsize / 1e6
         print(f"\n(T, B, F, S) = ({T}, {B}, {F}, {S}); the outputs: {out_mb:.1f} MB")

@@ -70,13 +70,12 @@ def emulated_cupy(monkeypatch, host_lib):
     """Install tests/helpers/emulated_cupy as ``cupy`` for one test (see its docstring)."""
     import sys
 
-    import lltm_cupy._cupy
-    from lltm_cupy import _kernels
+    from lltm_cupy._cuda import kernels as _kernels
     from helpers import emulated_cupy as emu
 
     fake = emu.make_module()
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(lltm_cupy._cupy, "get_kernels", emu.host_get_kernels(host_lib))
+    monkeypatch.setattr(_kernels, "get_kernels", emu.host_get_kernels(host_lib))
     # One "SM": at most 8 blocks of 256 threads, so B * S above 2048 takes several grid strides.
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 1)
     return fake

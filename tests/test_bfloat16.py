@@ -12,7 +12,7 @@ import pytest
 ml_dtypes = pytest.importorskip("ml_dtypes",
                                 reason="ml_dtypes is not installed (pip install .[test])")
 
-from lltm_cupy import _kernels  # noqa: E402
+from lltm_cupy._cuda import kernels as _kernels  # noqa: E402
 from conftest import make_case, reference_results  # noqa: E402
 from helpers.host_kernels import ptr  # noqa: E402
 
@@ -156,14 +156,14 @@ def _bf16_case(batch, features, state, seed):
 def test_cupy_backend_in_bfloat16_on_the_emulator(emulated_cupy, batch, features, state):
     """The GPU backend's bfloat16 path (uint16 bits, gemmEx with CUDA_R_16BF, the bias gradient
     as a GEMM) against the float64 reference on the same rounded inputs."""
-    from lltm_cupy import _cupy
+    from lltm_cupy import _cuda
 
     bits, case = _bf16_case(batch, features, state, seed=11)
     arrays = [emulated_cupy.asarray(bits[n]) for n in ("input", "weights", "bias", "old_h",
                                                        "old_cell")]
-    new_h, new_cell, saved = _cupy.forward(*arrays)
+    new_h, new_cell, saved = _cuda.forward(*arrays)
     assert new_h.dtype == np.uint16 and saved.gates.dtype == np.uint16
-    grads = _cupy.backward(emulated_cupy.asarray(bits["grad_h"]),
+    grads = _cuda.backward(emulated_cupy.asarray(bits["grad_h"]),
                            emulated_cupy.asarray(bits["grad_cell"]), saved)
     ref_h, ref_c, ref_grads = reference_results(case)
     names = ("new_h", "new_cell", "d_old_h", "d_input", "d_weights", "d_bias", "d_old_cell")
@@ -174,7 +174,7 @@ def test_cupy_backend_in_bfloat16_on_the_emulator(emulated_cupy, batch, features
 
 
 def test_cupy_sequence_in_bfloat16_on_the_emulator(emulated_cupy):
-    from lltm_cupy import _cupy, reference
+    from lltm_cupy import _cuda, reference
 
     rng = np.random.default_rng(5)
     T, B, F, S = 5, 4, 3, 6
@@ -184,8 +184,8 @@ def test_cupy_sequence_in_bfloat16_on_the_emulator(emulated_cupy):
     h0, c0 = (to_bits(rng.standard_normal((B, S))) for _ in range(2))
     g_out, g_h, g_c = (to_bits(rng.standard_normal(s)) for s in ((T, B, S), (B, S), (B, S)))
     e = emulated_cupy.asarray
-    outputs, h_n, c_n, saved = _cupy.forward_sequence(e(xs), e(w), e(b), e(h0), e(c0))
-    grads = _cupy.backward_sequence(e(g_out), e(g_h), e(g_c), saved)
+    outputs, h_n, c_n, saved = _cuda.forward_sequence(e(xs), e(w), e(b), e(h0), e(c0))
+    grads = _cuda.backward_sequence(e(g_out), e(g_h), e(g_c), saved)
     # the float64 reference, stepped, on the rounded values
     W, bias = from_bits(w), from_bits(b)
     h, c, hs, caches = from_bits(h0), from_bits(c0), [], []

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lltm_cupy import _cupy
+from lltm_cupy._cuda import sequence as _sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "block_rows.py"
@@ -36,13 +36,13 @@ def _table(text):
 
 def test_measures_every_block_size_on_the_emulated_gpu(emulated_cupy, block_rows, capsys):
     emu = emulated_cupy.emulator
-    before = _cupy._BLOCK_ROWS
+    before = _sequence._BLOCK_ROWS
     emu.reset()
     status = block_rows.main(["--sizes", "5x3x2x4,4x2x3x5", "--blocks", "3,6,whole",
                               "--runs", "2", "--warmup", "1"])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert _cupy._BLOCK_ROWS == before      # restored
+    assert _sequence._BLOCK_ROWS == before      # restored
     # label, rows, steps per block: 3 rows hold one step of B = 3 or 2, 6 rows two or three
     rows = _table(out)
     assert [r[:3] for r in rows.values()] == [
@@ -55,9 +55,9 @@ def test_peak_counts_the_call_s_allocations(emulated_cupy, block_rows):
     """The peak of one call: the outputs ([h0, h_1..h_T]) and more, and a gate block of 15 rows
     instead of 3 adds exactly 12 rows of 3S float32 gate pre-activations."""
     T, B, F, S = 5, 3, 2, 4
-    before = _cupy._BLOCK_ROWS
+    before = _sequence._BLOCK_ROWS
     rows = block_rows.measure(emulated_cupy, T, B, F, S, [3, None], 1, 0, "float32")
-    assert _cupy._BLOCK_ROWS == before      # restored
+    assert _sequence._BLOCK_ROWS == before      # restored
     peak = {label: p for label, _, _, _, p, _ in rows}
     assert peak["3"] >= (T + 1) * B * S * 4
     assert peak["whole"] - peak["3"] == (T * B - 3) * 3 * S * 4, peak

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lltm_cupy import _kernels
+from lltm_cupy._cuda import kernels as _kernels
 
 
 DTYPES = [np.float16, np.float32, np.float64, _kernels.BFLOAT16]

@@ -1,4 +1,4 @@
-"""The fused whole-sequence kernels (cuda_src/lltm_fused.cu, lltm_cupy/_cupy_fused.py), without a
+"""The fused whole-sequence kernels (cuda_src/lltm_fused.cu, lltm_cupy/_cuda/fused.py), without a
 GPU: the CUDA source built as host C++ with real block semantics (tests/host_shim/shim.h:
 a context per thread, __syncthreads() a barrier, per-block shared memory) and launched from the
 GPU backend on the emulated CuPy; against the stepped path and the float64 reference, forward
@@ -17,7 +17,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from lltm_cupy import _cupy_fused, _kernels, _packing
+from lltm_cupy import _packing
+from lltm_cupy._cuda import fused as _fused, kernels as _kernels
 from conftest import TOLERANCE, gpu_unavailable_reason, max_error, to_numpy
 from helpers import host_fused
 from test_lengths import _reference
@@ -28,7 +29,7 @@ BF16 = _kernels.BFLOAT16
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32),
           "float64": np.dtype(np.float64)}
 #: the emulated device's opt-in shared memory per block: an H100/H200's (sm_90)
-LIMIT = _cupy_fused.ARCH_SHARED_MEMORY[90]
+LIMIT = _fused.ARCH_SHARED_MEMORY[90]
 #: fused vs stepped (they differ in the order of the recurrent product's sums, then in what the
 #: roundings of a 16-bit type make of that), per dtype
 AGREE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2,
@@ -81,17 +82,17 @@ def make(T, B, F, S, dtype, seed):
 
 def run(xp, stored, lengths, reverse, fused, grads=("grad_outputs", "grad_h_n", "grad_c_n")):
     """The GPU backend's forward_sequence and backward_sequence: the 8 results as NumPy arrays."""
-    from lltm_cupy import _cupy
+    from lltm_cupy import _cuda
 
     T, B = stored["inputs"].shape[:2]
     plan = (None if lengths is None and not reverse else _packing.plan(
         np.full(B, T, np.int64) if lengths is None else np.asarray(lengths, np.int64), T,
         reverse))
     a = {k: xp.asarray(v) for k, v in stored.items()}
-    outputs, h_n, c_n, saved = _cupy.forward_sequence(
+    outputs, h_n, c_n, saved = _cuda.forward_sequence(
         *(a[n] for n in ("inputs", "weights", "bias", "h0", "c0")), plan=plan, fused=fused)
     assert saved.fused == fused
-    g = _cupy.backward_sequence(*(a[n] if n else None for n in grads), saved)
+    g = _cuda.backward_sequence(*(a[n] if n else None for n in grads), saved)
     return [to_numpy(v) for v in (outputs, h_n, c_n, *g)]
 
 
@@ -131,7 +132,7 @@ def test_fused_equals_stepped_and_reference(fused_cupy, monkeypatch, dtype, leng
 
 def _bound_sizes():
     return [pytest.param(dtype, state, id=f"{name}-S{state}") for name, dtype in DTYPES.items()
-            for top in [_cupy_fused.max_state(LIMIT, dtype)] for state in (top - 1, top)]
+            for top in [_fused.max_state(LIMIT, dtype)] for state in (top - 1, top)]
 
 
 @pytest.mark.parametrize("dtype,state", _bound_sizes())
@@ -150,14 +151,14 @@ def test_fused_at_the_shared_memory_bound(fused_cupy, dtype, state):
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_above_the_bound_runs_the_stepped_path(fused_cupy, dtype):
-    from lltm_cupy import _cupy
+    from lltm_cupy import _cuda
 
-    state = _cupy_fused.max_state(LIMIT, dtype) + 1
+    state = _fused.max_state(LIMIT, dtype) + 1
     stored, _ = make(2, 1, 2, state, dtype, seed=1)
     emu = fused_cupy.emulator
     a = {k: fused_cupy.asarray(v) for k, v in stored.items()}
     emu.reset()
-    *_, saved = _cupy.forward_sequence(*(a[n] for n in ("inputs", "weights", "bias", "h0", "c0")),
+    *_, saved = _cuda.forward_sequence(*(a[n] for n in ("inputs", "weights", "bias", "h0", "c0")),
                                        fused=True)
     assert not saved.fused and "kernel:seq_fwd" not in emu.log
     assert emu.log.count("kernel:fwd") == 2
@@ -205,15 +206,15 @@ def test_launches_per_sequence_do_not_depend_on_the_length(fused_cupy, steps):
     emu = fused_cupy.emulator
     stored, _ = make(steps, 3, 2, 4, np.dtype(np.float32), seed=steps)
     a = {k: fused_cupy.asarray(v) for k, v in stored.items()}
-    from lltm_cupy import _cupy
+    from lltm_cupy import _cuda
 
     emu.reset()
-    *_, saved = _cupy.forward_sequence(*(a[n] for n in ("inputs", "weights", "bias", "h0", "c0")),
+    *_, saved = _cuda.forward_sequence(*(a[n] for n in ("inputs", "weights", "bias", "h0", "c0")),
                                        fused=True)
     forward = [e for e in emu.log if e.startswith(("kernel", "gemm"))]
     assert forward == ["gemm", "kernel:seq_fwd"]
     emu.reset()
-    _cupy.backward_sequence(a["grad_outputs"], a["grad_h_n"], a["grad_c_n"], saved)
+    _cuda.backward_sequence(a["grad_outputs"], a["grad_h_n"], a["grad_c_n"], saved)
     backward = [e for e in emu.log if e.startswith(("kernel", "gemm"))]
     assert backward == ["kernel:seq_bwd", "gemm", "gemm", "gemm"]   # d_W (2 halves), d_inputs
     assert emu.log.count("reduce") == 1                               # d_bias
@@ -242,9 +243,9 @@ def test_forward_only_runs_blocks_of_steps_with_the_same_bits(fused_cupy, monkey
     the final state of one block the initial state of the next) gives the bits of the one
     launch that keeps everything."""
     import lltm_cupy
-    from lltm_cupy import _cupy
+    from lltm_cupy._cuda import sequence as _sequence
 
-    monkeypatch.setattr(_cupy, "_BLOCK_ROWS", 6)        # 2 steps of 3 rows per block
+    monkeypatch.setattr(_sequence, "_BLOCK_ROWS", 6)        # 2 steps of 3 rows per block
     emu = fused_cupy.emulator
     stored, _ = make(9, 3, 2, 5, np.dtype(np.float32), seed=4)
     a = {k: fused_cupy.asarray(v) for k, v in stored.items()}
@@ -330,11 +331,11 @@ def test_nvrtc_compiles_the_fused_kernels(dtype, arch):
 
 
 def test_shared_memory_bound_table():
-    """The bound documented in lltm_cupy/_cupy_fused.py and the public docstring."""
-    table = {arch: tuple(_cupy_fused.max_state(limit, d) for d in DTYPES.values())
-             for arch, limit in _cupy_fused.ARCH_SHARED_MEMORY.items()}
+    """The bound documented in lltm_cupy/_cuda/fused.py and the public docstring."""
+    table = {arch: tuple(_fused.max_state(limit, d) for d in DTYPES.values())
+             for arch, limit in _fused.ARCH_SHARED_MEMORY.items()}
     assert table == {80: (165, 165, 117, 82), 90: (195, 195, 138, 97), 100: (195, 195, 138, 97)}
-    doc = _cupy_fused.__doc__
+    doc = _fused.__doc__
     for arch, (half, _, single, double) in table.items():
         assert re.search(rf"sm_{arch} .*\s{half}\s+{single}\s+{double}\n", doc), arch
 
@@ -381,17 +382,17 @@ def _run_ptxas(nvcc, arch):
 def test_ptxas_reports_no_spill_and_shared_memory_within_the_limit(arch):
     report = _ptxas_report(arch)
     assert len(report) == len(DTYPES) * len(_kernels.FUSED_KERNEL_NAMES), sorted(report)
-    limit = _cupy_fused.ARCH_SHARED_MEMORY[arch]
+    limit = _fused.ARCH_SHARED_MEMORY[arch]
     for name, r in report.items():
         assert r["spills"] == (0, 0), f"sm_{arch} {name}: spills {r['spills']}"
-        assert r["registers"] * _cupy_fused.THREADS <= 65536, f"sm_{arch} {name}: registers"
+        assert r["registers"] * _fused.THREADS <= 65536, f"sm_{arch} {name}: registers"
         backward = "bwd" in name
         for dtype in DTYPES.values():
             # every size the selection accepts, with the largest tile it would choose
-            top = _cupy_fused.max_state(limit, dtype)
-            per_row = (_cupy_fused.shared_bytes(top, dtype, 1, backward)
-                       - _cupy_fused.shared_bytes(top, dtype, 0, backward))
-            worst = max(_cupy_fused.shared_bytes(s, dtype, 1, backward) for s in range(1, top + 1))
+            top = _fused.max_state(limit, dtype)
+            per_row = (_fused.shared_bytes(top, dtype, 1, backward)
+                       - _fused.shared_bytes(top, dtype, 0, backward))
+            worst = max(_fused.shared_bytes(s, dtype, 1, backward) for s in range(1, top + 1))
             assert r["smem"] + worst <= limit and per_row > 0, f"sm_{arch} {name} {dtype}"
 
 
@@ -413,7 +414,7 @@ def test_gpu_fused_equals_the_stepped_path(dtype, lengths, reverse, size):
     import cupy
 
     dtype = DTYPES[dtype]
-    top = _cupy_fused.max_state(_kernels.shared_memory_limit(cupy.cuda.Device().id), dtype)
+    top = _fused.max_state(_kernels.shared_memory_limit(cupy.cuda.Device().id), dtype)
     state = 5 if size == "small" else min(128, top)
     stored, case = make(7, 5, 6, state, dtype, seed=state)
     fused = run(cupy, stored, lengths, reverse, True)

@@ -227,7 +227,8 @@ def test_training_step_on_a_side_stream_without_host_sync(sequence):
 @needs_cuda
 def test_warmup_loads_every_dtype_and_16_bit_gemms_restore_the_math_mode():
     cupy = pytest.importorskip("cupy")
-    from lltm_cupy import _cupy, _kernels
+    from lltm_cupy import _cuda
+    from lltm_cupy._cuda import kernels as _kernels
 
     lltm_cupy.warmup(("float16", "bfloat16", "float32", "float64"))
     device = cupy.cuda.Device().id
@@ -236,6 +237,6 @@ def test_warmup_loads_every_dtype_and_16_bit_gemms_restore_the_math_mode():
     handle = cupy.cuda.device.get_cublas_handle()
     before = cupy.cuda.cublas.getMathMode(handle)
     a = cupy.ones((64, 256), cupy.float16)
-    out = _cupy.gemm(a, a.T, cupy.empty((64, 64), cupy.float16))
+    out = _cuda.gemm(a, a.T, cupy.empty((64, 64), cupy.float16))
     assert cupy.cuda.cublas.getMathMode(handle) == before
     assert bool((out == 256).all())

@@ -10,7 +10,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from lltm_cupy import _kernels, reference
+from lltm_cupy import reference
+from lltm_cupy._cuda import kernels as _kernels
 from conftest import assert_close, make_case, reference_results
 from helpers.host_kernels import SUFFIX, ptr
 # (grid, block): one thread for everything, blocks that do not divide the work, more threads

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import lltm_cupy
-from lltm_cupy import _cupy, _numpy, _packing
+from lltm_cupy import _cuda, _numpy, _packing
+from lltm_cupy._cuda import sequence as _sequence
 from conftest import TOLERANCE, max_error, reference_results, make_case, to_numpy
 from helpers.memory import peak_traced_bytes
 
@@ -24,7 +25,7 @@ SEQ = ("inputs", "weights", "bias", "h0", "c0")
 def small_blocks(monkeypatch):
     """Projection blocks of 8 rows on both backends (several blocks at the tests' sizes)."""
     monkeypatch.setattr(_numpy, "_BLOCK_ROWS", 8)
-    monkeypatch.setattr(_cupy, "_BLOCK_ROWS", 8)
+    monkeypatch.setattr(_sequence, "_BLOCK_ROWS", 8)
 
 
 def _sequence_case(steps, batch, features, state, dtype, seed=0, bias_2d=False):
@@ -100,7 +101,7 @@ def test_lengths_same_bits(xp, small_blocks, dtype, lengths, reverse):
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 def test_packed_layout_same_bits(xp, small_blocks, reverse):
     """The torch layer's PackedSequence path: data (N, F) in and out, through the backends."""
-    backend = _numpy if xp is np else _cupy
+    backend = _numpy if xp is np else _cuda
     batch_sizes = (4, 4, 3, 1, 1)     # states in the sorted order: the caller permutes them
     plan = _packing.packed_plan(batch_sizes, reverse)
     case = _sequence_case(1, 4, 3, 6, np.float64, seed=5)
@@ -222,9 +223,9 @@ def test_gpu_variable_lengths_keep_no_packed_hidden_states(emulated_cupy, small_
                 np.random.default_rng(steps).standard_normal((rows[steps], F)).astype(np.float32))
             args[0] = data      # a PackedSequence holds no empty sequence: the state's rows
             args[3:] = [a[: sizes[0]] for a in args[3:]]    # are those of the sorted batch
-            want = _cupy.forward_sequence(*args, plan=plan)
+            want = _cuda.forward_sequence(*args, plan=plan)
             emu.reset()
-            got = _cupy.forward_sequence(*args, plan=plan, keep=False)
+            got = _cuda.forward_sequence(*args, plan=plan, keep=False)
         else:
             want = lltm_cupy.forward_sequence(*args, lengths=lens, reverse=reverse)
             emu.reset()     # the plan's index arrays were uploaded by the call above

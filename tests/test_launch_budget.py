@@ -1,8 +1,8 @@
 """The device work of one step, counted on the emulated CuPy (tests/helpers/emulated_cupy.py logs
 every kernel launch, GEMM, copy, fill, element-wise op and reduction, and every allocation).
 
-The budget a reviewer can read (see lltm_cupy/_cupy.py): forward = one concatenation kernel, one
-GEMM, the fused kernel; backward = the fused kernel, the three GEMMs and one reduction; a
+The budget a reviewer can read (see lltm_cupy/_cuda/step.py and sequence.py): forward = one
+concatenation kernel, one GEMM, the fused kernel; backward = the fused kernel, the three GEMMs and one reduction; a
 sequence = one input-projection GEMM, then per step one GEMM plus one kernel each way. No copy
 of an argument that is already contiguous, no allocation beyond the results and the values
 saved for backward, except the copies that keep the caller's arrays out of the backward

@@ -20,7 +20,7 @@ def test_wheel_ships_and_finds_the_cuda_source(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                            str(target), str(wheel)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    code = ("import lltm_cupy._kernels as k; p = k.source_path(); "
+    code = ("import lltm_cupy._cuda.kernels as k; p = k.source_path(); "
             "assert 'lltm_fwd_kernel' in k.source(); print(p)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})

@@ -98,7 +98,7 @@ def test_zero_copy_in_and_out(device, monkeypatch):
     """The arrays the backend sees share the tensors' memory, and the results' memory is the
     backend's arrays' memory."""
     seen = {}
-    backend = lltm_cupy._numpy if device == "cpu" else importlib.import_module("lltm_cupy._cupy")
+    backend = lltm_cupy._numpy if device == "cpu" else importlib.import_module("lltm_cupy._cuda")
     real_forward, real_backward = backend.forward, backend.backward
 
     def ptr(a):

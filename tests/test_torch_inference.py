@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from torch.nn.utils.rnn import pack_padded_sequence  # noqa: E402
 
-from lltm_cupy import _cupy, _numpy  # noqa: E402
+from lltm_cupy import _cuda, _numpy  # noqa: E402
+from lltm_cupy._cuda import sequence as _sequence
 from lltm_cupy.torch import LLTM, LLTMCell, lltm_sequence  # noqa: E402
 from helpers.memory import peak_traced_bytes  # noqa: E402
 from test_torch import CUDA_REASON, needs_cuda  # noqa: E402
@@ -25,7 +26,7 @@ from test_torch import CUDA_REASON, needs_cuda  # noqa: E402
 def kept(monkeypatch):
     """The ``keep`` of every backend forward call (both backends), in call order."""
     seen = []
-    for backend in (_numpy, _cupy):
+    for backend in (_numpy, _cuda):
         for name in ("forward", "forward_sequence"):
             real = getattr(backend, name)
 
@@ -182,7 +183,7 @@ def test_emulated_cuda_path_forward_only(emulated_cuda_torch, kept, monkeypatch)
     """The CUDA path (CuPy backend on the emulated CuPy): forward only under no_grad, the same
     bits as the training forward, and no allocation that grows with steps beyond the output
     and its [h0, outputs] buffer."""
-    monkeypatch.setattr(_cupy, "_BLOCK_ROWS", 12)      # blocks of 4 steps
+    monkeypatch.setattr(_sequence, "_BLOCK_ROWS", 12)      # blocks of 4 steps
     emu = emulated_cuda_torch.emulator
     torch.manual_seed(3)
     B, F, S = 3, 4, 6
@@ -221,7 +222,7 @@ def test_gpu_forward_only_memory_and_bits():
     torch.cuda.synchronize()
     grown = torch.cuda.max_memory_allocated() - base
     outputs = (T + 1) * B * S * 4
-    block = _cupy._BLOCK_ROWS * 3 * S * 4
+    block = _sequence._BLOCK_ROWS * 3 * S * 4
     assert grown <= outputs + block + 16 * B * S * 4, (grown, outputs, block)
     assert torch.equal(got, want) and torch.equal(h, h_want) and torch.equal(c, c_want)
 
@@ -258,7 +259,7 @@ def test_emulated_cuda_variable_lengths_forward_only_memory(emulated_cuda_torch,
                                                             form):
     """The bound of the GPU test below on the emulated CUDA path, where every CuPy allocation
     of the call is counted (their sum bounds their peak)."""
-    monkeypatch.setattr(_cupy, "_BLOCK_ROWS", 16)
+    monkeypatch.setattr(_sequence, "_BLOCK_ROWS", 16)
     emu = emulated_cuda_torch.emulator
     T, B, F, S = 40, 4, 2, 16
     run, beyond, rows = _variable_lengths_case(form, T, B, F, S, "cpu")
@@ -266,7 +267,7 @@ def test_emulated_cuda_variable_lengths_forward_only_memory(emulated_cuda_torch,
     emu.reset()
     with torch.no_grad():
         got = run()
-    block = _cupy._BLOCK_ROWS * 3 * S * 4
+    block = _sequence._BLOCK_ROWS * 3 * S * 4
     assert sum(emu.allocations) <= beyond + block + 16 * B * S * 4, (
         sum(emu.allocations), beyond, block, rows * S * 4)
     for name, g, w in zip(("outputs", "h_n", "c_n"), got, want):
@@ -291,7 +292,7 @@ def test_gpu_variable_lengths_forward_only_memory_and_bits(form):
         got = run()
     torch.cuda.synchronize()
     grown = torch.cuda.max_memory_allocated() - base
-    block = _cupy._BLOCK_ROWS * 3 * S * 4
+    block = _sequence._BLOCK_ROWS * 3 * S * 4
     assert grown <= beyond + block + 16 * B * S * 4, (grown, beyond, block, rows * S * 4)
     for name, g, w in zip(("outputs", "h_n", "c_n"), got, want):
         assert torch.equal(g, w), name

@@ -1,5 +1,5 @@
 """lltm_cupy.warmup: after it, no call compiles or loads a kernel (on the emulated CuPy, which
-records every first use of a kernel as CuPy and lltm_cupy._kernels would compile it), so that a
+records every first use of a kernel as CuPy and lltm_cupy._cuda.kernels would compile it), so that a
 CUDA-graph capture never runs NVRTC or a module load. Also the cuBLAS math mode of 16-bit GEMMs.
 """
 from __future__ import annotations
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import lltm_cupy
-from lltm_cupy import _cupy, _kernels
+from lltm_cupy import _cuda
+from lltm_cupy._cuda import kernels as _kernels
 
 DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
           "bfloat16": _kernels.BFLOAT16}
@@ -29,34 +30,34 @@ def _every_call(cupy, dtype, batch=16, features=32, state=128, steps=5):
 
     w, b = arr(3 * state, state + features), arr(1, 3 * state)
     h, c = arr(batch, state), arr(batch, state)
-    _cupy.forward(arr(batch, features), w, b, h, c, keep=False)      # forward only
-    _, _, saved = _cupy.forward(arr(batch, features), w, b, h, c)
+    _cuda.forward(arr(batch, features), w, b, h, c, keep=False)      # forward only
+    _, _, saved = _cuda.forward(arr(batch, features), w, b, h, c)
     for gh, gc in ((h, c), (h, None), (None, c), (None, None)):
-        _cupy.backward(gh, gc, saved)
-    _cupy.backward(h, None, saved, needed=(False, True, False, True, False))
+        _cuda.backward(gh, gc, saved)
+    _cuda.backward(h, None, saved, needed=(False, True, False, True, False))
     for t in (steps, 1, 0):
-        _cupy.forward_sequence(arr(t, batch, features), w, b.reshape(-1), h, c, keep=False)
-        *_, saved = _cupy.forward_sequence(arr(t, batch, features), w, b.reshape(-1), h, c)
+        _cuda.forward_sequence(arr(t, batch, features), w, b.reshape(-1), h, c, keep=False)
+        *_, saved = _cuda.forward_sequence(arr(t, batch, features), w, b.reshape(-1), h, c)
         for grads in ((arr(t, batch, state), h, c), (None, None, None), (None, h, None),
                       (arr(t, batch, state), None, c)):
-            _cupy.backward_sequence(*grads, saved)
+            _cuda.backward_sequence(*grads, saved)
     from lltm_cupy import _packing
 
     lengths = np.arange(batch) % (steps + 1)
     for reverse in (False, True):
         plan = _packing.plan(lengths, steps, reverse)
-        _cupy.forward_sequence(arr(steps, batch, features), w, b, h, c, plan=plan, keep=False)
-        *_, saved = _cupy.forward_sequence(arr(steps, batch, features), w, b, h, c, plan=plan)
+        _cuda.forward_sequence(arr(steps, batch, features), w, b, h, c, plan=plan, keep=False)
+        *_, saved = _cuda.forward_sequence(arr(steps, batch, features), w, b, h, c, plan=plan)
         for grads in ((arr(steps, batch, state), h, c), (None, None, None), (None, h, None)):
-            _cupy.backward_sequence(*grads, saved)
+            _cuda.backward_sequence(*grads, saved)
         # a PackedSequence's data in and out, as the torch layer runs packed input
         sizes = [batch] + [max(batch - 1, 1)] * (steps - 1)
         rows = sum(sizes)
         plan = _packing.packed_plan(sizes, reverse)
-        _cupy.forward_sequence(arr(rows, features), w, b, h, c, plan=plan, keep=False)
-        *_, saved = _cupy.forward_sequence(arr(rows, features), w, b, h, c, plan=plan)
+        _cuda.forward_sequence(arr(rows, features), w, b, h, c, plan=plan, keep=False)
+        *_, saved = _cuda.forward_sequence(arr(rows, features), w, b, h, c, plan=plan)
         for grads in ((arr(rows, state), h, c), (None, None, None), (None, h, None)):
-            _cupy.backward_sequence(*grads, saved)
+            _cuda.backward_sequence(*grads, saved)
 
 
 @pytest.mark.parametrize("name", DTYPES)
@@ -156,7 +157,7 @@ def test_16_bit_gemms_disallow_reduced_precision_reduction_and_restore_the_mode(
                         lambda handle, mode: (modes.append(mode), real_set(handle, mode)))
     a = emulated_cupy.asarray(np.ones((3, 4), dtype))
     b = emulated_cupy.asarray(np.ones((4, 2), dtype))
-    _cupy.gemm(a, b, emulated_cupy.empty((3, 2), dtype))
+    _cuda.gemm(a, b, emulated_cupy.empty((3, 2), dtype))
     assert emu.math_mode == user_mode
     if np.dtype(dtype).itemsize == 2:
         assert modes == [user_mode | 16, user_mode]

@@ -69,7 +69,7 @@ def gpu_kernel_report(cfg: Config, runs=50) -> dict:
     """
     import cupy
 
-    from .. import _kernels
+    from .._cuda import kernels as _kernels
 
     dtype = np.float64 if cfg.double else np.float32
     B, F, S = cfg.size

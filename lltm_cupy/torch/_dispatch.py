@@ -128,7 +128,7 @@ def _empty_gates(like: Tensor, batch: int, state: int, *steps: int) -> Tensor:
 
 def _fused_kw(call, fused: bool) -> dict:
     """The backend keyword of ``fused``: only the GPU backend has the fused sequence kernels."""
-    return {"fused": True} if fused and call.backend.__name__.endswith("._cupy") else {}
+    return {"fused": True} if fused and call.backend.__name__.endswith("._cuda") else {}
 
 
 

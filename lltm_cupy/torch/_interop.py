@@ -49,7 +49,7 @@ NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 #: (lltm_cupy.torch._dispatch), so they never reach the NumPy backend.
 DTYPES = {"cpu": (torch.float32, torch.float64),
           "cuda": (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
-#: CuPy dtype -> torch dtype; uint16 arrays are bfloat16 bits (lltm_cupy._kernels.BFLOAT16)
+#: CuPy dtype -> torch dtype; uint16 arrays are bfloat16 bits (lltm_cupy._cuda.kernels.BFLOAT16)
 _TORCH_DTYPE = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
                 np.dtype(np.float64): torch.float64, np.dtype(np.uint16): torch.bfloat16}
 
@@ -322,7 +322,7 @@ def _call(device: torch.device, cupy_path: bool):
             return
         import cupy
 
-        from .. import _cupy
+        from .. import _cuda
 
         with cupy.cuda.Device(_device_index(device)), _stream(device) as stream, \
                 cupy.cuda.using_allocator(_torch_allocator(device)):
@@ -330,5 +330,5 @@ def _call(device: torch.device, cupy_path: bool):
                 gemm = torch_gemm
             else:
                 _torch_blas_ready(_device_index(device))
-                gemm = _cupy.gemm
-            yield Call(_cupy, {"gemm": gemm}, _array_cuda, _tensor_cuda)
+                gemm = _cuda.gemm
+            yield Call(_cuda, {"gemm": gemm}, _array_cuda, _tensor_cuda)

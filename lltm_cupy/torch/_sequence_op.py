@@ -91,7 +91,7 @@ def _sequence_backward_op(grad_outputs: Optional[Tensor], grad_h_n: Optional[Ten
             *(call.array(t.contiguous()) for t in (hs, gates, cells, weights)),
             (1, 3 * state) if bias_2d else (3 * state,))
         if _fused_kw(call, fused):      # as the forward chose: the fused kernels where they fit
-            from .._cupy_fused import usable
+            from .._cuda.fused import usable
 
             saved.fused = usable(state, saved.hs.dtype)
         grads = call.backend.backward_sequence(

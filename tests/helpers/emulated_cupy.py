@@ -22,7 +22,7 @@ It is strict where CuPy and cuBLAS are:
 ``log`` records the device work in order, one entry per launch: "kernel:<name>", "gemm",
 "copy", "fill", "elementwise", "reduce"; ``allocations`` the byte size of every allocation.
 ``compiles`` records every kernel compiled and loaded at first use, as CuPy does: our module
-(once per dtype, as ``lltm_cupy._kernels.get_kernels`` caches it) and CuPy's own kernels, keyed
+(once per dtype, as ``lltm_cupy._cuda.kernels.get_kernels`` caches it) and CuPy's own kernels, keyed
 by operation, dtypes and dimensionality (C-contiguous arrays count as 1-D, as CuPy collapses
 them); a fill with 0 is a memset and compiles nothing. ``math_mode`` is the cuBLAS handle's math
 mode (``cuda.cublas.getMathMode`` / ``setMathMode``); ``gemmEx`` with 16-bit data requires the
@@ -656,8 +656,8 @@ def convert_kernel_args(args, dtype, kinds, outputs):
 
 
 def host_get_kernels(lib):
-    """A replacement for lltm_cupy._kernels.get_kernels that launches the host-compiled kernels."""
-    from lltm_cupy._kernels import Kernels
+    """A replacement for lltm_cupy._cuda.kernels.get_kernels that launches the host-compiled kernels."""
+    from lltm_cupy._cuda.kernels import Kernels
 
     check = convert_kernel_args
 

@@ -1,7 +1,7 @@
 """cuda_src/lltm_fused.cu built as host C++ with block semantics (tests/host_shim/shim.h's
 shim_launch_block: one context per thread, __syncthreads() a real barrier, per-block dynamic
 shared memory poisoned with 0xFF) and loaded with ctypes; and a stand-in for
-lltm_cupy._kernels.get_fused_kernels that launches it from the emulated CuPy
+lltm_cupy._cuda.kernels.get_fused_kernels that launches it from the emulated CuPy
 (tests/helpers/emulated_cupy.py), as strict about arguments as a RawKernel launch."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lltm_cupy import _kernels
+from lltm_cupy._cuda import kernels as _kernels
 from .host_kernels import SHIM, SUFFIX, ptr
 
 #: scheduling orders of the shim: threads ascending, descending, a random permutation per barrier
@@ -49,7 +49,7 @@ _BWD_OUTPUTS = (7, 8, 9)
 
 
 def host_get_fused_kernels(lib, limit: int):
-    """A replacement for lltm_cupy._kernels.get_fused_kernels launching the host build; a launch
+    """A replacement for lltm_cupy._cuda.kernels.get_fused_kernels launching the host build; a launch
     asking for more than ``limit`` bytes of shared memory fails as on a device with that limit."""
     from helpers import emulated_cupy as emu
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lltm_cupy import _kernels
+from lltm_cupy._cuda import kernels as _kernels
 
 SHIM = Path(__file__).resolve().parents[1] / "host_shim"
 SUFFIX = {np.dtype(np.float64): "f64", np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
-          np.dtype(np.uint16): "bf16"}  # uint16: bfloat16 bits (lltm_cupy._kernels.BFLOAT16)
+          np.dtype(np.uint16): "bf16"}  # uint16: bfloat16 bits (lltm_cupy._cuda.kernels.BFLOAT16)
 
 
 def build(out_dir: Path) -> ctypes.CDLL:

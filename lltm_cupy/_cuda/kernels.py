@@ -1,4 +1,5 @@
-"""The CUDA sources: where they are, how they are compiled, and the per-(device, dtype) cache.
+"""The CUDA backend's lowest layer: CuPy itself (imported on first use, with the GPU check), the
+CUDA sources, how they are compiled, and the per-(device, dtype) cache.
 
 Nothing happens at import. ``get_kernels`` compiles on first use with ``cupy.RawModule`` (NVRTC)
 and caches the result per (device, dtype); ``compile_offline`` runs NVRTC directly, with no GPU
@@ -13,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "Kernels", "BFLOAT16", "CUDA_TYPE", "INDEX_TYPE",
+__all__ = ["cupy_module", "SOURCE_NAME", "KERNEL_NAMES", "Kernels", "BFLOAT16", "CUDA_TYPE", "INDEX_TYPE",
            "source_path", "source", "name_expression", "get_kernels", "launch_config", "needs_wide_index", "compile_offline",
            "ARCHITECTURES", "FUSED_SOURCE_NAME", "FUSED_KERNEL_NAMES", "FusedKernels",
            "fused_source", "fused_name_expression", "get_fused_kernels", "compile_offline_fused"]
@@ -47,20 +48,34 @@ ARCHITECTURES = (75, 80, 90, 100)
 THREADS = 256
 BLOCKS_PER_SM = 8
 
-_HERE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]     # lltm_cupy/
 _lock = threading.Lock()
 _cache: dict = {}
+_gpu_checked = None   # the cupy module whose GPU was found usable
+
+
+def cupy_module():
+    """Import CuPy and make sure a GPU is usable (checked once per process)."""
+    global _gpu_checked
+    import cupy
+
+    if _gpu_checked is not cupy:
+        if not cupy.cuda.is_available():
+            raise RuntimeError("lltm_cupy: the GPU backend needs a GPU, and CuPy finds no "
+                               "usable GPU (no device, or no CUDA driver)")
+        _gpu_checked = cupy
+    return cupy
 
 
 def source_path(name: str = SOURCE_NAME) -> Path:
     """Path of lltm.cu (or another file of cuda_src): inside the installed package, or
     ``cuda_src/`` of a source checkout."""
-    for folder in (_HERE / "cuda_src", _HERE.parent / "cuda_src"):
+    for folder in (_PACKAGE / "cuda_src", _PACKAGE.parent / "cuda_src"):
         path = folder / name
         if path.is_file():
             return path
     raise FileNotFoundError(f"lltm_cupy: CUDA source {name} not found in "
-                            f"{_HERE / 'cuda_src'} or {_HERE.parent / 'cuda_src'}")
+                            f"{_PACKAGE / 'cuda_src'} or {_PACKAGE.parent / 'cuda_src'}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,18 +9,17 @@ steady state a call copies nothing between host and device and never waits for t
 Forward only (``keep=False``), no array grows with the packed rows but the outputs and the packed
 copy of the inputs: each step's hidden state is written where the outputs want it.
 
-The caller (:mod:`lltm_cupy._cupy`) passes the CuPy module, its kernel lookup (the tests
-replace the kernels there) and its block size; the GEMM and the bias reduction come from
-:mod:`lltm_cupy._gemm`.
+The caller (:mod:`.sequence`) passes the CuPy module, the GEMM and its block size.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ._gemm import d_bias as bias_gradient
-from ._kernels import launch_config
-from ._packing import incoming_cell_grad, pack_rows, unpack_rows
-from ._types import LLTMSequenceGrads, LLTMSequenceSaved
+from . import kernels
+from .gemm import d_bias as bias_gradient
+from .kernels import launch_config
+from .._packing import incoming_cell_grad, pack_rows, unpack_rows
+from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 
 
 def _index(cupy, plan, device_id):
@@ -79,9 +78,9 @@ def _forward_only_outputs(cupy, plan, d, state, dtype):
     return outputs, lambda tau: hs[tau % 2, : sizes[tau]], scatter
 
 
-def forward_packed(cupy, get_kernels, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
+def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
                    block_rows=2048):
-    from ._packing import step_blocks
+    from .._packing import step_blocks
 
     state = h0.shape[1]
     dtype = inputs.dtype
@@ -133,7 +132,7 @@ def forward_packed(cupy, get_kernels, inputs, weights, bias, h0, c0, gemm, plan,
                 c_out = cells[rows_t] if keep else cells[tau % 2, :n]
                 gemm(h_in, w_h_t, g_t, accumulate=True)
                 grid, block, wide = launch_config(n * state)
-                get_kernels(dtype, wide).fwd(grid, block, (
+                kernels.get_kernels(dtype, wide).fwd(grid, block, (
                     g_t, bias_c, c_in, h_out, c_out, np.int64(n * state), np.int32(state)))
                 if scatter is not None:
                     scatter(tau, h_out)
@@ -164,7 +163,7 @@ def forward_packed(cupy, get_kernels, inputs, weights, bias, h0, c0, gemm, plan,
     return outputs, h_n, c_n, saved
 
 
-def backward_packed(cupy, get_kernels, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
+def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
     plan, x, gates, cells, out, weights = (saved.plan, saved.inputs, saved.gates, saved.cells,
                                            saved.hs, saved.weights)
     rows, state = out.shape
@@ -184,7 +183,7 @@ def backward_packed(cupy, get_kernels, grad_outputs, grad_h_n, grad_c_n, saved, 
         if ghn is not None and ended and rows:
             part = grad_h[d.last]
             grid, block, wide = launch_config(part.size)
-            get_kernels(dtype, wide).add(grid, block, (
+            kernels.get_kernels(dtype, wide).add(grid, block, (
                 part, cupy.ascontiguousarray(ghn[:ended]), np.int64(part.size)))
             grad_h[d.last] = part
         flat = cupy.empty((rows, 3 * state), dtype)
@@ -199,7 +198,7 @@ def backward_packed(cupy, get_kernels, grad_outputs, grad_h_n, grad_c_n, saved, 
                      else incoming_cell_grad(cupy, d_c, gcn, n, nxt, state, dtype))
             d_c_out = cupy.empty((n, state), dtype)
             grid, block, wide = launch_config(n * state)
-            get_kernels(dtype, wide).bwd(grid, block, (
+            kernels.get_kernels(dtype, wide).bwd(grid, block, (
                 grad_h[rows_t], cells[rows_t] if dc_in is None else dc_in, gates[rows_t],
                 cells[rows_t], flat[rows_t], d_c_out, np.int32(1), np.int32(dc_in is not None),
                 np.int64(n * state), np.int32(state)))

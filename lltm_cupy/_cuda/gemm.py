@@ -1,15 +1,14 @@
-"""The GEMM wrapper and the bias reduction of the GPU backend (cuBLAS ``gemmEx`` through CuPy's
-binding), shared by :mod:`lltm_cupy._cupy` (fixed-length calls) and
-:mod:`lltm_cupy._cupy_packed` (variable lengths), which both import it and neither imports the
-other's internals. CuPy is imported on first call, never at import.
+"""The GEMMs of the CUDA backend (cuBLAS ``gemmEx`` through CuPy's binding), the bias reduction
+and a sequence's parameter gradients; used by every launcher above it (step, packed, fused,
+sequence). CuPy is imported on first call, never at import.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ._kernels import BFLOAT16
+from .kernels import BFLOAT16
 
-__all__ = ["gemm", "d_bias"]
+__all__ = ["gemm", "d_bias", "parameter_grads"]
 
 
 def _operand(a):
@@ -40,7 +39,7 @@ def gemm(a, b, out, accumulate=False):
     with no copy and no temporary.
 
     a: (m, k); b: (k, n); out: (m, n) with a unit column stride; one dtype for all three.
-    float16 and bfloat16 (uint16 bits, ``_kernels.BFLOAT16``) are computed in float32 and rounded
+    float16 and bfloat16 (uint16 bits, ``kernels.BFLOAT16``) are computed in float32 and rounded
     once: for them the handle's math mode gets ``CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION``
     for the call (so that split-K partial sums, too, are added in float32) and is restored
     after it. float32 in float32 (as the handle's math mode allows; CuPy's default mode uses no
@@ -108,3 +107,23 @@ def d_bias(cupy, d_gates, bias_shape, gemm):
     if d_gates.dtype == np.float16:
         return d_gates.sum(axis=0, dtype=np.float32).astype(np.float16).reshape(bias_shape)
     return d_gates.sum(axis=0).reshape(bias_shape)
+
+
+def parameter_grads(cupy, flat, h_in, x, weights, bias_shape, needed, gemm):
+    """(d_inputs (rows, F), d_weights, d_bias) of a sequence from every step's d_gates ``flat``
+    (rows, 3S), the hidden state each row read ``h_in`` (rows, S) and the inputs ``x`` (rows, F):
+    one GEMM (or reduction) each over all steps; None where ``needed`` says so."""
+    need_x, need_w, need_b = needed[:3]
+    state = weights.shape[0] // 3
+    dtype = flat.dtype
+    d_weights = grad_b = d_inputs = None
+    if need_w:
+        # both halves written in place by their GEMMs (zeros when there are no rows)
+        d_weights = cupy.empty(weights.shape, dtype)
+        gemm(flat.T, h_in, d_weights[:, :state])
+        gemm(flat.T, x, d_weights[:, state:])
+    if need_b:
+        grad_b = d_bias(cupy, flat, bias_shape, gemm)
+    if need_x:
+        d_inputs = gemm(flat, weights[:, state:], cupy.empty((flat.shape[0], x.shape[1]), dtype))
+    return d_inputs, d_weights, grad_b

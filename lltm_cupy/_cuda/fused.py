@@ -1,9 +1,9 @@
 """GPU backend, fused sequences: one launch of ``cuda_src/lltm_fused.cu`` per layer and direction
 runs every step, with the recurrent weights W_h in each block's shared memory for all steps.
 
-Chosen by :func:`lltm_cupy._cupy.forward_sequence` when the caller asks for it (``fused=True``)
-and :func:`usable` says the state size fits; the backward of a sequence whose forward was fused is
-fused too. Device work per call:
+Chosen by :func:`lltm_cupy._cuda.sequence.forward_sequence` when the caller asks for it
+(``fused=True``) and :func:`usable` says the state size fits; the backward of a sequence whose
+forward was fused is fused too. Device work per call:
 
 - forward: the input projection of every step (one GEMM, as on the stepped path), then one fused
   kernel; with variable lengths also the gathers and scatters of the packed layout (by the
@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _cupy as base
-from . import _kernels
-from ._cupy_packed import _index, hidden_inputs
-from ._packing import pack_rows, unpack_rows
-from ._types import LLTMSequenceGrads, LLTMSequenceSaved
+from . import kernels
+from .gemm import parameter_grads
+from .kernels import cupy_module
+from .packed import _index, hidden_inputs
+from .._packing import block_steps, pack_rows, unpack_rows
+from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 
 __all__ = ["ARCH_SHARED_MEMORY", "shared_bytes", "max_state", "usable", "forward_fused",
            "backward_fused"]
@@ -70,30 +71,28 @@ def usable(state: int, dtype) -> bool:
     """True when the fused kernels run this state size in this dtype on the current device."""
     import cupy
 
-    return 0 < state <= max_state(_kernels.shared_memory_limit(cupy.cuda.Device().id), dtype)
+    return 0 < state <= max_state(kernels.shared_memory_limit(cupy.cuda.Device().id), dtype)
 
 
 def _geometry(cupy, batch: int, state: int, dtype, backward: bool):
     """(blocks, threads, tile, shared bytes): the batch spread over the SMs, one tile per block,
     as many rows per tile as shared memory holds."""
     device = cupy.cuda.Device().id
-    limit = _kernels.shared_memory_limit(device)
+    limit = kernels.shared_memory_limit(device)
     per_row = shared_bytes(state, dtype, 1, backward) - shared_bytes(state, dtype, 0, backward)
     fits = (limit - shared_bytes(state, dtype, 0, backward)) // per_row
-    tile = max(1, min(-(-batch // _kernels._sm_count(device)), fits))
+    tile = max(1, min(-(-batch // kernels._sm_count(device)), fits))
     threads = min(THREADS, -(-tile * state // 32) * 32)
     return -(-batch // tile), threads, tile, shared_bytes(state, dtype, tile, backward)
 
 
-def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True):
+def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_rows=2048):
     """The fused forward of one layer and direction. ``keep``: everything the backward reads is
     kept (one input-projection GEMM and one launch); forward only (``keep=False``): the steps
     run in blocks of the stepped path's size, one GEMM and one launch per block, into one reused
     block of pre-activations and cells, so that memory beyond the outputs does not grow with
     the number of steps (one launch for sequences of up to 2048 / batch steps)."""
-    from ._packing import block_steps
-
-    cupy = base._cupy()
+    cupy = cupy_module()
     dtype = inputs.dtype
     state = h0.shape[1]
     with cupy.cuda.Device(inputs.device.id):
@@ -116,7 +115,7 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True):
             h_prev, c_prev = h0[perm], c0[perm]
             offsets, packed = d.offsets, np.int32(1)
         h0s = h_prev
-        block = steps if keep else min(steps, block_steps(batch, base._BLOCK_ROWS))
+        block = steps if keep else min(steps, block_steps(batch, block_rows))
         spans = [(t0, min(t0 + block, steps)) for t0 in range(0, steps, max(block, 1))]
         rows = max([starts[t1] - starts[t0] for t0, t1 in spans], default=0)
         gates = cupy.empty((rows, 3 * state), dtype)
@@ -125,7 +124,7 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True):
                   for _ in range(min(len(spans), 2))]
         w_x_t = weights[:, state:].T
         if batch and spans:
-            kernel = _kernels.get_fused_kernels(dtype).fwd
+            kernel = kernels.get_fused_kernels(dtype).fwd
             blocks, threads, tile, smem = _geometry(cupy, batch, state, dtype, backward=False)
             w = cupy.ascontiguousarray(weights)
             bias_c = cupy.ascontiguousarray(bias.reshape(-1))
@@ -159,7 +158,7 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True):
 
 
 def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
-    cupy = base._cupy()
+    cupy = cupy_module()
     plan, x, hs, weights = saved.plan, saved.inputs, saved.hs, saved.weights
     state = weights.shape[0] // 3
     dtype = hs.dtype
@@ -187,7 +186,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
             cells = saved.cells.reshape(rows, state)
             present = [a for a in (grad_out, ghn, gcn) if a is not None]
             placeholder = cells if not present else present[0]   # read only where flagged
-            _kernels.get_fused_kernels(dtype).bwd((blocks,), (threads,), (
+            kernels.get_fused_kernels(dtype).bwd((blocks,), (threads,), (
                 cupy.ascontiguousarray(weights), np.int64(weights.shape[1]), gates, cells,
                 placeholder if grad_out is None else grad_out,
                 placeholder if ghn is None else cupy.ascontiguousarray(ghn),
@@ -204,7 +203,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
             d_h0[perm] = d_h0s
             d_c0[perm] = d_c0s
         need_x, need_w, need_b, need_h0, need_c0 = needed
-        d_inputs, d_weights, d_bias = base.parameter_grads(cupy, d_gates, h_in, x, weights,
+        d_inputs, d_weights, d_bias = parameter_grads(cupy, d_gates, h_in, x, weights,
                                                            saved.bias_shape, needed, gemm)
         if need_x:
             d_inputs = (d_inputs.reshape(steps, batch, x.shape[1]) if plan is None

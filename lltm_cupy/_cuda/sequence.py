@@ -1,0 +1,134 @@
+"""The CUDA backend's sequences: the per-step loop of fixed-length sequences each way, and the
+choice of the variable-length (:mod:`.packed`) and fused (:mod:`.fused`) paths.
+
+Device work per call (the launch budget ``tests/test_launch_budget.py`` enforces): one GEMM for
+every step's input projection (one per block of steps), then per step one GEMM plus the fused
+kernel each way (and the add kernel once for a final-state gradient); the backward's weight,
+bias and input gradients as one GEMM (or reduction) each over all steps.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import fused as _fused, kernels, packed as _packed
+from .gemm import gemm, parameter_grads
+from .kernels import cupy_module, launch_config
+from .._packing import block_steps
+from .._types import LLTMSequenceGrads, LLTMSequenceSaved
+
+__all__ = ["forward_sequence", "backward_sequence"]
+
+
+#: Rows of one block of a sequence's input projection (one GEMM per block of steps; the same
+#: blocks with and without keep, so both give the same bits). Forward only, the gate
+#: pre-activations live in one such block: 2048 * 3S values (25 MB at S = 1024 in float32).
+#: Chosen, not measured on a GPU: a GEMM of 2048 rows fills a GPU of today, and one GEMM launch
+#: per block of steps beside the per-step GEMM and kernel is a small share.
+#: ``scripts/block_rows.py`` times it (and the peak memory) against other block sizes on a GPU.
+_BLOCK_ROWS = 2048
+
+
+def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=True,
+                     fused=False):
+    if fused and _fused.usable(h0.shape[1], inputs.dtype):
+        return _fused.forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep, _BLOCK_ROWS)
+    cupy = cupy_module()
+    if plan is not None:
+        return _packed.forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep,
+                                      _BLOCK_ROWS)
+    steps, batch, features = inputs.shape
+    state = h0.shape[1]
+    dtype = inputs.dtype
+    with cupy.cuda.Device(inputs.device.id):
+        x = cupy.ascontiguousarray(inputs).reshape(steps * batch, features)
+        block = block_steps(batch, _BLOCK_ROWS)
+        # keep: every step's gate pre-activations (the backward reads them); forward only: one
+        # block's, reused block after block
+        gates = cupy.empty((steps if keep else min(block, steps), batch, 3 * state), dtype)
+        hs = cupy.empty((steps + 1, batch, state), dtype)   # [h0, h_1, ..., h_T]
+        hs[0] = h0
+        # keep: every step's cell; forward only: two (batch, state) buffers taken in turn (the
+        # kernel's old_cell and new_cell may not alias)
+        cells = cupy.empty((steps if keep else min(2, steps), batch, state), dtype)
+        n = batch * state
+        w_x_t = weights[:, state:].T
+        if steps and n:
+            w_h_t = weights[:, :state].T
+            bias_c = cupy.ascontiguousarray(bias.reshape(-1))
+            c = cupy.ascontiguousarray(c0)
+            grid, block_dim, wide = launch_config(n)
+            fwd = kernels.get_kernels(dtype, wide).fwd
+            for t0 in range(0, steps, block):
+                k = min(block, steps - t0)
+                g = gates[t0: t0 + k] if keep else gates[:k]
+                # the input projection of a block of steps in one GEMM
+                gemm(x[t0 * batch: (t0 + k) * batch], w_x_t, g.reshape(k * batch, 3 * state))
+                for t in range(t0, t0 + k):
+                    c_out = cells[t] if keep else cells[t % 2]
+                    gemm(hs[t], w_h_t, g[t - t0], accumulate=True)
+                    fwd(grid, block_dim, (g[t - t0], bias_c, c, hs[t + 1], c_out,
+                                          np.int64(n), np.int32(state)))
+                    c = c_out
+        h_n = hs[steps].copy() if steps else cupy.array(h0, dtype=dtype)
+        if not steps:
+            c_n = cupy.array(c0, dtype=dtype)
+        else:
+            c_n = cells[(steps - 1) if keep else (steps - 1) % 2].copy()
+    if not keep:
+        return hs[1:], h_n, c_n, None
+    saved = LLTMSequenceSaved("cupy", x, hs, gates, cells, weights, tuple(bias.shape))
+    return hs[1:], h_n, c_n, saved
+
+
+def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, gemm=gemm):
+    if saved.fused:
+        return _fused.backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
+    cupy = cupy_module()
+    if saved.plan is not None:
+        return _packed.backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed,
+                                       gemm)
+    x, hs, gates, cells, weights = saved.inputs, saved.hs, saved.gates, saved.cells, saved.weights
+    steps, batch, state = cells.shape
+    features = x.shape[1]
+    dtype = cells.dtype
+    with cupy.cuda.Device(cells.device.id):
+        # grad_h of every step; the recurrent GEMM of step t accumulates into step t - 1's.
+        grad_h = (cupy.zeros((steps, batch, state), dtype) if grad_outputs is None
+                  else cupy.array(grad_outputs, dtype=dtype, order="C"))
+        if steps and grad_h_n is not None and batch:
+            # the add kernel rather than CuPy's +=: it adds bfloat16 bits as numbers
+            grid, block, wide = launch_config(batch * state)
+            kernels.get_kernels(dtype, wide).add(grid, block, (
+                grad_h[steps - 1], cupy.ascontiguousarray(grad_h_n), np.int64(batch * state)))
+        d_gates = cupy.empty((steps, batch, 3 * state), dtype)
+        n = batch * state
+        d_c = None if grad_c_n is None else cupy.ascontiguousarray(grad_c_n)
+        w_h = weights[:, :state]
+        if steps and n:
+            grid, block, wide = launch_config(n)
+            bwd = kernels.get_kernels(dtype, wide).bwd
+            buffers = (cupy.empty((batch, state), dtype), cupy.empty((batch, state), dtype))
+            for i, t in enumerate(range(steps - 1, -1, -1)):
+                out_c = buffers[i % 2]      # never the buffer read as grad_cell (restrict)
+                bwd(grid, block, (grad_h[t], cells[t] if d_c is None else d_c, gates[t], cells[t],
+                                  d_gates[t], out_c, np.int32(1), np.int32(d_c is not None),
+                                  np.int64(n), np.int32(state)))
+                d_c = out_c
+                if t:
+                    gemm(d_gates[t], w_h, grad_h[t - 1], accumulate=True)
+            d_h0 = gemm(d_gates[0], w_h, cupy.empty((batch, state), dtype))
+            d_c0 = d_c.copy()
+        elif steps:
+            d_h0 = cupy.zeros((batch, state), dtype)
+            d_c0 = cupy.zeros((batch, state), dtype)
+        else:
+            d_h0 = cupy.zeros((batch, state), dtype) if grad_h_n is None else cupy.array(grad_h_n)
+            d_c0 = cupy.zeros((batch, state), dtype) if grad_c_n is None else cupy.array(grad_c_n)
+        need_x, need_w, need_b, need_h0, need_c0 = needed
+        d_inputs, d_weights, d_bias = parameter_grads(
+            cupy, d_gates.reshape(steps * batch, 3 * state),
+            hs[:-1].reshape(steps * batch, state), x, weights, saved.bias_shape, needed, gemm)
+        if need_x:
+            d_inputs = d_inputs.reshape(steps, batch, features)
+    return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
+                             d_c0 if need_c0 else None)

@@ -1,0 +1,111 @@
+"""``lltm_cupy.warmup`` for the CUDA backend: every kernel a call can launch, compiled and loaded
+by running every code path once on tiny arrays."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import kernels
+from .kernels import BFLOAT16, cupy_module
+from .sequence import backward_sequence, forward_sequence
+from .step import backward, cell_backward, cell_forward, forward
+
+__all__ = ["warmup_dtype", "warmup"]
+
+#: dtype names warmup accepts -> the backend's storage dtype
+_WARMUP_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
+                  "float64": np.dtype(np.float64), "bfloat16": BFLOAT16, "uint16": BFLOAT16}
+
+
+def warmup_dtype(spec) -> np.dtype:
+    """The storage dtype for one of warmup's dtype specs: a NumPy dtype or type, a name
+    ("float32", "bfloat16"), or a torch dtype (read by its name, torch is not imported)."""
+    name = spec if isinstance(spec, str) else str(spec)
+    name = name.removeprefix("torch.")
+    if name not in _WARMUP_DTYPES:
+        try:
+            name = np.dtype(spec).name
+        except TypeError:
+            pass
+    if name not in _WARMUP_DTYPES:
+        raise TypeError(f"lltm_cupy.warmup: unsupported dtype {spec!r}; expected float16, "
+                        f"bfloat16, float32 or float64")
+    return _WARMUP_DTYPES[name]
+
+
+def warmup(dtypes, device_id=None, fused=False) -> None:
+    """Compile and load, on one device, every kernel that the calls of this backend launch for
+    each dtype: the module of ``cuda_src/lltm.cu`` (both index widths) and CuPy's own kernels
+    (copies, fills, the bias reduction, float16 casts, bfloat16 ones), by running every code path
+    of forward, backward, forward_sequence and backward_sequence once on tiny arrays (batch 1
+    and 2, steps 0, 1 and 2, each gradient given and None, fixed and variable lengths); then
+    synchronises the device. ``fused``: the same calls with ``fused=True`` too (the module of
+    ``cuda_src/lltm_fused.cu``).
+    """
+    cupy = cupy_module()
+    with cupy.cuda.Device(device_id):
+        for dtype in dtypes:
+            kernels.get_kernels(dtype, False)           # one NVRTC module holds both index widths
+            kernels.get_kernels(dtype, True)
+            for batch in (2, 1):
+                _exercise(cupy, dtype, batch, features=3, state=4)
+                if fused:
+                    _exercise_fused(cupy, dtype, batch, features=3, state=4)
+        cupy.cuda.Device().synchronize()
+
+
+def _exercise_fused(cupy, dtype, batch, features, state):
+    """The sequence calls of _exercise with fused=True: fixed and variable lengths, packed data,
+    both directions, with and without a backward's saved values, each gradient given and None."""
+    from .. import _packing
+
+    weights, bias = cupy.zeros((3 * state, state + features), dtype), cupy.zeros(3 * state, dtype)
+    h, c = cupy.zeros((batch, state), dtype), cupy.zeros((batch, state), dtype)
+    lengths = np.arange(batch, dtype=np.int64) % 3
+    cases = [(None, (2, batch)), (None, (0, batch))]
+    for reverse in (False, True):
+        cases += [(_packing.plan(lengths, 2, reverse), (2, batch)),
+                  (_packing.packed_plan((batch, 1), reverse), (batch + 1,))]
+    for plan, lead in cases:
+        x = cupy.zeros(lead + (features,), dtype)
+        forward_sequence(x, weights, bias, h, c, plan=plan, keep=False, fused=True)
+        *_, saved = forward_sequence(x, weights, bias, h, c, plan=plan, fused=True)
+        for grads in ((cupy.zeros(lead + (state,), dtype), h, c), (None, None, None)):
+            backward_sequence(*grads, saved)
+
+
+def _exercise(cupy, dtype, batch, features, state):
+    def zeros(*shape):
+        return cupy.zeros(shape, dtype)
+
+    weights, bias = zeros(3 * state, state + features), zeros(3 * state)
+    h, c = zeros(batch, state), zeros(batch, state)
+    forward(zeros(batch, features), weights, bias, h, c, keep=False)   # forward only
+    _, _, saved = forward(zeros(batch, features), weights, bias, h, c)
+    for grad_h, grad_cell in ((h, c), (h, None), (None, c), (None, None)):
+        backward(grad_h, grad_cell, saved)
+    backward(h, c, saved, needed=(False, False, False, True, False))
+    *_, cell = cell_forward(zeros(batch, 3 * state), c)    # the fused cell alone
+    for grad_h, grad_cell in ((h, c), (None, None)):
+        cell_backward(grad_h, grad_cell, cell)
+    for steps in (2, 1, 0):
+        forward_sequence(zeros(steps, batch, features), weights, bias, h, c, keep=False)
+        *_, saved = forward_sequence(zeros(steps, batch, features), weights, bias.reshape(1, -1),
+                                     h, c)
+        for grads in ((zeros(steps, batch, state), h, c), (None, None, None),
+                      (None, h, None), (zeros(steps, batch, state), None, c)):
+            backward_sequence(*grads, saved)
+    from .. import _packing      # variable lengths: gathers, scatters, the final-state add
+
+    lengths = np.arange(batch, dtype=np.int64) % 3
+    for reverse in (False, True):
+        plan = _packing.plan(lengths, 2, reverse)
+        forward_sequence(zeros(2, batch, features), weights, bias, h, c, plan=plan, keep=False)
+        *_, saved = forward_sequence(zeros(2, batch, features), weights, bias, h, c, plan=plan)
+        for grads in ((zeros(2, batch, state), h, c), (None, None, None)):
+            backward_sequence(*grads, saved)
+        # a PackedSequence's data in and out (the torch layer's packed input)
+        plan = _packing.packed_plan((batch, 1), reverse)
+        forward_sequence(zeros(batch + 1, features), weights, bias, h, c, plan=plan, keep=False)
+        *_, saved = forward_sequence(zeros(batch + 1, features), weights, bias, h, c, plan=plan)
+        for grads in ((zeros(batch + 1, state), h, c), (None, None, None)):
+            backward_sequence(*grads, saved)
