@@ -175,6 +175,32 @@ def assert_close(actual, expected, dtype, name):
     assert err <= tol, f"{name}: max normalised error {err:.3e} > {tol:.0e} ({np.dtype(dtype)})"
 
 
+#: The largest normalised error (``max_error``) allowed between two runs of the same step whose
+#: GEMMs go through different engines: eager (CuPy's cuBLAS handle; emulated: NumPy's BLAS)
+#: against captured (torch's handle; emulated: ``torch.mm``, i.e. MKL), the CPU against the GPU.
+#: The engines may sum a product's terms in another order (MKL's code path depends on the CPU
+#: and on operand layout; cuBLAS picks an algorithm per handle and workspace), so the results
+#: differ by a few ulps of each tensor's largest element, never more: a step that reads a wrong
+#: offset, a stale buffer or drops a term is off by far more than these bounds.
+ENGINES_AGREE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5,
+                 np.dtype(np.float16): 1e-2, "bfloat16": 2e-2}
+
+
+def assert_engines_agree(actual, expected, name, dtype=None):
+    """``actual`` within ``ENGINES_AGREE`` of ``expected`` (torch tensors or arrays, same dtype
+    and shape): the comparison of two paths that may use different GEMM engines. ``dtype``: the
+    one whose rounding the results carry, if not theirs (a float32 loss of a 16-bit model)."""
+    dtype = expected.dtype if dtype is None else dtype
+    key = "bfloat16" if str(dtype) in ("torch.bfloat16", "bfloat16") else np.dtype(
+        str(dtype).replace("torch.", ""))
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), \
+        f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = max_error(actual, expected)
+    assert err <= ENGINES_AGREE[key], \
+        f"{name}: max normalised error {err:.3e} > {ENGINES_AGREE[key]:.0e} ({key})"
+
+
 def make_case(batch, features, state, dtype, seed=0, bias_2d=False, zeros_at=(), scale=None):
     """Random NumPy inputs of one LLTM step plus incoming gradients, in ``dtype``.
 
