@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _interop
+from . import _export, _interop
 from .._types import LLTMSaved
 from ._dispatch import (_autocast, _backend_name, _empty_gates, _forward_only, _in_float32,
                         _needs_grad, _refuse_double_backward, _to_argument_order,
@@ -151,6 +151,10 @@ def lltm(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
         new_h, new_cell = lltm(*(t.float() for t in tensors))
         return new_h.bfloat16(), new_cell.bfloat16()
     _interop.check(tensors)
+    if _export.recording():     # torch.export, jit.trace: torch operators (see _export)
+        from .reference import lltm_reference
+
+        return lltm_reference(*tensors)
     meta = tensors[0].device.type == "meta"     # shape inference: the ops' fake versions
     if not _needs_grad(tensors):
         if torch.compiler.is_compiling() or meta:

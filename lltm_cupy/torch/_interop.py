@@ -307,6 +307,10 @@ _CPU_CALL = Call(_numpy, {"mm": TORCH_GEMM}, _array_cpu, torch.from_numpy)
 def backend_call(device: torch.device):
     """The context of one backend call for tensors on ``device``; ``with`` it gives a
     :class:`Call`. Autocast is off inside (see the module docstring)."""
+    if torch.jit.is_tracing():     # jit.trace would record the results as constants
+        from ._export import refusal
+
+        raise refusal("a call into lltm_cupy's NumPy/CuPy backends")
     cupy_path = uses_cupy(device)
     if not cupy_path and not torch.is_autocast_enabled(device.type):
         return _CPU_CALL

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from .._parameters import layer_plan
 from ._dispatch import eager_only
+from ._export import recording, refusal
 from ._module_args import (_check_bool, _check_input, _check_packed, _check_pair,
                            _refuse_torchscript, _rename_old_keys, _sizes)
 from ._sequence_op import lltm_packed, lltm_sequence
@@ -186,6 +187,8 @@ class LLTM(nn.Module):
         from torch.nn.utils.rnn import PackedSequence
 
         if isinstance(input, PackedSequence):
+            if recording():     # (before the graph break of _forward_packed)
+                raise refusal("LLTM with PackedSequence input")
             return self._forward_packed(input, hx)
         return self._forward(input, hx, False)
 

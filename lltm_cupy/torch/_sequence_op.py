@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _interop
+from . import _export, _interop
 from .._checks import check_flag, check_packed_shapes, check_sequence_shapes
 from .._types import LLTMSequenceSaved
 from ._dispatch import (_autocast, _backend_name, _empty_gates, _forward_only, _fused_kw,
@@ -174,6 +174,8 @@ def lltm_packed(data: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Ten
     if _in_float32(tensors):
         return tuple(t.bfloat16() for t in lltm_packed(*(t.float() for t in tensors), plan))
     _interop.check(tensors, _SEQ_NAMES, check_packed_shapes)
+    if _export.recording():
+        raise _export.refusal("packed variable-length input")
     if tensors[0].device.type == "meta":
         # shape inference: the N rows as one step of N sequences (the first state row each)
         # gives every result its shape and dtype, connected to every argument for autograd
@@ -223,10 +225,14 @@ def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0:
         hs, h_n, c_n, _, _ = _sequence_forward_op(*tensors)
         return hs[1:], h_n, c_n
     if lengths is not None:
+        if _export.recording():
+            raise _export.refusal("lltm_sequence with lengths=")
         return _packed_sequence(tensors, lengths, reverse, fused)
     if reverse:     # every sequence full length: run the time-reversed sequence
         outputs, h_n, c_n = lltm_sequence(tensors[0].flip(0), *tensors[1:], fused=fused)
         return outputs.flip(0), h_n, c_n
+    if _export.recording():     # torch.export, jit.trace: torch operators (see _export)
+        return _export.sequence(*tensors)
     if not _needs_grad(tensors):
         if torch.compiler.is_compiling():
             return _sequence_inference_op(*tensors, fused)

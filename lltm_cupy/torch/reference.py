@@ -2,14 +2,14 @@
 reference of the torch tests, ``scripts/check.py`` and the benchmark; never optimised."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 from ._cell_module import _CellBase
 
-__all__ = ["lltm_reference", "ReferenceLLTMCell"]
+__all__ = ["lltm_reference", "lltm_sequence_reference", "ReferenceLLTMCell"]
 
 
 def lltm_reference(input, weights, bias, old_h, old_cell):
@@ -23,6 +23,19 @@ def lltm_reference(input, weights, bias, old_h, old_cell):
     new_cell = old_cell + candidate_cell * input_gate
     new_h = torch.tanh(new_cell) * output_gate
     return new_h, new_cell
+
+
+def lltm_sequence_reference(inputs, weights, bias, h, c):
+    """:func:`lltm_reference` stepped over ``inputs`` (steps, batch, features) from the states
+    ``h``, ``c`` (batch, state): ``(outputs, h_n, c_n)`` as ``lltm_sequence`` returns them.
+    (TorchScript compiles it as it stands: what ``torch.jit.trace`` of an LLTM records.)"""
+    outputs = torch.jit.annotate(List[Tensor], [])
+    for t in range(inputs.shape[0]):    # (unbind's list defeats the TorchScript ONNX exporter)
+        h, c = lltm_reference(inputs[t], weights, bias, h, c)
+        outputs.append(h)
+    if len(outputs) == 0:
+        return inputs.new_empty(0, h.shape[0], h.shape[1]), h, c
+    return torch.stack(outputs), h, c
 
 
 class ReferenceLLTMCell(_CellBase):
