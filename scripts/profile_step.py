@@ -6,10 +6,20 @@ parameters. On the CPU the profile holds all the work; on the GPU kernels and GE
 asynchronously, so it shows the Python and launch cost per step, which decides the speed at
 small sizes (one synchronisation at the end waits for the queued work).
 
+With ``--emulated`` it profiles nothing: it runs the torch layer's CUDA path on the emulated CuPy
+of the tests (tests/helpers/emulated_cupy.py, kernels and GEMMs no-ops, every argument still
+checked), on any machine, and prints per LLTMCell step and per LLTM sequence step (the
+difference of two lengths, divided by the steps between them), forward and backward apart, what
+the host makes (CuPy arrays, DLPack conversions, allocations, stream objects) and launches
+(kernels, GEMMs), and the host time per step (process time) beside the tutorial's eager cell on
+the CPU: medians of interleaved repetitions. Run it with OMP_NUM_THREADS=1 for comparable
+numbers.
+
 Examples:
     python scripts/profile_step.py                       # LLTMCell at (16, 32, 128) on the CPU
     python scripts/profile_step.py --cuda                # the same on the GPU
     python scripts/profile_step.py --cuda --sequence     # LLTM over T = 64 steps on the GPU
+    OMP_NUM_THREADS=1 python scripts/profile_step.py --emulated   # host work of the CUDA path
 """
 from __future__ import annotations
 
@@ -38,7 +48,13 @@ def main(argv=None) -> int:
                    help="profiled steps (default: 300 for the cell, 5 sequences)")
     p.add_argument("--top", type=int, default=30, help="functions listed (default: 30)")
     p.add_argument("--sort", choices=("tottime", "cumtime", "ncalls"), default="tottime")
+    p.add_argument("--emulated", action="store_true",
+                   help="count and time the CUDA path's host work on the emulated CuPy")
+    p.add_argument("--repeats", type=int, default=7,
+                   help="interleaved repetitions of the --emulated timings (default: 7)")
     args = p.parse_args(argv)
+    if args.emulated:
+        return emulated(args)
 
     import torch
 
@@ -91,6 +107,96 @@ def main(argv=None) -> int:
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats(args.sort).print_stats(args.top)
     print(out.getvalue().rstrip())
+    return 0
+
+
+def emulated(args) -> int:
+    """--emulated: the CUDA path's host work per step (see the module docstring)."""
+    import statistics
+
+    import pytest
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests"))
+    from helpers import emulated_cupy as emu, emulated_torch
+    from lltm_cupy.torch import LLTM, LLTMCell
+    from lltm_cupy.torch.reference import ReferenceLLTMCell
+
+    B, F, S = args.batch_size, args.features, args.state_size
+    short, long = 4, max(args.steps, 5)
+    torch.manual_seed(0)
+    h, c = torch.randn(B, S), torch.randn(B, S)
+    x, xs = torch.randn(B, F), torch.randn(long, B, F)
+    ones = torch.ones(B, S)
+    with pytest.MonkeyPatch.context() as patch:
+        fake = emulated_torch.install_cupy(patch, emu.host_get_kernels(None))
+        emulated_torch.install_torch(patch, fake)
+        state = fake.emulator
+        state.noop = True
+        cell, model, tutorial = LLTMCell(F, S), LLTM(F, S), ReferenceLLTMCell(F, S)
+
+        def cell_step():
+            out = cell(x, (h, c))
+            return lambda: torch.autograd.backward(out, (ones, ones))
+
+        def sequence(steps):
+            def step():
+                out, (_, c_n) = model(xs[:steps], (h, c))
+                return lambda: torch.autograd.backward(
+                    (out, c_n), (torch.ones_like(out), torch.ones_like(c_n)))
+            return step
+
+        def counted(step):
+            """(forward, backward) counts of one call of ``step``."""
+            state.reset()
+            backward = step()
+            forward = state.tally()
+            state.reset()
+            backward()
+            return forward, state.tally()
+
+        for run in (cell_step, sequence(short), sequence(long)):   # warm-up
+            run()()
+        cell_counts = counted(cell_step)
+        per_step = [{k: (b[k] - a[k]) / (long - short) for k in a}
+                    for a, b in zip(counted(sequence(short)), counted(sequence(long)))]
+
+        def timed(step, runs):      # process time: what this process spent, not its waits
+            t0 = time.process_time()
+            for _ in range(runs):
+                step()()
+            return (time.process_time() - t0) / runs * 1e6
+
+        def tutorial_step():
+            out = tutorial(x, (h, c))
+            return lambda: torch.autograd.backward(out, (ones, ones))
+
+        times = {"cell": [], "tutorial": [], "short": [], "long": []}
+        runs = args.runs or 200
+        for _ in range(args.repeats):
+            times["cell"].append(timed(cell_step, runs))
+            times["tutorial"].append(timed(tutorial_step, runs))
+            times["short"].append(timed(sequence(short), max(runs // 20, 3)))
+            times["long"].append(timed(sequence(long), max(runs // 20, 3)))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        seq_step = (med["long"] - med["short"]) / (long - short)
+
+    names = ("arrays", "dlpack", "allocations", "streams", "launches", "gemms")
+    print(f"torch layer's CUDA path on the emulated CuPy (kernels and GEMMs no-ops), float32, "
+          f"(batch, features, state) = ({B}, {F}, {S}); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s); medians of {args.repeats} interleaved repetitions")
+    print(f"{'':34}" + "".join(f"{n:>12}" for n in names))
+    rows = [("LLTMCell step, forward", cell_counts[0]), ("LLTMCell step, backward", cell_counts[1]),
+            (f"LLTM step, forward (T {short}->{long})", per_step[0]),
+            (f"LLTM step, backward (T {short}->{long})", per_step[1])]
+    for label, counts in rows:
+        print(f"{label:34}" + "".join(f"{counts[n]:>12.4g}" for n in names))
+    print(f"host us per LLTMCell step (forward + backward):            {med['cell']:9.1f}")
+    print(f"host us per LLTM sequence step (forward + backward):       {seq_step:9.1f}")
+    print(f"host us per LLTM call beyond its steps (T -> 0):           "
+          f"{med['short'] - short * seq_step:9.1f}")
+    print(f"us per step of the tutorial's eager cell on the CPU (f + b): {med['tutorial']:7.1f}")
     return 0
 
 

@@ -68,35 +68,9 @@ def xp(request):
 @pytest.fixture
 def emulated_cupy(monkeypatch, host_lib):
     """Install tests/helpers/emulated_cupy as ``cupy`` for one test (see its docstring)."""
-    import sys
+    from helpers import emulated_cupy as emu, emulated_torch
 
-    from lltm_cupy._cuda import kernels as _kernels
-    from helpers import emulated_cupy as emu
-
-    fake = emu.make_module()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(_kernels, "get_kernels", emu.host_get_kernels(host_lib))
-    # One "SM": at most 8 blocks of 256 threads, so B * S above 2048 takes several grid strides.
-    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 1)
-    return fake
-
-
-class _TorchStream:
-    """What the emulated ``torch.cuda.current_stream`` returns: a stream handle."""
-
-    _next_handle = 0x2000
-
-    def __init__(self, handle=None, device=None, priority=0):
-        if handle is None:
-            _TorchStream._next_handle += 0x10
-            handle = _TorchStream._next_handle
-        self.cuda_stream = handle
-
-    def wait_stream(self, other):
-        pass
-
-    def synchronize(self):
-        pass
+    return emulated_torch.install_cupy(monkeypatch, emu.host_get_kernels(host_lib))
 
 
 @pytest.fixture
@@ -108,57 +82,10 @@ def emulated_cuda_torch(emulated_cupy, monkeypatch):
     torch's streams are emulated too: ``torch.cuda.current_stream()`` (handle 0, the default
     stream, until ``with torch.cuda.stream(torch.cuda.Stream()):`` enters a side stream), and
     the emulated CuPy raises on any launch or cuBLAS call that is not on torch's current stream.
-    The torch layer's own ``_stream`` runs unchanged."""
-    import contextlib
+    The torch layer's own ``_stream`` runs unchanged (tests/helpers/emulated_torch.py)."""
+    from helpers import emulated_torch
 
-    import torch
-
-    from lltm_cupy.torch import _interop
-
-    current = [_TorchStream(0)]
-
-    @contextlib.contextmanager
-    def stream(s):
-        current.append(s)
-        try:
-            yield s
-        finally:
-            current.pop()
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
-    monkeypatch.setattr(torch.cuda, "Stream", _TorchStream)
-    monkeypatch.setattr(torch.cuda, "stream", stream)
-    monkeypatch.setattr(_interop, "uses_cupy", lambda device: True)
-    emulated_cupy.emulator.torch_stream = lambda: current[-1].cuda_stream
-    emu_torch_blas(emulated_cupy.emulator, _interop, monkeypatch)
-    return emulated_cupy
-
-
-def emu_torch_blas(emulator, interop, monkeypatch):
-    """torch's per-thread cuBLAS handles, as the emulator models them: made by
-    ``create_torch_blas_handle`` or by a thread's first torch GEMM outside a capture; a torch
-    GEMM inside a capture on a thread without one raises, as ``cublasCreate`` does there."""
-    import threading
-
-    from lltm_cupy.torch import _interop
-
-    monkeypatch.setattr(_interop, "_blas_ready", threading.local())   # a fresh process
-    emulator.torch_blas_threads.clear()
-    monkeypatch.setattr(interop, "create_torch_blas_handle",
-                        lambda index: emulator.torch_blas_threads.add(threading.get_ident()))
-    # lltm_cupy.warmup's: the calling thread's handle (the emulated backward runs on it too)
-    monkeypatch.setattr(interop, "prepare_capture", lambda index: interop._torch_blas_ready(index))
-    real = interop.torch_gemm
-
-    def torch_gemm(a, b, out, accumulate=False):
-        if threading.get_ident() not in emulator.torch_blas_threads:
-            if emulator.capturing:
-                raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling "
-                                   "`cublasCreate(handle)`")
-            emulator.torch_blas_threads.add(threading.get_ident())
-        return real(a, b, out, accumulate)
-
-    monkeypatch.setattr(interop, "torch_gemm", torch_gemm)
+    return emulated_torch.install_torch(monkeypatch, emulated_cupy)
 
 
 def dtypes_for(xp):

@@ -86,6 +86,18 @@ def test_profile_step_prints_a_profile_of_our_functions():
         assert "lltm_cupy/_numpy.py" in proc.stdout, proc.stdout  # our backend is in the profile
 
 
+def test_profile_step_emulated_prints_the_host_counts_per_step():
+    proc = script("profile_step.py", "--emulated", "-b", "4", "-f", "3", "-s", "5", "-t", "7",
+                  "-r", "20", "--repeats", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line[:34].strip(): line[34:].split() for line in proc.stdout.splitlines()}
+    # arrays, DLPack, allocations, stream objects, launches, GEMMs
+    assert rows["LLTM step, forward (T 4->7)"] == ["0", "0", "0", "0", "1", "1"], proc.stdout
+    assert rows["LLTM step, backward (T 4->7)"] == ["0", "0", "0", "0", "1", "1"], proc.stdout
+    assert rows["LLTMCell step, forward"][3:] == ["0", "2", "1"], proc.stdout
+    assert "host us per LLTMCell step" in proc.stdout
+
+
 def test_a_failing_gradcheck_is_reported_as_a_failure():
     """A wrong gradient is a FAIL with gradcheck's message, not a crash of the script."""
     torch = pytest.importorskip("torch")

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import kernels
 from .gemm import parameter_grads
-from .kernels import cupy_module
+from .kernels import cupy_module, on_device
 from .packed import _index, hidden_inputs
 from .._packing import block_steps, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
@@ -95,7 +95,7 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
     cupy = cupy_module()
     dtype = inputs.dtype
     state = h0.shape[1]
-    with cupy.cuda.Device(inputs.device.id):
+    with on_device(inputs.data.device_id):
         if plan is None:
             steps, batch, features = inputs.shape
             x = cupy.ascontiguousarray(inputs).reshape(steps * batch, features)
@@ -162,7 +162,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
     plan, x, hs, weights = saved.plan, saved.inputs, saved.hs, saved.weights
     state = weights.shape[0] // 3
     dtype = hs.dtype
-    with cupy.cuda.Device(hs.device.id):
+    with on_device(hs.data.device_id):
         if plan is None:
             steps, batch = saved.cells.shape[:2]
             grad_out = None if grad_outputs is None else cupy.ascontiguousarray(grad_outputs)

@@ -4,11 +4,13 @@ sequence). CuPy is imported on first call, never at import.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
-from .kernels import BFLOAT16
+from .kernels import BFLOAT16, current_device
 
-__all__ = ["gemm", "d_bias", "parameter_grads"]
+__all__ = ["gemm", "Steps", "ViewSteps", "steps", "d_bias", "parameter_grads"]
 
 
 def _operand(a):
@@ -45,8 +47,6 @@ def gemm(a, b, out, accumulate=False):
     after it. float32 in float32 (as the handle's math mode allows; CuPy's default mode uses no
     TF32), float64 in float64.
     """
-    import cupy
-
     m, n = out.shape
     k = a.shape[1]
     if m == 0 or n == 0:
@@ -55,37 +55,141 @@ def gemm(a, b, out, accumulate=False):
         if not accumulate:
             out.fill(0)
         return out
-    cublas, runtime = cupy.cuda.cublas, cupy.cuda.runtime
-    cuda_type = {np.float16: runtime.CUDA_R_16F, np.float32: runtime.CUDA_R_32F,
-                 np.float64: runtime.CUDA_R_64F, BFLOAT16.type: runtime.CUDA_R_16BF}[out.dtype.type]
-    compute, scalar = ((cublas.CUBLAS_COMPUTE_64F, np.float64) if out.dtype == np.float64
-                       else (cublas.CUBLAS_COMPUTE_32F, np.float32))
-    assert out.strides[1] == out.itemsize or n == 1, "gemm: out needs a unit column stride"
-    ldc = out.strides[0] // out.itemsize if m > 1 else n
-    # Row-major out is the column-major (n, m) matrix out.T = b.T @ a.T: cuBLAS's first operand
-    # is b, its second a; a row-major operand is already transposed in column-major terms.
-    b, b_t, ldb = _operand(b)
-    a, a_t, lda = _operand(a)
-    alpha = np.ones((), scalar)
-    beta = np.full((), 1 if accumulate else 0, scalar)
-    handle = cupy.cuda.device.get_cublas_handle()
-    mode = restore = None
-    if out.itemsize == 2:    # float16, bfloat16: no reduction in the 16-bit output type
-        restore = cublas.getMathMode(handle)
-        mode = restore | _DISALLOW_REDUCED_PRECISION
-        if mode != restore:
-            cublas.setMathMode(handle, mode)
-    try:
-        cublas.gemmEx(handle,
-                      cublas.CUBLAS_OP_T if b_t else cublas.CUBLAS_OP_N,
-                      cublas.CUBLAS_OP_T if a_t else cublas.CUBLAS_OP_N,
-                      n, m, k, alpha.ctypes.data, b.data.ptr, cuda_type, ldb, a.data.ptr,
-                      cuda_type, lda, beta.ctypes.data, out.data.ptr, cuda_type, max(ldc, 1),
-                      compute, cublas.CUBLAS_GEMM_DEFAULT)
-    finally:
-        if mode is not None and mode != restore:
-            cublas.setMathMode(handle, restore)
+    with Steps(a, b, out, accumulate) as run:
+        run(0, 0)
     return out
+
+
+class Steps:
+    """``run(i, j)``: the GEMM ``out = a @ b`` (``out += a @ b`` with ``accumulate``) with a
+    moved by i * ``a_step`` bytes and out by j * ``out_step`` (the steps of a sequence's stacked
+    buffers), by cuBLAS ``gemmEx`` on pointers: everything but the two offsets is worked out
+    once, here (the operand layouts, data and compute types, the alpha and beta constants, the
+    cuBLAS handle), so that a call makes no object. m, n, k >= 1. A ``with`` block holds the
+    16-bit math mode (see :func:`gemm`) for the calls inside it.
+
+    The handle is CuPy's of the calling thread and the current device, looked up once per
+    thread and device. CuPy's binding sets the handle's stream to CuPy's current stream on
+    every call (``cupy_backends/cuda/libs/cublas.pyx``, ``gemmEx`` -> ``_setStream``), and
+    raises while that stream is being captured: there the torch layer passes its own GEMM.
+    """
+
+    __slots__ = ("_gemm_ex", "_args", "_a", "_a_step", "_c", "_c_step", "_mode", "_restore",
+                 "_handle", "_b", "_keep_a")
+
+    def __init__(self, a, b, out, accumulate=False, a_step=0, out_step=0):
+        import cupy
+
+        cublas = cupy.cuda.cublas
+        m, n = out.shape
+        k = a.shape[1]
+        cuda_type, compute, one, zero = _constants(cupy, out.dtype)
+        assert out.strides[1] == out.itemsize or n == 1, "gemm: out needs a unit column stride"
+        ldc = out.strides[0] // out.itemsize if m > 1 else n
+        # Row-major out is the column-major (n, m) matrix out.T = b.T @ a.T: cuBLAS's first
+        # operand is b, its second a; a row-major operand is already transposed in column-major
+        # terms.
+        self._b, b_t, ldb = _operand(b)     # (a copy of b, if one was made, lives with self)
+        a_, a_t, lda = _operand(a)
+        assert a_ is a or not a_step, "gemm: a stepped operand needs a BLAS layout"
+        self._handle = handle = _handle(cupy)
+        self._gemm_ex = cublas.gemmEx
+        op = (cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T)
+        self._a, self._a_step = a_.data.ptr, a_step
+        self._c, self._c_step = out.data.ptr, out_step
+        self._args = (handle, op[b_t], op[a_t], n, m, k, one, self._b.data.ptr, cuda_type, ldb,
+                      lda, one if accumulate else zero, max(ldc, 1), compute,
+                      cublas.CUBLAS_GEMM_DEFAULT)
+        self._mode = self._restore = None
+        if out.itemsize == 2:    # float16, bfloat16: no reduction in the 16-bit output type
+            self._restore = cublas.getMathMode(handle)
+            self._mode = self._restore | _DISALLOW_REDUCED_PRECISION
+        self._keep_a = a_
+
+    def __enter__(self):
+        if self._mode != self._restore:
+            import cupy
+
+            cupy.cuda.cublas.setMathMode(self._handle, self._mode)
+        return self
+
+    def __exit__(self, *exc):
+        if self._mode != self._restore:
+            import cupy
+
+            cupy.cuda.cublas.setMathMode(self._handle, self._restore)
+        return False
+
+    def __call__(self, i, j):
+        handle, op_b, op_a, n, m, k, one, b, t, ldb, lda, beta, ldc, compute, algo = self._args
+        self._gemm_ex(handle, op_b, op_a, n, m, k, one, b, t, ldb, self._a + i * self._a_step,
+                      t, lda, beta, self._c + j * self._c_step, t, ldc, compute, algo)
+
+
+class ViewSteps:
+    """:class:`Steps` for another GEMM engine (``gemm(a, b, out, accumulate)``, as the torch
+    layer's under CUDA-graph capture), on stacks: ``run(i, j)`` calls it on the views a[i],
+    out[j] of a (T, m, k) and out (T', m, n)."""
+
+    __slots__ = ("_gemm", "_a", "_b", "_out", "_accumulate")
+
+    def __init__(self, gemm, a, b, out, accumulate=False):
+        self._gemm, self._a, self._b, self._out, self._accumulate = gemm, a, b, out, accumulate
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __call__(self, i, j):
+        self._gemm(self._a[i], self._b, self._out[j], accumulate=self._accumulate)
+
+
+def steps(engine, a, b, out, accumulate=False):
+    """The per-step GEMMs ``out[j] (+)= a[i] @ b`` of a sequence's stacks a (T, m, k) and
+    out (T', m, n), m, n, k >= 1, by ``engine`` (a ``gemm`` function): :class:`Steps` on
+    pointers for this module's, :class:`ViewSteps` for another. Use it in a ``with`` block."""
+    if engine is gemm:
+        return Steps(a[0], b, out[0], accumulate, a.strides[0], out.strides[0])
+    return ViewSteps(engine, a, b, out, accumulate)
+
+
+_CONSTANTS: dict = {}
+
+
+def _constants(cupy, dtype):
+    """(CUDA data type, compute type, pointer to 1, pointer to 0) of ``dtype``'s GEMMs; the
+    scalars are made once and kept for the process (cuBLAS reads them from the host)."""
+    found = _CONSTANTS.get(dtype)
+    if found is None:
+        cublas, runtime = cupy.cuda.cublas, cupy.cuda.runtime
+        cuda_type = {np.float16: runtime.CUDA_R_16F, np.float32: runtime.CUDA_R_32F,
+                     np.float64: runtime.CUDA_R_64F,
+                     BFLOAT16.type: runtime.CUDA_R_16BF}[np.dtype(dtype).type]
+        compute, scalar = ((cublas.CUBLAS_COMPUTE_64F, np.float64) if dtype == np.float64
+                           else (cublas.CUBLAS_COMPUTE_32F, np.float32))
+        one, zero = np.ones((), scalar), np.zeros((), scalar)
+        _KEPT.extend((one, zero))
+        found = _CONSTANTS[dtype] = (cuda_type, compute, one.ctypes.data, zero.ctypes.data)
+    return found
+
+
+_KEPT: list = []
+_handles = threading.local()
+
+
+def _handle(cupy):
+    """CuPy's cuBLAS handle of the calling thread on the current device, looked up once per
+    thread and device."""
+    device = current_device()
+    found = getattr(_handles, "by_device", None)
+    if found is None:
+        found = _handles.by_device = {}
+    handle = found.get(device)
+    if handle is None:
+        handle = found[device] = cupy.cuda.device.get_cublas_handle()
+    return handle
 
 
 #: cublasMath_t flag (cublas_api.h): reductions of a mixed-precision GEMM in the compute type

@@ -2,11 +2,17 @@
 CUDA sources, how they are compiled, and the per-(device, dtype) cache.
 
 Nothing happens at import. ``get_kernels`` compiles on first use with ``cupy.RawModule`` (NVRTC)
-and caches the result per (device, dtype); ``compile_offline`` runs NVRTC directly, with no GPU
+and caches the launch handles per (device, dtype); ``launch`` caches, per (device, dtype, size),
+the grid, the kernels of the index width it needs and the size arguments as the kernels' scalar
+types, so that a launch makes no object but its argument tuple: the kernels are called with
+integer device pointers (CuPy passes a Python int as a 64-bit value, what a pointer parameter
+takes: ``cupy/cuda/function.pyx``, ``_pointer``; ``cupy/_core/_scalar.pyx``,
+``numpy_dtype_from_pyscalar``, v14.2) and NumPy scalars of the exact C types; ``compile_offline`` runs NVRTC directly, with no GPU
 or driver, so the test suite can prove the source compiles for every architecture we support.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from pathlib import Path
@@ -14,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["cupy_module", "SOURCE_NAME", "KERNEL_NAMES", "Kernels", "BFLOAT16", "CUDA_TYPE", "INDEX_TYPE",
+__all__ = ["cupy_module", "current_device", "on_device", "Launch", "launch", "FLAG", "SOURCE_NAME", "KERNEL_NAMES", "Kernels", "BFLOAT16", "CUDA_TYPE", "INDEX_TYPE",
            "source_path", "source", "name_expression", "get_kernels", "launch_config", "needs_wide_index", "compile_offline",
            "ARCHITECTURES", "FUSED_SOURCE_NAME", "FUSED_KERNEL_NAMES", "FusedKernels",
            "fused_source", "fused_name_expression", "get_fused_kernels", "compile_offline_fused"]
@@ -96,8 +102,9 @@ def _all_names(dtype):
 
 
 def get_kernels(dtype, wide: bool = False):
-    """Return the :class:`Kernels` (``cupy.RawKernel``) for ``dtype`` on the current device,
-    compiling once.
+    """Return the :class:`Kernels` for ``dtype`` on the current device, compiling once: launch
+    handles (``RawKernel.kernel``, CuPy's ``Function``: ``fn(grid, block, args, shared_mem=0)``
+    on CuPy's current stream, without RawKernel's per-call lookup of the device's module).
 
     wide: the 64-bit index instantiation (``launch_config`` says when it is needed).
     """
@@ -113,11 +120,64 @@ def get_kernels(dtype, wide: bool = False):
                 names = _all_names(dtype)
                 module = cupy.RawModule(code=source(), options=RAWMODULE_OPTIONS,
                                         name_expressions=names)
-                fns = [module.get_function(n) for n in names]
+                fns = [module.get_function(n).kernel for n in names]
                 count = len(KERNEL_NAMES)
                 kernels = {False: Kernels(*fns[:count]), True: Kernels(*fns[count:])}
                 _cache[key] = kernels
     return kernels[wide]
+
+
+def current_device() -> int:
+    """The current CUDA device's index (one C call, no object)."""
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+_SAME = contextlib.nullcontext()
+
+
+def on_device(device_id: int):
+    """A context in which ``device_id`` is the current device: nothing to enter (no object made)
+    when it is current already, as inside the torch layer's calls."""
+    if current_device() == device_id:
+        return _SAME
+    import cupy
+
+    return cupy.cuda.Device(device_id)
+
+
+class Launch(NamedTuple):
+    """The element-wise kernels' launch over ``n`` = rows * state elements: geometry, the
+    kernels of the index width it needs, and the size arguments as the kernels take them."""
+
+    grid: tuple
+    block: tuple
+    kernels: Kernels
+    n: np.int64
+    state: np.int32
+
+
+#: the kernels' int flags (``FLAG[condition]``), made once
+FLAG = (np.int32(0), np.int32(1))
+
+_launches: dict = {}
+#: distinct (device, dtype, n, state) kept at most; then the cache starts again
+_LAUNCHES_KEPT = 4096
+
+
+def launch(dtype, n: int, state: int) -> Launch:
+    """The :class:`Launch` of the element-wise kernels for ``n`` > 0 elements of rows of
+    ``state`` on the current device, cached per (device, dtype, n, state)."""
+    key = (current_device(), dtype, n, state)
+    found = _launches.get(key)
+    if found is None:
+        grid, block, wide = launch_config(n)
+        if len(_launches) >= _LAUNCHES_KEPT:
+            _launches.clear()
+        found = _launches[key] = Launch(grid, block, get_kernels(dtype, wide), np.int64(n),
+                                        np.int32(state))
+    return found
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,9 +193,7 @@ def launch_config(n: int) -> tuple:
     wide is True when a 32-bit index could overflow: the gates index reaches 3 * n, and the
     grid-stride adds up to grid * block past the last element.
     """
-    import cupy
-
-    blocks = min(-(-n // THREADS), _sm_count(cupy.cuda.Device().id) * BLOCKS_PER_SM)
+    blocks = min(-(-n // THREADS), _sm_count(current_device()) * BLOCKS_PER_SM)
     return (blocks,), (THREADS,), needs_wide_index(n, blocks * THREADS)
 
 

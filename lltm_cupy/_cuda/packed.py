@@ -13,11 +13,8 @@ The caller (:mod:`.sequence`) passes the CuPy module, the GEMM and its block siz
 """
 from __future__ import annotations
 
-import numpy as np
-
-from . import kernels
 from .gemm import d_bias as bias_gradient
-from .kernels import launch_config
+from .kernels import FLAG, launch, on_device
 from .._packing import incoming_cell_grad, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 
@@ -86,7 +83,7 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
     dtype = inputs.dtype
     rows = plan.rows
     batch = len(plan.perm)
-    with cupy.cuda.Device(inputs.device.id):
+    with on_device(inputs.data.device_id):
         d = _index(cupy, plan, inputs.device.id)
         index = (d.t_index, d.b_index, d.data_index)
         x = cupy.ascontiguousarray(pack_rows(inputs, plan, *index))      # (N, F)
@@ -131,9 +128,9 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
                 h_out = h_at(tau)
                 c_out = cells[rows_t] if keep else cells[tau % 2, :n]
                 gemm(h_in, w_h_t, g_t, accumulate=True)
-                grid, block, wide = launch_config(n * state)
-                kernels.get_kernels(dtype, wide).fwd(grid, block, (
-                    g_t, bias_c, c_in, h_out, c_out, np.int64(n * state), np.int32(state)))
+                run = launch(dtype, n * state, state)
+                run.kernels.fwd(run.grid, run.block, (
+                    g_t, bias_c, c_in, h_out, c_out, run.n, run.state))
                 if scatter is not None:
                     scatter(tau, h_out)
                 nxt = sizes[tau + 1] if tau + 1 < len(sizes) else 0
@@ -169,7 +166,7 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
     rows, state = out.shape
     batch, features = len(plan.perm), x.shape[1]
     dtype = out.dtype
-    with cupy.cuda.Device(out.device.id):
+    with on_device(out.data.device_id):
         d = _index(cupy, plan, out.device.id)
         index, perm = (d.t_index, d.b_index, d.data_index), d.perm
         if grad_outputs is None:
@@ -182,9 +179,9 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
         ghn, gcn = _permuted(grad_h_n, perm), _permuted(grad_c_n, perm)
         if ghn is not None and ended and rows:
             part = grad_h[d.last]
-            grid, block, wide = launch_config(part.size)
-            kernels.get_kernels(dtype, wide).add(grid, block, (
-                part, cupy.ascontiguousarray(ghn[:ended]), np.int64(part.size)))
+            run = launch(dtype, part.size, state)
+            run.kernels.add(run.grid, run.block, (
+                part, cupy.ascontiguousarray(ghn[:ended]), run.n))
             grad_h[d.last] = part
         flat = cupy.empty((rows, 3 * state), dtype)
         w_h = weights[:, :state]
@@ -197,11 +194,11 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
             dc_in = (d_c if d_c is not None and nxt == n
                      else incoming_cell_grad(cupy, d_c, gcn, n, nxt, state, dtype))
             d_c_out = cupy.empty((n, state), dtype)
-            grid, block, wide = launch_config(n * state)
-            kernels.get_kernels(dtype, wide).bwd(grid, block, (
+            run = launch(dtype, n * state, state)
+            run.kernels.bwd(run.grid, run.block, (
                 grad_h[rows_t], cells[rows_t] if dc_in is None else dc_in, gates[rows_t],
-                cells[rows_t], flat[rows_t], d_c_out, np.int32(1), np.int32(dc_in is not None),
-                np.int64(n * state), np.int32(state)))
+                cells[rows_t], flat[rows_t], d_c_out, FLAG[1], FLAG[dc_in is not None],
+                run.n, run.state))
             d_c = d_c_out
             if tau:
                 prev = plan.offsets[tau - 1]

@@ -8,11 +8,9 @@ bias and input gradients as one GEMM (or reduction) each over all steps.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from . import fused as _fused, kernels, packed as _packed
-from .gemm import gemm, parameter_grads
-from .kernels import cupy_module, launch_config
+from . import fused as _fused, packed as _packed
+from .gemm import gemm, parameter_grads, steps as gemm_steps
+from .kernels import FLAG, cupy_module, launch, on_device
 from .._packing import block_steps
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 
@@ -39,7 +37,7 @@ def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=T
     steps, batch, features = inputs.shape
     state = h0.shape[1]
     dtype = inputs.dtype
-    with cupy.cuda.Device(inputs.device.id):
+    with on_device(inputs.data.device_id):
         x = cupy.ascontiguousarray(inputs).reshape(steps * batch, features)
         block = block_steps(batch, _BLOCK_ROWS)
         # keep: every step's gate pre-activations (the backward reads them); forward only: one
@@ -53,22 +51,27 @@ def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=T
         n = batch * state
         w_x_t = weights[:, state:].T
         if steps and n:
-            w_h_t = weights[:, :state].T
-            bias_c = cupy.ascontiguousarray(bias.reshape(-1))
-            c = cupy.ascontiguousarray(c0)
-            grid, block_dim, wide = launch_config(n)
-            fwd = kernels.get_kernels(dtype, wide).fwd
-            for t0 in range(0, steps, block):
-                k = min(block, steps - t0)
-                g = gates[t0: t0 + k] if keep else gates[:k]
-                # the input projection of a block of steps in one GEMM
-                gemm(x[t0 * batch: (t0 + k) * batch], w_x_t, g.reshape(k * batch, 3 * state))
-                for t in range(t0, t0 + k):
-                    c_out = cells[t] if keep else cells[t % 2]
-                    gemm(hs[t], w_h_t, g[t - t0], accumulate=True)
-                    fwd(grid, block_dim, (g[t - t0], bias_c, c, hs[t + 1], c_out,
-                                          np.int64(n), np.int32(state)))
-                    c = c_out
+            bias_c, c0_c = cupy.ascontiguousarray(bias), cupy.ascontiguousarray(c0)
+            run = launch(dtype, n, state)
+            fwd, grid, block_dim, n64, s32 = run.kernels.fwd, run.grid, run.block, run.n, run.state
+            # every step's operands as pointers: a base and a stride per buffer, read once
+            g_at, g_step = gates.data.ptr, gates.strides[0]
+            h_at, h_step = hs.data.ptr, hs.strides[0]
+            c_at, c_step = cells.data.ptr, cells.strides[0]
+            b_ptr, c_in = bias_c.data.ptr, c0_c.data.ptr
+            with gemm_steps(gemm, hs, weights[:, :state].T, gates, accumulate=True) as recurrent:
+                for t0 in range(0, steps, block):
+                    k = min(block, steps - t0)
+                    g = gates[t0: t0 + k] if keep else gates[:k]
+                    # the input projection of a block of steps in one GEMM
+                    gemm(x[t0 * batch: (t0 + k) * batch], w_x_t, g.reshape(k * batch, 3 * state))
+                    for t in range(t0, t0 + k):
+                        j = t if keep else t - t0          # this step's gates
+                        c_out = c_at + (t if keep else t % 2) * c_step
+                        recurrent(t, j)                    # gates[j] += hs[t] @ W_h.T
+                        fwd(grid, block_dim, (g_at + j * g_step, b_ptr, c_in,
+                                              h_at + (t + 1) * h_step, c_out, n64, s32))
+                        c_in = c_out
         h_n = hs[steps].copy() if steps else cupy.array(h0, dtype=dtype)
         if not steps:
             c_n = cupy.array(c0, dtype=dtype)
@@ -91,33 +94,44 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
     steps, batch, state = cells.shape
     features = x.shape[1]
     dtype = cells.dtype
-    with cupy.cuda.Device(cells.device.id):
+    with on_device(cells.data.device_id):
         # grad_h of every step; the recurrent GEMM of step t accumulates into step t - 1's.
         grad_h = (cupy.zeros((steps, batch, state), dtype) if grad_outputs is None
                   else cupy.array(grad_outputs, dtype=dtype, order="C"))
         if steps and grad_h_n is not None and batch:
             # the add kernel rather than CuPy's +=: it adds bfloat16 bits as numbers
-            grid, block, wide = launch_config(batch * state)
-            kernels.get_kernels(dtype, wide).add(grid, block, (
-                grad_h[steps - 1], cupy.ascontiguousarray(grad_h_n), np.int64(batch * state)))
+            ghn = cupy.ascontiguousarray(grad_h_n)
+            run = launch(dtype, batch * state, state)
+            run.kernels.add(run.grid, run.block, (
+                grad_h.data.ptr + (steps - 1) * grad_h.strides[0], ghn.data.ptr, run.n))
         d_gates = cupy.empty((steps, batch, 3 * state), dtype)
         n = batch * state
         d_c = None if grad_c_n is None else cupy.ascontiguousarray(grad_c_n)
         w_h = weights[:, :state]
         if steps and n:
-            grid, block, wide = launch_config(n)
-            bwd = kernels.get_kernels(dtype, wide).bwd
-            buffers = (cupy.empty((batch, state), dtype), cupy.empty((batch, state), dtype))
-            for i, t in enumerate(range(steps - 1, -1, -1)):
-                out_c = buffers[i % 2]      # never the buffer read as grad_cell (restrict)
-                bwd(grid, block, (grad_h[t], cells[t] if d_c is None else d_c, gates[t], cells[t],
-                                  d_gates[t], out_c, np.int32(1), np.int32(d_c is not None),
-                                  np.int64(n), np.int32(state)))
-                d_c = out_c
-                if t:
-                    gemm(d_gates[t], w_h, grad_h[t - 1], accumulate=True)
+            run = launch(dtype, n, state)
+            bwd, grid, block, n64, s32 = run.kernels.bwd, run.grid, run.block, run.n, run.state
+            # the cell gradient of each step, two (batch, state) buffers taken in turn: never
+            # the one read as grad_cell (restrict)
+            buffers = cupy.empty((2, batch, state), dtype)
+            out_c = (buffers.data.ptr, buffers.data.ptr + buffers.strides[0])
+            # every step's operands as pointers: a base and a stride per buffer, read once
+            gh_at, gh_step = grad_h.data.ptr, grad_h.strides[0]
+            cell_at, cell_step = cells.data.ptr, cells.strides[0]
+            g_at, g_step = gates.data.ptr, gates.strides[0]
+            dg_at, dg_step = d_gates.data.ptr, d_gates.strides[0]
+            dc_in = None if d_c is None else d_c.data.ptr
+            with gemm_steps(gemm, d_gates, w_h, grad_h, accumulate=True) as recurrent:
+                for i, t in enumerate(range(steps - 1, -1, -1)):
+                    cell_t = cell_at + t * cell_step
+                    bwd(grid, block, (gh_at + t * gh_step, cell_t if dc_in is None else dc_in,
+                                      g_at + t * g_step, cell_t, dg_at + t * dg_step, out_c[i % 2],
+                                      FLAG[1], FLAG[dc_in is not None], n64, s32))
+                    dc_in = out_c[i % 2]
+                    if t:
+                        recurrent(t, t - 1)        # grad_h[t - 1] += d_gates[t] @ W_h
             d_h0 = gemm(d_gates[0], w_h, cupy.empty((batch, state), dtype))
-            d_c0 = d_c.copy()
+            d_c0 = buffers[(steps - 1) % 2].copy()
         elif steps:
             d_h0 = cupy.zeros((batch, state), dtype)
             d_c0 = cupy.zeros((batch, state), dtype)

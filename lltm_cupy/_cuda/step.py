@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels
 from .gemm import d_bias as _d_bias, gemm
-from .kernels import cupy_module, launch_config
+from .kernels import FLAG, cupy_module, launch, on_device
 from .._types import LLTMCellGrads, LLTMCellSaved, LLTMGrads, LLTMSaved
 
 __all__ = ["forward", "backward", "cell_forward", "cell_backward", "step_backward"]
@@ -37,22 +36,23 @@ def forward(input, weights, bias, old_h, old_cell, gemm=gemm, keep=True):
     dtype = input.dtype
     batch, features = input.shape
     state = old_h.shape[1]
-    with cupy.cuda.Device(input.device.id):
+    with on_device(input.data.device_id):
         X = cupy.empty((batch, state + features), dtype)
         gates = cupy.empty((batch, 3 * state), dtype)
         new_h = cupy.empty((batch, state), dtype)
         new_cell = cupy.empty((batch, state), dtype)
         if batch:  # state >= 1, so nothing to launch exactly when batch == 0
-            grid, block, wide = launch_config(X.size)
-            kernels.get_kernels(dtype, wide).concat(grid, block, (
-                cupy.ascontiguousarray(old_h), cupy.ascontiguousarray(input), X,
-                np.int64(X.size), np.int32(state), np.int32(features)))
+            # (contiguous copies, where made, held until the launches are queued)
+            h, x = cupy.ascontiguousarray(old_h), cupy.ascontiguousarray(input)
+            run = launch(dtype, X.size, state)
+            run.kernels.concat(run.grid, run.block, (
+                h.data.ptr, x.data.ptr, X.data.ptr, run.n, run.state, np.int32(features)))
             gemm(X, weights.T, gates)
-            n = batch * state
-            grid, block, wide = launch_config(n)
-            kernels.get_kernels(dtype, wide).fwd(grid, block, (
-                gates, cupy.ascontiguousarray(bias.reshape(-1)), cupy.ascontiguousarray(old_cell),
-                new_h, new_cell, np.int64(n), np.int32(state)))
+            b, c = cupy.ascontiguousarray(bias), cupy.ascontiguousarray(old_cell)
+            run = launch(dtype, batch * state, state)
+            run.kernels.fwd(run.grid, run.block, (
+                gates.data.ptr, b.data.ptr, c.data.ptr, new_h.data.ptr, new_cell.data.ptr,
+                run.n, run.state))
     if not keep:
         return new_h, new_cell, None
     return new_h, new_cell, LLTMSaved("cupy", X, gates, new_cell, weights, tuple(bias.shape))
@@ -64,7 +64,7 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5, gemm=gemm):
     batch, state = new_cell.shape
     dtype = new_cell.dtype
     need_h, need_x, need_w, need_b, need_c = needed
-    with cupy.cuda.Device(new_cell.device.id):
+    with on_device(new_cell.data.device_id):
         d_gates, d_old_cell = step_backward(cupy, grad_h, grad_cell, gates, new_cell)
         d_old_h = d_input = d_weights = d_bias = None
         if need_h:
@@ -87,22 +87,22 @@ def cell_forward(gates, old_cell):
     cupy = cupy_module()
     batch, state = old_cell.shape
     dtype = gates.dtype
-    with cupy.cuda.Device(gates.device.id):
+    with on_device(gates.data.device_id):
         z = cupy.array(gates, dtype=dtype, order="C")      # the kernel writes z + bias back
         new_h = cupy.empty((batch, state), dtype)
         new_cell = cupy.empty((batch, state), dtype)
-        n = batch * state
-        if n:
-            grid, block, wide = launch_config(n)
-            kernels.get_kernels(dtype, wide).fwd(grid, block, (
-                z, cupy.zeros(3 * state, dtype), cupy.ascontiguousarray(old_cell), new_h,
-                new_cell, np.int64(n), np.int32(state)))
+        if batch:
+            zero_bias, c = cupy.zeros(3 * state, dtype), cupy.ascontiguousarray(old_cell)
+            run = launch(dtype, batch * state, state)
+            run.kernels.fwd(run.grid, run.block, (
+                z.data.ptr, zero_bias.data.ptr, c.data.ptr, new_h.data.ptr, new_cell.data.ptr,
+                run.n, run.state))
     return new_h, new_cell, LLTMCellSaved("cupy", z, new_cell)
 
 
 def cell_backward(grad_h, grad_cell, saved):
     cupy = cupy_module()
-    with cupy.cuda.Device(saved.new_cell.device.id):
+    with on_device(saved.new_cell.data.device_id):
         return LLTMCellGrads(*step_backward(cupy, grad_h, grad_cell, saved.gates,
                                              saved.new_cell))
 
@@ -115,12 +115,12 @@ def step_backward(cupy, grad_h, grad_cell, gates, new_cell):
     dtype = new_cell.dtype
     d_gates = cupy.empty((batch, 3 * state), dtype)
     d_old_cell = cupy.empty((batch, state), dtype)
-    n = batch * state
-    if n:
-        grid, block, wide = launch_config(n)
+    if batch:
+        run = launch(dtype, batch * state, state)
         gh = new_cell if grad_h is None else cupy.ascontiguousarray(grad_h)
         gc = new_cell if grad_cell is None else cupy.ascontiguousarray(grad_cell)
-        kernels.get_kernels(dtype, wide).bwd(grid, block, (
-            gh, gc, gates, new_cell, d_gates, d_old_cell, np.int32(grad_h is not None),
-            np.int32(grad_cell is not None), np.int64(n), np.int32(state)))
+        run.kernels.bwd(run.grid, run.block, (
+            gh.data.ptr, gc.data.ptr, gates.data.ptr, new_cell.data.ptr, d_gates.data.ptr,
+            d_old_cell.data.ptr,
+            FLAG[grad_h is not None], FLAG[grad_cell is not None], run.n, run.state))
     return d_gates, d_old_cell

@@ -8,7 +8,9 @@ BLAS (one BLAS thread pool per process). CUDA tensors run the CuPy backend:
   kernel runs on the stream torch is on, and none is recorded, so the import is legal while a
   CUDA graph is being captured);
 - **stream and device**: CuPy runs on torch's current stream of the tensors' device, read on
-  every call, never cached;
+  every call, never cached (its raw handle, ``torch._C._cuda_getCurrentRawStream``: no torch
+  Stream object; CuPy's wrapper of a handle, which holds nothing but the handle, is made at the
+  handle's first use and kept), with the device entered only when it is not current already;
 - **memory**: every array CuPy allocates inside a call (outputs, saved values, temporaries,
   CuPy's own scratch) comes from torch's caching allocator on that stream, through a CuPy
   allocator installed for the call only (``cupy.cuda.using_allocator``; the user's own CuPy code
@@ -149,11 +151,45 @@ class _StreamRef:
 @contextlib.contextmanager
 def _stream(device: torch.device):
     """CuPy's current stream = torch's current stream on ``device`` (read now, not cached)."""
-    import cupy
-
-    with cupy.cuda.Stream.from_external(
-            _StreamRef(torch.cuda.current_stream(device).cuda_stream)) as stream:
+    with _torch_stream(_device_index(device)) as stream:
         yield stream
+
+
+def current_raw_stream(index: int) -> int:
+    """The raw handle of torch's current stream on device ``index``, read now: by
+    ``torch._C._cuda_getCurrentRawStream`` (no object made), else (a torch without it) by
+    ``torch.cuda.current_stream(index).cuda_stream``."""
+    read = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if read is not None:
+        return read(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def _torch_stream(index: int):
+    """torch's current stream on device ``index`` (its handle read on every call, never cached)
+    as a CuPy stream."""
+    return _cupy_stream(index, current_raw_stream(index))
+
+
+_cupy_streams: dict = {}
+#: CuPy stream wrappers kept at most (torch reuses its streams' handles from a pool)
+_STREAMS_KEPT = 256
+
+
+def _cupy_stream(index: int, handle: int):
+    """The CuPy stream over the raw handle ``handle`` of device ``index``: a wrapper of an
+    external stream (``Stream.from_external``), which owns and remembers nothing but the handle,
+    so one per (device, handle) is made at the handle's first use and kept (which stream a call
+    runs on is still read on every call)."""
+    stream = _cupy_streams.get((index, handle))
+    if stream is None:
+        import cupy
+
+        if len(_cupy_streams) >= _STREAMS_KEPT:
+            _cupy_streams.clear()
+        stream = _cupy_streams[index, handle] = cupy.cuda.Stream.from_external(
+            _StreamRef(handle))
+    return stream
 
 
 def _device_index(device: torch.device) -> int:
@@ -249,8 +285,7 @@ def capturing(device: torch.device) -> bool:
     """Whether torch's current stream on ``device`` is being captured into a CUDA graph."""
     if not uses_cupy(device):
         return False
-    with _stream(device) as stream:
-        return bool(stream.is_capturing())
+    return bool(_torch_stream(_device_index(device)).is_capturing())
 
 
 def refuse_capture_without(plans, device: torch.device, lengths=None) -> None:
@@ -312,27 +347,69 @@ def backend_call(device: torch.device):
 
         raise refusal("a call into lltm_cupy's NumPy/CuPy backends")
     cupy_path = uses_cupy(device)
-    if not cupy_path and not torch.is_autocast_enabled(device.type):
-        return _CPU_CALL
-    return _call(device, cupy_path)
+    if not torch.is_autocast_enabled(device.type):
+        return _CudaCall(device) if cupy_path else _CPU_CALL
+    return _autocast_off(device, cupy_path)
 
 
 @contextlib.contextmanager
-def _call(device: torch.device, cupy_path: bool):
-    with (torch.autocast(device.type, enabled=False)
-          if torch.is_autocast_enabled(device.type) else contextlib.nullcontext()):
+def _autocast_off(device: torch.device, cupy_path: bool):
+    with torch.autocast(device.type, enabled=False):
         if not cupy_path:
             yield _CPU_CALL
             return
+        with _CudaCall(device) as call:
+            yield call
+
+
+class _CudaCall:
+    """One call of the CUDA backend: the tensors' device current (entered only when it is not
+    already), torch's current stream as CuPy's (its handle read now), torch's caching allocator
+    as CuPy's, and the GEMM: CuPy's cuBLAS, or torch's while the stream is being captured."""
+
+    __slots__ = ("_device", "_entered")
+
+    def __init__(self, device: torch.device):
+        self._device = device
+
+    def __enter__(self):
         import cupy
 
+        from .._cuda import kernels
+
+        device = self._device
+        index = _device_index(device)
+        entered = self._entered = []
+        try:
+            for context in (kernels.on_device(index), _torch_stream(index),
+                            cupy.cuda.using_allocator(_torch_allocator(device))):
+                context.__enter__()
+                entered.append(context)
+            capturing = entered[1].is_capturing()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        if capturing:
+            return _cuda_call(torch_gemm)
+        _torch_blas_ready(index)
+        return _cuda_call(None)
+
+    def __exit__(self, *exc):
+        while self._entered:
+            self._entered.pop().__exit__(None, None, None)
+        return False
+
+
+_CUDA_CALLS: dict = {}
+
+
+def _cuda_call(gemm) -> Call:
+    """The :class:`Call` of the CUDA backend with ``gemm`` (None: the backend's own), made once
+    per GEMM engine."""
+    found = _CUDA_CALLS.get(gemm)
+    if found is None:
         from .. import _cuda
 
-        with cupy.cuda.Device(_device_index(device)), _stream(device) as stream, \
-                cupy.cuda.using_allocator(_torch_allocator(device)):
-            if stream.is_capturing():
-                gemm = torch_gemm
-            else:
-                _torch_blas_ready(_device_index(device))
-                gemm = _cuda.gemm
-            yield Call(_cuda, {"gemm": gemm}, _array_cuda, _tensor_cuda)
+        found = _CUDA_CALLS[gemm] = Call(_cuda, {"gemm": _cuda.gemm if gemm is None else gemm},
+                                         _array_cuda, _tensor_cuda)
+    return found

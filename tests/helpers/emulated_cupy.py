@@ -8,9 +8,12 @@ machine without a GPU. "Device memory" is host memory: a pointer is a host addre
 
 It is strict where CuPy and cuBLAS are:
 
-- kernel array arguments must be C-contiguous and of the kernel's dtype, no array the kernel
-  writes may overlap another argument (every pointer is __restrict__), and scalar arguments must
-  be the exact NumPy types the signature needs (a Python int reaches a RawKernel as long long);
+- kernel array arguments must be C-contiguous and of the kernel's dtype, or integer device
+  pointers (a Python int, what CuPy passes as a 64-bit value) into live emulated memory, each
+  as long as the kernel reads or writes from it (the extent follows from the size arguments); no
+  range the kernel writes may overlap another argument's (every pointer is __restrict__); a
+  pointer is accepted only where the kernel takes a pointer, and scalar arguments must be the
+  exact NumPy types the signature needs (a Python int there would reach the kernel as long long);
 - ``cuda.cublas.gemmEx`` has cuBLAS's column-major semantics over raw pointers, leading
   dimensions and transpose flags, rejects what cuBLAS rejects (a leading dimension below the
   stored rows, mixed or unsupported data types, a compute type that does not fit them), reads
@@ -43,6 +46,15 @@ downloads). While ``capturing``, each of these raises, as the driver refuses the
 for the device), and so does a torch GEMM on a thread that has no torch cuBLAS handle yet
 (``torch_blas_threads``, see tests/conftest.py's ``emulated_cuda_torch``), since torch creates
 the handle at a thread's first GEMM and ``cublasCreate`` fails in a capture.
+``counts`` tallies the host-side objects a call makes, each of which costs host time on a GPU
+machine: "arrays" (every CuPy array constructed, views and slices included), "dlpack" (DLPack
+imports into CuPy and exports from it), "streams" (CuPy stream objects made; the torch layer's
+emulation adds torch's), "launches" (kernel launches) and "gemms" (cuBLAS GEMMs); with
+``allocations`` (every allocation through CuPy's current allocator) they are what the host-path
+budgets of tests/test_host_budget.py pin.
+``noop`` (False by default) skips the arithmetic of kernels and GEMMs and the checks of the
+kernels' arguments (the emulator's own cost), for timing the host path alone
+(scripts/profile_step.py --emulated).
 What it cannot show: real concurrency, and the NVRTC-compiled code itself.
 """
 from __future__ import annotations
@@ -50,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import types
+import weakref
 
 import numpy as np
 
@@ -96,8 +109,20 @@ class _State:
         self.transfers = []
         self.syncs = 0
         self.torch_blas_threads = set()
+        self.counts = dict.fromkeys(COUNTED, 0)
+        self.noop = False
+
+    def count(self, what, n=1):
+        self.counts[what] += n
+
+    def tally(self):
+        """The counts, with allocations, launches and GEMMs read from the logs."""
+        return dict(self.counts, allocations=len(self.allocations),
+                    launches=sum(e.startswith("kernel:") for e in self.log),
+                    gemms=self.log.count("gemm"))
 
     def reset(self):
+        self.counts = dict.fromkeys(COUNTED, 0)
         self.log.clear()
         self.allocations.clear()
         self.pool_allocations = 0
@@ -128,6 +153,8 @@ class _State:
             self.compiles.append(key)
 
 
+#: what ``counts`` tallies itself (allocations, launches and GEMMs come from the logs)
+COUNTED = ("arrays", "dlpack", "streams")
 _state = _State()
 
 
@@ -138,9 +165,19 @@ def _layout(*arrays):
                  for a in map(np.asarray, arrays))
 
 
+#: every emulated memory object alive (pool, torch allocations, DLPack imports): where a kernel's
+#: pointer argument may point
+_live = weakref.WeakSet()
+
+
 class BaseMemory:
     def __init__(self, ptr, size, device_id=0):
         self.ptr, self.size, self.device_id = ptr, size, device_id
+        _live.add(self)
+
+
+def _in_live_memory(address, nbytes):
+    return any(m.ptr <= address and address + nbytes <= m.ptr + m.size for m in list(_live))
 
 
 class _PoolMemory(BaseMemory):
@@ -206,6 +243,7 @@ class ndarray(np.ndarray):
     def __array_finalize__(self, obj):
         # Every view keeps the allocation alive (NumPy collapses a view's .base to the buffer,
         # which does not own the memory).
+        _state.counts["arrays"] += 1
         self._memory = getattr(obj, "_memory", None)
         self._memptr = getattr(obj, "_memptr", None)
 
@@ -247,6 +285,7 @@ class ndarray(np.ndarray):
     def __dlpack__(self, *, stream=None, **kwargs):
         # CuPy takes a consumer stream (-1: no synchronisation); host memory has none.
         assert stream is None or stream == -1 or stream > 0, f"invalid DLPack stream {stream}"
+        _state.count("dlpack")
         return np.asarray(self).__dlpack__(**kwargs)
 
     # Device work that NumPy would do silently: logged, and allocating through _alloc.
@@ -352,6 +391,7 @@ class Stream:
     _next_handle = 0x1000
 
     def __init__(self, null=False, non_blocking=False, ptr=None):
+        _state.count("streams")
         if ptr is None and not null:
             Stream._next_handle += 0x10
             ptr = Stream._next_handle
@@ -480,6 +520,7 @@ class _DLPackCapsule:
 
 
 def _from_dlpack(obj):
+    _state.count("dlpack")
     host = np.from_dlpack(_DLPackCapsule(obj) if not hasattr(obj, "__dlpack__") else obj)
     assert host.flags.c_contiguous, "the torch layer exports contiguous tensors"
     # NumPy marks DLPack imports read-only; device memory imported by CuPy is writable.
@@ -550,7 +591,7 @@ def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ld
         assert _state.math_mode & _DISALLOW_REDUCED_PRECISION, \
             "16-bit gemmEx without CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION"
     _state.log.append("gemm")
-    if m == 0 or n == 0:
+    if m == 0 or n == 0 or _state.noop:
         return
     a = _colmajor(A, a_rows, k if transa == 0 else m, lda, dtype)
     b = _colmajor(B, b_rows, n if transb == 0 else k, ldb, dtype)
@@ -616,7 +657,7 @@ def make_module() -> types.ModuleType:
         Device=_Device, is_available=lambda: True, cublas=cublas, Stream=Stream,
         get_current_stream=lambda device_id=-1: _current_stream(),
         runtime_error=CUDARuntimeError,
-        runtime=types.SimpleNamespace(getDeviceProperties=lambda device_id: {
+        runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceProperties=lambda device_id: {
             "name": b"emulated CuPy (host memory)"}, **_RUNTIME_CONSTANTS),
         Event=Event, get_elapsed_time=_elapsed_time,
         device=types.SimpleNamespace(get_cublas_handle=lambda: 1),
@@ -628,59 +669,109 @@ def make_module() -> types.ModuleType:
     return cupy
 
 
-def convert_kernel_args(args, dtype, kinds, outputs):
+def convert_kernel_args(args, dtype, kinds, outputs, extents=None):
     """ctypes arguments for a host-compiled kernel, as strict as a RawKernel launch: ``kinds``
-    names each argument ("array": an emulated array of ``dtype``; "index": of int64; "int32",
-    "int64": NumPy scalars of exactly that type), and no array the kernel writes (``outputs``,
-    argument indices) may overlap another argument: every pointer is __restrict__."""
+    names each argument ("array": an emulated array of ``dtype``, or an int device pointer;
+    "index": an array of int64; "int32", "int64": NumPy scalars of exactly that type), and no
+    range the kernel writes (``outputs``, argument indices) may overlap another argument's: every
+    pointer is __restrict__. ``extents(args)``: the elements the kernel touches from each
+    "array" argument, in order (a pointer must have them in live memory, an array at least
+    them); without it pointers are refused."""
     assert len(args) == len(kinds), f"kernel takes {len(kinds)} arguments, got {len(args)}"
-    arrays = [a for a in args if isinstance(a, np.ndarray)]
-    for i in outputs:
-        for other in arrays:
-            assert other is args[i] or not np.shares_memory(args[i], other), \
-                f"kernel output argument {i} overlaps another argument (restrict pointers)"
+    sizes = iter(extents(args) if extents is not None else ())
+    spans = []
     converted = []
-    for a, kind in zip(args, kinds):
-        if kind in ("array", "index"):
+    for i, (a, kind) in enumerate(zip(args, kinds)):
+        if kind == "array" and type(a) is int:
+            nbytes = next(sizes) * np.dtype(dtype).itemsize
+            assert extents is not None, f"argument {i}: this kernel takes no pointers"
+            assert nbytes == 0 or _in_live_memory(a, nbytes), \
+                f"argument {i}: pointer {a:#x} (+{nbytes} bytes) is in no live device memory"
+            spans.append((i, a, nbytes))
+            converted.append(ctypes.c_void_p(a))
+        elif kind in ("array", "index"):
             want = np.dtype(dtype) if kind == "array" else np.dtype(np.int64)
             assert isinstance(a, ndarray) and a.dtype == want, \
                 f"kernel array argument of dtype {getattr(a, 'dtype', type(a))}, expected {want}"
+            if kind == "array" and extents is not None:
+                need = next(sizes)
+                assert a.size >= need, f"argument {i}: {a.size} elements, the kernel reads {need}"
             converted.append(ptr(a))
+            spans.append((i, a.ctypes.data, a.nbytes))
         elif kind == "int32":
             assert type(a) is np.int32, f"expected numpy.int32, got {type(a).__name__}"
             converted.append(ctypes.c_int(int(a)))
         else:
             assert type(a) is np.int64, f"expected numpy.int64, got {type(a).__name__}"
             converted.append(ctypes.c_longlong(int(a)))
+    for i in outputs:
+        _, start, size = next(s for s in spans if s[0] == i)
+        for j, other, other_size in spans:
+            assert j == i or not size or not other_size or \
+                start + size <= other or other + other_size <= start, \
+                f"kernel output argument {i} overlaps argument {j} (restrict pointers)"
     return converted
 
 
 def host_get_kernels(lib):
-    """A replacement for lltm_cupy._cuda.kernels.get_kernels that launches the host-compiled kernels."""
+    """A replacement for lltm_cupy._cuda.kernels.get_kernels that launches the host-compiled
+    kernels (``lib``; None: no kernel runs, the arguments are checked as ever)."""
     from lltm_cupy._cuda.kernels import Kernels
 
     check = convert_kernel_args
 
     def kernel(fn, name, kinds, outputs, dtype):
-        def launch(grid, block, args):
+        extents = _EXTENTS[name]
+
+        def launch(grid, block, args, shared_mem=0, stream=None):
             assert grid[0] > 0 and block[0] > 0, "a launch with an empty grid is an error"
+            assert shared_mem == 0 and stream is None, "on CuPy's current stream, no shared memory"
             _state.log.append(f"kernel:{name}")
-            fn(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]),
-               *check(args, dtype, kinds, outputs=outputs))
+            if _state.noop:
+                return
+            converted = check(args, dtype, kinds, outputs, extents)
+            if fn is not None:
+                fn(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), *converted)
         return launch
+
+    made = {}
 
     def get_kernels(dtype, wide=False):
         dtype = np.dtype(dtype)
         _state.compile("lltm.cu", dtype.str)   # one module per dtype holds both index widths
+        if (dtype, wide) not in made:
+            made[dtype, wide] = make(dtype, wide)
+        return made[dtype, wide]
+
+    def make(dtype, wide):
         suffix = SUFFIX[dtype] + ("_wide" if wide else "")
+
+        def symbol(name):
+            return None if lib is None else getattr(lib, f"{name}_{suffix}")
+
         return Kernels(
-            kernel(getattr(lib, f"lltm_fwd_{suffix}"), "fwd",
+            kernel(symbol("lltm_fwd"), "fwd",
                    ["array"] * 5 + ["int64", "int32"], (0, 3, 4), dtype),
-            kernel(getattr(lib, f"lltm_bwd_{suffix}"), "bwd",
+            kernel(symbol("lltm_bwd"), "bwd",
                    ["array"] * 6 + ["int32", "int32", "int64", "int32"], (4, 5), dtype),
-            kernel(getattr(lib, f"lltm_concat_{suffix}"), "concat",
+            kernel(symbol("lltm_concat"), "concat",
                    ["array"] * 3 + ["int64", "int32", "int32"], (2,), dtype),
-            kernel(getattr(lib, f"lltm_add_{suffix}"), "add", ["array"] * 2 + ["int64"], (0,),
+            kernel(symbol("lltm_add"), "add", ["array"] * 2 + ["int64"], (0,),
                    dtype))
 
     return get_kernels
+
+
+def _concat_extents(args):
+    total, state, features = int(args[3]), int(args[4]), int(args[5])
+    rows = total // (state + features)
+    return rows * state, rows * features, total
+
+
+#: elements each kernel of cuda_src/lltm.cu touches from its array arguments, from its sizes
+_EXTENTS = {
+    "fwd": lambda a: (3 * int(a[5]), 3 * int(a[6]), int(a[5]), int(a[5]), int(a[5])),
+    "bwd": lambda a: (int(a[8]), int(a[8]), 3 * int(a[8]), int(a[8]), 3 * int(a[8]), int(a[8])),
+    "concat": _concat_extents,
+    "add": lambda a: (int(a[2]), int(a[2])),
+}

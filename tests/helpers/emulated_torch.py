@@ -1,0 +1,103 @@
+"""The emulated CUDA path's set-up, shared by tests/conftest.py's fixtures and
+scripts/profile_step.py --emulated: the emulated CuPy installed as ``cupy``, and lltm_cupy.torch's
+CUDA path run on CPU tensors with torch's streams and cuBLAS handles emulated. ``patch`` is a
+``pytest.MonkeyPatch`` (its changes are undone when it is)."""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+from . import emulated_cupy as emu
+
+
+def install_cupy(patch, get_kernels):
+    """Install a fresh emulated CuPy as ``cupy``, with ``get_kernels`` as the CUDA backend's
+    kernel lookup and one "SM" (at most 8 blocks of 256 threads, so B * S above 2048 takes
+    several grid strides). Returns the module."""
+    from lltm_cupy._cuda import kernels
+
+    fake = emu.make_module()
+    patch.setitem(sys.modules, "cupy", fake)
+    patch.setattr(kernels, "get_kernels", get_kernels)
+    patch.setattr(kernels, "_launches", {}, raising=False)   # launches hold the lookup's kernels
+    patch.setattr(kernels, "_sm_count", lambda device_id: 1)
+    return fake
+
+
+class TorchStream:
+    """What the emulated ``torch.cuda.current_stream`` returns: a stream handle."""
+
+    _next_handle = 0x2000
+
+    def __init__(self, handle=None, device=None, priority=0):
+        if handle is None:
+            TorchStream._next_handle += 0x10
+            handle = TorchStream._next_handle
+        self.cuda_stream = handle
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def install_torch(patch, fake):
+    """lltm_cupy.torch's CUDA path on CPU tensors over the emulated CuPy ``fake`` (see
+    conftest's ``emulated_cuda_torch``). Each ``torch.cuda.current_stream()`` counts a stream
+    object made (torch makes a Python Stream object per call); the raw handle
+    (``torch._C._cuda_getCurrentRawStream``) is an int and counts nothing."""
+    import torch
+
+    from lltm_cupy.torch import _interop
+
+    emulator = fake.emulator
+    current = [TorchStream(0)]
+
+    @contextlib.contextmanager
+    def stream(s):
+        current.append(s)
+        try:
+            yield s
+        finally:
+            current.pop()
+
+    def current_stream(device=None):
+        emulator.count("streams")
+        return current[-1]
+
+    patch.setattr(torch.cuda, "current_stream", current_stream)
+    patch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: current[-1].cuda_stream,
+                  raising=False)
+    patch.setattr(torch.cuda, "Stream", TorchStream)
+    patch.setattr(torch.cuda, "stream", stream)
+    patch.setattr(_interop, "uses_cupy", lambda device: True)
+    emulator.torch_stream = lambda: current[-1].cuda_stream
+    torch_blas(emulator, _interop, patch)
+    return fake
+
+
+def torch_blas(emulator, interop, patch):
+    """torch's per-thread cuBLAS handles, as the emulator models them: made by
+    ``create_torch_blas_handle`` or by a thread's first torch GEMM outside a capture; a torch
+    GEMM inside a capture on a thread without one raises, as ``cublasCreate`` does there."""
+    from lltm_cupy.torch import _interop
+
+    patch.setattr(_interop, "_blas_ready", threading.local())   # a fresh process
+    emulator.torch_blas_threads.clear()
+    patch.setattr(interop, "create_torch_blas_handle",
+                  lambda index: emulator.torch_blas_threads.add(threading.get_ident()))
+    # lltm_cupy.warmup's: the calling thread's handle (the emulated backward runs on it too)
+    patch.setattr(interop, "prepare_capture", lambda index: interop._torch_blas_ready(index))
+    real = interop.torch_gemm
+
+    def torch_gemm(a, b, out, accumulate=False):
+        if threading.get_ident() not in emulator.torch_blas_threads:
+            if emulator.capturing:
+                raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling "
+                                   "`cublasCreate(handle)`")
+            emulator.torch_blas_threads.add(threading.get_ident())
+        return real(a, b, out, accumulate)
+
+    patch.setattr(interop, "torch_gemm", torch_gemm)

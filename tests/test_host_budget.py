@@ -1,0 +1,134 @@
+"""The host work of the CUDA path, counted on the emulated CuPy (tests/helpers/emulated_cupy.py's
+``counts``): per call and per sequence step, the CuPy arrays made (views included), DLPack
+conversions, allocations, stream objects made (CuPy's and torch's), kernel launches and GEMMs.
+On a GPU each of these costs host time, and the host, not the GPU, decides the speed of an eager
+step at the sizes of tests/test_launch_budget.py.
+
+The budgets:
+
+- a step of a sequence on the default (per-step) path, forward and backward, through the array
+  API and through the torch layer: one kernel launch and one GEMM, and no CuPy array, DLPack
+  conversion, allocation or stream object (per-step figures are the difference of two sequence
+  lengths, divided by the steps between them);
+- an ``LLTMCell`` step through the torch layer: no stream object, the launches and GEMMs of
+  tests/test_launch_budget.py, and at most :data:`CELL_FORWARD` / :data:`CELL_BACKWARD` of the
+  rest: one CuPy array per tensor crossing in (5 forward, 2 gradients backward, by DLPack), one
+  per buffer the backend allocates, and the views its GEMMs read.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lltm_cupy
+
+#: (arrays, DLPack conversions, allocations) at most of one LLTMCell forward: the five inputs
+#: (DLPack), X, gates, new_h, new_cell (allocations) and the weights' transposed view
+CELL_FORWARD = (10, 5, 4)
+#: ... of its backward with every gradient: the two incoming gradients (DLPack); d_gates,
+#: d_old_cell, d_old_h, d_input, d_weights, d_bias (allocations: the bias reduction's result is
+#: one); the views of the weights' two halves, d_gates.T and the reduction's reshape
+CELL_BACKWARD = (12, 2, 6)
+
+
+def _per_step(short, long, steps):
+    return {k: (long[k] - short[k]) / steps for k in short}
+
+
+def _sequence_case(xp, steps, batch=4, features=3, state=6, dtype=np.float32):
+    rng = np.random.default_rng(steps)
+    xs = rng.standard_normal((steps, batch, features)).astype(dtype)
+    w = (rng.standard_normal((3 * state, state + features)) / 3).astype(dtype)
+    b, h0, c0 = (rng.standard_normal(s).astype(dtype) for s in
+                 (3 * state, (batch, state), (batch, state)))
+    g = rng.standard_normal((steps, batch, state)).astype(dtype)
+    return [xp.asarray(a) for a in (xs, w, b, h0, c0, g)]
+
+
+def _counted(emu, forward):
+    """(forward, backward) tallies of ``forward()``, which runs a forward and returns a callable
+    that runs its backward (or None)."""
+    emu.reset()
+    backward = forward()
+    counts = emu.tally()
+    if backward is None:
+        return counts, None
+    emu.reset()
+    backward()
+    return counts, emu.tally()
+
+
+def _array_api_counts(cupy, steps, dtype, keep):
+    """(forward, backward) tallies of one sequence through the array API."""
+    xs, w, b, h0, c0, g = _sequence_case(cupy, steps, dtype=dtype)
+
+    def forward():
+        *_, saved = lltm_cupy.forward_sequence(xs, w, b, h0, c0, return_saved=keep)
+        return keep and (lambda: lltm_cupy.backward_sequence(g, h0, c0, saved)) or None
+
+    return _counted(cupy.emulator, forward)
+
+
+EMPTY_STEP = dict(arrays=0, dlpack=0, allocations=0, streams=0, launches=1, gemms=1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("keep", [True, False], ids=["training", "forward-only"])
+def test_a_sequence_step_makes_nothing_but_a_launch_and_a_gemm(emulated_cupy, dtype, keep):
+    short = _array_api_counts(emulated_cupy, 3, dtype, keep)
+    long = _array_api_counts(emulated_cupy, 8, dtype, keep)
+    assert _per_step(short[0], long[0], 5) == EMPTY_STEP, "forward"
+    if keep:
+        assert _per_step(short[1], long[1], 5) == EMPTY_STEP, "backward"
+
+
+def test_a_torch_lltm_step_makes_nothing_but_a_launch_and_a_gemm(emulated_cuda_torch):
+    torch = pytest.importorskip("torch")
+    from lltm_cupy.torch import LLTM
+
+    emu = emulated_cuda_torch.emulator
+    torch.manual_seed(0)
+    model = LLTM(3, 6)
+    h, c = torch.randn(4, 6), torch.randn(4, 6)
+
+    def counts(steps):
+        xs = torch.randn(steps, 4, 3)
+
+        def forward():
+            out, (_, c_n) = model(xs, (h, c))
+            return lambda: torch.autograd.backward(
+                (out, c_n), (torch.ones_like(out), torch.ones_like(c_n)))
+
+        return _counted(emu, forward)
+
+    counts(3)                   # the first call makes what later calls reuse
+    short, long = counts(3), counts(8)
+    assert _per_step(short[0], long[0], 5) == EMPTY_STEP, "forward"
+    assert _per_step(short[1], long[1], 5) == EMPTY_STEP, "backward"
+
+
+def test_an_lltm_cell_step_stays_within_its_budget(emulated_cuda_torch):
+    torch = pytest.importorskip("torch")
+    from lltm_cupy.torch import LLTMCell
+
+    emu = emulated_cuda_torch.emulator
+    torch.manual_seed(0)
+    cell = LLTMCell(32, 128)
+    x, h, c = (torch.randn(16, n).requires_grad_() for n in (32, 128, 128))
+    ones = torch.ones(16, 128)
+
+    def step():
+        out = cell(x, (h, c))
+        return lambda: torch.autograd.backward(out, (ones, ones))
+
+    step()                      # the first call makes what later calls reuse
+    for _ in range(2):          # the same on every later call
+        forward, backward = _counted(emu, step)
+        for name, got, (arrays, dlpack, allocations), launches, gemms in (
+                ("forward", forward, CELL_FORWARD, 2, 1),
+                ("backward", backward, CELL_BACKWARD, 1, 3)):
+            assert got["streams"] == 0, f"{name}: {got['streams']} stream objects made"
+            assert (got["launches"], got["gemms"]) == (launches, gemms), (name, got)
+            assert got["arrays"] <= arrays, (name, got)
+            assert got["dlpack"] <= dlpack, (name, got)
+            assert got["allocations"] <= allocations, (name, got)
