@@ -26,34 +26,82 @@
 // holds all `batch` rows at t * batch. A row inactive at step t is inactive at every later step
 // (forward), so each block keeps its rows' states in shared memory and stops when none is left.
 //
+// Per step and element, the dot products run in LLTM_FUSED_LANES independent partial sums (term k
+// goes to sum k mod LLTM_FUSED_LANES), added in a fixed tree order at the end: shorter dependent
+// chains than one running sum, and a rounding error that grows with S / LLTM_FUSED_LANES instead
+// of S. The order is fixed by the source, so results do not depend on the launch geometry or the
+// thread schedule. The global values a step's element needs besides the dot product (the input
+// projection and bias forward; the saved pre-activations, cell and output gradient backward) are
+// loaded before the dot product or the cell's arithmetic, so that their latency overlaps it.
+//
 // Shared memory (dynamic, bytes; A = arithmetic type, T = storage type; lltm_cupy/_cuda/fused.py
 // computes the same sizes):
-//   forward:  3 S^2 sizeof(T)  (W_h transposed, (S, 3S): consecutive threads read consecutive
-//             words) + tile * 3 S sizeof(A)  (h of the step and of the next, c)
+//   forward:  S * P sizeof(T)  (W_h transposed, (S, 3S) in rows of P >= 3S elements: consecutive
+//             threads read consecutive words; P is lltm_fused_wt_stride, chosen so that the load's
+//             stores, consecutive threads on consecutive rows, fall in distinct banks: no conflict
+//             where a warp stores into one gate's column, 2-way at most where it straddles two)
+//             + tile * 3 S sizeof(A)  (h of the step and of the next, c)
 //   backward: 3 S^2 sizeof(T)  (W_h, (3S, S)) + tile * 5 S sizeof(A)  (d_gates of the step,
 //             carried d_h and d_c)
 // The weights' region is padded to 16 bytes so that the A arrays are aligned.
 
 #ifndef LLTM_HOST_SHIM
 extern __shared__ __align__(16) unsigned char lltm_dynamic_smem[];
+// The host build checks the launch's shared memory against what the kernel lays out.
+#define LLTM_SHARED_FITS(bytes) true
+#define LLTM_UNROLL _Pragma("unroll")
+#else
+#define LLTM_SHARED_FITS(bytes) shim_shared_fits(bytes)
+#define LLTM_UNROLL _Pragma("GCC unroll 4")
 #endif
+
+// The partial sums of a dot product (the tree below adds four).
+#define LLTM_FUSED_LANES 4
+
+// Row stride (elements) of the forward's transposed W_h: at least 3S, and such that 32 consecutive
+// rows start in 32 different banks: an odd number of 4-byte words for 2-byte types (stride = 2
+// mod 4), an odd stride for 4- and 8-byte types (8-byte: 2 mod 4 words, what a half-warp's 64-bit
+// accesses need). tests/test_fused_sequence.py counts the load's conflicts for every S.
+__device__ __forceinline__ int lltm_fused_wt_stride(int state, int item) {
+  const int s3 = 3 * state;
+  return item == 2 ? s3 + (6 - s3 % 4) % 4 : (s3 | 1);
+}
 
 __device__ __forceinline__ long long lltm_fused_w_bytes(int state, int item) {
   return ((3LL * state * state * item) + 15) / 16 * 16;
 }
 
-// Rows of step t: (first row, row count); with `packed`, offsets[t] - offsets[0] is the first (the
-// launcher may pass a block of steps: a slice of the plan's offsets and of the row arrays).
-__device__ __forceinline__ void lltm_fused_step_rows(const long long* __restrict__ offsets,
-                                                     int packed, int t, int batch,
-                                                     long long* first, int* count) {
-  if (packed) {
-    *first = offsets[t] - offsets[0];
-    *count = (int)(offsets[t + 1] - offsets[t]);
-  } else {
-    *first = (long long)t * batch;
-    *count = batch;
+__device__ __forceinline__ long long lltm_fused_wt_bytes(int state, int item) {
+  return ((long long)state * lltm_fused_wt_stride(state, item) * item + 15) / 16 * 16;
+}
+
+// The (row, state) pair of a thread's elements i = threadIdx.x, threadIdx.x + blockDim.x, ...
+// of a (rows, S) tile, stepped without a division (computed once per launch).
+struct lltm_fused_walk {
+  int r0, s0, dr, ds;
+  __device__ __forceinline__ lltm_fused_walk(int S) {
+    r0 = threadIdx.x / S;
+    s0 = threadIdx.x - r0 * S;
+    dr = blockDim.x / S;
+    ds = blockDim.x - dr * S;
   }
+  __device__ __forceinline__ void next(int S, int* r, int* s) const {
+    *r += dr;
+    *s += ds;
+    if (*s >= S) {
+      *s -= S;
+      *r += 1;
+    }
+  }
+};
+
+// The first row of step t: with `packed`, offsets[t] - offsets[0] (the launcher may pass a block
+// of steps: a slice of the plan's offsets and of the row arrays), else t * batch. Step t's rows
+// end where step t + 1's begin; each kernel carries that edge to the next step in a register, so
+// a step reads one offset, not two.
+__device__ __forceinline__ long long lltm_fused_offset(const long long* __restrict__ offsets,
+                                                       int packed, int t, int batch) {
+  return packed ? offsets[t] - offsets[0] : (long long)t * batch;
 }
 
 // w: the weights (3S, S + F) row-major, of which columns 0..S-1 are W_h (row stride w_stride).
@@ -72,17 +120,20 @@ __global__ void lltm_seq_fwd_kernel(const T* __restrict__ w, long long w_stride,
   typedef typename tr::acc A;
   const int S = state;
   const int S3 = 3 * state;
-  T* w_t = (T*)lltm_dynamic_smem;                                   // (S, 3S)
-  A* h_buf = (A*)(lltm_dynamic_smem + lltm_fused_w_bytes(S, sizeof(T)));   // (2, tile, S)
+  const int P = lltm_fused_wt_stride(S, sizeof(T));
+  if (!LLTM_SHARED_FITS(lltm_fused_wt_bytes(S, sizeof(T)) + 3LL * tile * S * sizeof(A))) return;
+  T* w_t = (T*)lltm_dynamic_smem;                                   // (S, P)
+  A* h_buf = (A*)(lltm_dynamic_smem + lltm_fused_wt_bytes(S, sizeof(T)));  // (2, tile, S)
   A* c_buf = h_buf + 2 * tile * S;                                  // (tile, S)
   const int row0 = blockIdx.x * tile;
   const int rows = min(tile, batch - row0);                          // this block's rows
   const int n = rows * S;
+  const lltm_fused_walk walk(S);
 
   for (int i = threadIdx.x; i < S3 * S; i += blockDim.x) {
     const int g = i / S;
     const int k = i - g * S;
-    w_t[k * S3 + g] = w[g * w_stride + k];
+    w_t[k * P + g] = w[g * w_stride + k];
   }
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const long long src = (long long)row0 * S + i;
@@ -91,44 +142,63 @@ __global__ void lltm_seq_fwd_kernel(const T* __restrict__ w, long long w_stride,
   }
   __syncthreads();
 
+  long long first = lltm_fused_offset(offsets, packed, 0, batch);
   int t = 0;
   for (; t < steps; ++t) {
-    long long first;
-    int count;
-    lltm_fused_step_rows(offsets, packed, t, batch, &first, &count);
-    const int active = min(rows, count - row0);      // the same for every thread of the block
+    const long long edge = lltm_fused_offset(offsets, packed, t + 1, batch);
+    const int active = min(rows, (int)(edge - first) - row0);   // the same for every thread
     if (active <= 0) break;
     const A* h_cur = h_buf + (t & 1) * tile * S;
     A* h_next = h_buf + ((t + 1) & 1) * tile * S;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const int r = i / S;
-      const int s = i - r * S;
+    int r = walk.r0, s = walk.s0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x, walk.next(S, &r, &s)) {
       if (r >= active) {             // finished: its state moves along unchanged
         h_next[i] = h_cur[i];
         continue;
       }
-      const A* h = h_cur + r * S;
-      A acc_i = A(0), acc_o = A(0), acc_c = A(0);
-      for (int k = 0; k < S; ++k) {
-        const T* wk = w_t + k * S3 + s;
-        const A hk = h[k];
-        acc_i += tr::load(wk[0]) * hk;
-        acc_o += tr::load(wk[S]) * hk;
-        acc_c += tr::load(wk[2 * S]) * hk;
-      }
       const long long row = first + row0 + r;
       T* g = gates + row * S3 + s;
-      const T gi = tr::store(acc_i + tr::load(g[0]));
-      const T go = tr::store(acc_o + tr::load(g[S]));
-      const T gc = tr::store(acc_c + tr::load(g[2 * S]));
+      const T p_i = g[0], p_o = g[S], p_c = g[2 * S];
+      const T b_i = bias[s], b_o = bias[S + s], b_c = bias[2 * S + s];
+      const A* h = h_cur + r * S;
+      A ai[LLTM_FUSED_LANES], ao[LLTM_FUSED_LANES], ac[LLTM_FUSED_LANES];
+LLTM_UNROLL
+      for (int l = 0; l < LLTM_FUSED_LANES; ++l) ai[l] = ao[l] = ac[l] = A(0);
+      int k = 0;
+      for (; k + LLTM_FUSED_LANES <= S; k += LLTM_FUSED_LANES) {
+LLTM_UNROLL
+        for (int l = 0; l < LLTM_FUSED_LANES; ++l) {
+          const T* wk = w_t + (k + l) * P + s;
+          const A hk = h[k + l];
+          ai[l] += tr::load(wk[0]) * hk;
+          ao[l] += tr::load(wk[S]) * hk;
+          ac[l] += tr::load(wk[2 * S]) * hk;
+        }
+      }
+LLTM_UNROLL
+      for (int l = 0; l < LLTM_FUSED_LANES - 1; ++l) {     // the last S mod LANES terms
+        if (k + l < S) {
+          const T* wk = w_t + (k + l) * P + s;
+          const A hk = h[k + l];
+          ai[l] += tr::load(wk[0]) * hk;
+          ao[l] += tr::load(wk[S]) * hk;
+          ac[l] += tr::load(wk[2 * S]) * hk;
+        }
+      }
+      const A acc_i = (ai[0] + ai[1]) + (ai[2] + ai[3]);
+      const A acc_o = (ao[0] + ao[1]) + (ao[2] + ao[3]);
+      const A acc_c = (ac[0] + ac[1]) + (ac[2] + ac[3]);
+      const T gi = tr::store(acc_i + tr::load(p_i));
+      const T go = tr::store(acc_o + tr::load(p_o));
+      const T gc = tr::store(acc_c + tr::load(p_c));
       T c_t, h_t;
-      lltm_cell_forward<T>(gi, go, gc, bias[s], bias[S + s], bias[2 * S + s], c_buf[i], g, g + S,
-                           g + 2 * S, &c_t, &h_t);
+      lltm_cell_forward<T>(gi, go, gc, b_i, b_o, b_c, c_buf[i], g, g + S, g + 2 * S, &c_t, &h_t);
       out[row * S + s] = h_t;
       cells[row * S + s] = c_t;
       h_next[i] = tr::load(h_t);
       c_buf[i] = tr::load(c_t);
     }
+    first = edge;
     __syncthreads();
   }
   const A* h_fin = h_buf + (t & 1) * tile * S;
@@ -157,6 +227,7 @@ __global__ void lltm_seq_bwd_kernel(const T* __restrict__ w, long long w_stride,
   typedef typename tr::acc A;
   const int S = state;
   const int S3 = 3 * state;
+  if (!LLTM_SHARED_FITS(lltm_fused_w_bytes(S, sizeof(T)) + 5LL * tile * S * sizeof(A))) return;
   T* w_s = (T*)lltm_dynamic_smem;                                   // (3S, S)
   A* dg_buf = (A*)(lltm_dynamic_smem + lltm_fused_w_bytes(S, sizeof(T)));  // (tile, 3S)
   A* dh_buf = dg_buf + tile * S3;                                   // (tile, S)
@@ -164,6 +235,7 @@ __global__ void lltm_seq_bwd_kernel(const T* __restrict__ w, long long w_stride,
   const int row0 = blockIdx.x * tile;
   const int rows = min(tile, batch - row0);
   const int n = rows * S;
+  const lltm_fused_walk walk(S);
 
   for (int i = threadIdx.x; i < S3 * S; i += blockDim.x) {
     const int g = i / S;
@@ -179,23 +251,22 @@ __global__ void lltm_seq_bwd_kernel(const T* __restrict__ w, long long w_stride,
     dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : A(0);
   }
 
+  long long edge = lltm_fused_offset(offsets, packed, steps, batch);
   for (int t = steps - 1; t >= 0; --t) {
-    long long first;
-    int count;
-    lltm_fused_step_rows(offsets, packed, t, batch, &first, &count);
-    const int active = min(rows, count - row0);      // block-uniform
+    const long long first = lltm_fused_offset(offsets, packed, t, batch);
+    const int active = min(rows, (int)(edge - first) - row0);      // block-uniform
+    edge = first;
     if (active <= 0) continue;
     const int m = active * S;
-    for (int i = threadIdx.x; i < m; i += blockDim.x) {
-      const int r = i / S;
-      const int s = i - r * S;
+    int r = walk.r0, s = walk.s0;
+    for (int i = threadIdx.x; i < m; i += blockDim.x, walk.next(S, &r, &s)) {
       const long long row = first + row0 + r;
+      const T* z = gates + row * S3 + s;
+      const T z_i = z[0], z_o = z[S], z_c = z[2 * S], c_t = cells[row * S + s];
       const A go = has_grad_out ? tr::load(grad_out[row * S + s]) : A(0);
       const A gh = tr::load(tr::store(dh_buf[i] + go));
-      const T* z = gates + row * S3 + s;
       T d_i, d_o, d_c, d_c_t;
-      lltm_cell_backward<T>(z[0], z[S], z[2 * S], cells[row * S + s], gh, dc_buf[i], &d_i,
-                            &d_o, &d_c, &d_c_t);
+      lltm_cell_backward<T>(z_i, z_o, z_c, c_t, gh, dc_buf[i], &d_i, &d_o, &d_c, &d_c_t);
       T* dg = d_gates + row * S3 + s;
       dg[0] = d_i;
       dg[S] = d_o;
@@ -207,13 +278,25 @@ __global__ void lltm_seq_bwd_kernel(const T* __restrict__ w, long long w_stride,
       dc_buf[i] = tr::load(d_c_t);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < m; i += blockDim.x) {
-      const int r = i / S;
-      const int k = i - r * S;
+    r = walk.r0;
+    s = walk.s0;
+    for (int i = threadIdx.x; i < m; i += blockDim.x, walk.next(S, &r, &s)) {
       const A* dgr = dg_buf + r * S3;
-      A acc = A(0);
-      for (int g = 0; g < S3; ++g) acc += dgr[g] * tr::load(w_s[g * S + k]);
-      dh_buf[i] = acc;
+      A acc[LLTM_FUSED_LANES];
+LLTM_UNROLL
+      for (int l = 0; l < LLTM_FUSED_LANES; ++l) acc[l] = A(0);
+      int g = 0;
+      for (; g + LLTM_FUSED_LANES <= S3; g += LLTM_FUSED_LANES) {
+LLTM_UNROLL
+        for (int l = 0; l < LLTM_FUSED_LANES; ++l) {
+          acc[l] += dgr[g + l] * tr::load(w_s[(g + l) * S + s]);
+        }
+      }
+LLTM_UNROLL
+      for (int l = 0; l < LLTM_FUSED_LANES - 1; ++l) {     // the last 3S mod LANES terms
+        if (g + l < S3) acc[l] += dgr[g + l] * tr::load(w_s[(g + l) * S + s]);
+      }
+      dh_buf[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
     }
     __syncthreads();
   }

@@ -122,9 +122,22 @@ MUTANTS = [
            "i += (I)blockDim.x) {\n    const I b = i / S;\n    const I s = i - b * S;\n    T* g",
            KERNEL_TESTS, "forward kernel strides by one block, not the grid"),
     Mutant("fused-recurrent-weight-row", "cuda_src/lltm_fused.cu",
-           "acc_o += tr::load(wk[S]) * hk;", "acc_o += tr::load(wk[2 * S]) * hk;",
+           "LLTM_FUSED_LANES; ++l) {\n          const T* wk = w_t + (k + l) * P + s;\n"
+           "          const A hk = h[k + l];\n          ai[l] += tr::load(wk[0]) * hk;\n"
+           "          ao[l] += tr::load(wk[S]) * hk;",
+           "LLTM_FUSED_LANES; ++l) {\n          const T* wk = w_t + (k + l) * P + s;\n"
+           "          const A hk = h[k + l];\n          ai[l] += tr::load(wk[0]) * hk;\n"
+           "          ao[l] += tr::load(wk[2 * S]) * hk;",
            FUSED_TESTS, "fused sequence kernel: the output gate's recurrent product uses the "
            "candidate's weights"),
+    Mutant("fused-partial-sum-dropped", "cuda_src/lltm_fused.cu",
+           "dh_buf[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);",
+           "dh_buf[i] = (acc[0] + acc[1]) + acc[2];",
+           FUSED_TESTS, "fused sequence backward: one of the four partial sums of d_h left out"),
+    Mutant("fused-remainder-term-skipped", "cuda_src/lltm_fused.cu",
+           "        if (k + l < S) {", "        if (k + l < S - 1) {",
+           FUSED_TESTS, "fused sequence forward: the last recurrent term skipped when S is not a "
+           "multiple of 4"),
     Mutant("fused-drop-grad-c-n", "cuda_src/lltm_fused.cu",
            "dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : A(0);", "dc_buf[i] = A(0);",
            FUSED_TESTS, "fused sequence backward: the final cell state's gradient dropped"),

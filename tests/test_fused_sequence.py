@@ -331,6 +331,68 @@ def test_nvrtc_compiles_the_fused_kernels(dtype, arch):
     assert cubin[:4] == b"\x7fELF", "NVRTC did not return an ELF cubin"
 
 
+def _store_conflicts(state: int, itemsize: int, stride: int) -> int:
+    """The worst bank conflict (distinct 4-byte words in one bank, in one memory transaction) of
+    the forward kernel's load of W_h: thread i of a warp stores element (g, k) = divmod(i, S) at
+    k * stride + g. A 64-bit access is served per half-warp; two threads writing the halves of
+    one word (16-bit types) do not conflict."""
+    lanes = 16 if itemsize == 8 else 32
+    worst = 0
+    for start in range(0, 3 * state * state, lanes):
+        banks = {}
+        for i in range(start, min(start + lanes, 3 * state * state)):
+            g, k = divmod(i, state)
+            byte = (k * stride + g) * itemsize
+            for word in range(byte // 4, (byte + itemsize - 1) // 4 + 1):
+                banks.setdefault(word % 32, set()).add(word)
+        worst = max(worst, max(len(words) for words in banks.values()))
+    return worst
+
+
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_forward_weights_load_meets_no_bank_conflict(itemsize):
+    """The forward kernel's transposed W_h rows are padded (lltm_cupy/_cuda/fused.wt_stride) so
+    that its load's stores meet no bank conflict where a warp stores into one gate's column (S a
+    multiple of 32: every warp), at most 2-way where a warp straddles two (S >= 32), at most
+    4-way for S < 32 (a warp over several columns); the unpadded stride 3S has a 32-way (16-way
+    for 8-byte types) conflict at S = 128."""
+    for state in range(1, 200):
+        stride = _fused.wt_stride(state, itemsize)
+        assert 3 * state <= stride <= 3 * state + 3
+        worst = 1 if state % 32 == 0 else 2 if state >= 32 else 4
+        assert _store_conflicts(state, itemsize, stride) <= worst, (state, stride)
+    assert _store_conflicts(128, itemsize, 3 * 128) == (16 if itemsize == 8 else 32)
+
+
+def test_launcher_sizes_shared_memory_as_the_kernels_lay_it_out(fused_lib):
+    """fused.shared_bytes and the kernels' own layout functions (built on the host) agree."""
+    import ctypes
+
+    fused_lib.lltm_host_w_bytes.restype = ctypes.c_longlong
+    for state in range(1, 200):
+        for dtype in DTYPES.values():
+            item = dtype.itemsize
+            assert fused_lib.lltm_host_wt_stride(state, item) == _fused.wt_stride(state, item)
+            for backward in (False, True):
+                weights = fused_lib.lltm_host_w_bytes(state, item, int(backward))
+                assert weights == _fused.shared_bytes(state, dtype, 0, backward), (state, dtype)
+
+
+def test_a_launch_with_too_little_shared_memory_is_reported(fused_cupy, monkeypatch):
+    """The host build checks the launch's shared memory against the kernels' layout: a launcher
+    that asks for less (the forward's padding forgotten) fails instead of writing past it."""
+    real = _fused.shared_bytes
+
+    def unpadded(state, dtype, tile, backward):
+        return real(state, dtype, tile, True) - 2 * tile * state * _fused._acc_size(dtype) \
+            if not backward else real(state, dtype, tile, backward)
+
+    monkeypatch.setattr(_fused, "shared_bytes", unpadded)
+    stored, _ = make(3, 2, 2, 6, np.dtype(np.float32), seed=3)
+    with pytest.raises(AssertionError, match="more dynamic shared memory than the launch"):
+        run(fused_cupy, stored, None, False, True)
+
+
 def test_shared_memory_bound_table():
     """The bound documented in lltm_cupy/_cuda/fused.py and the public docstring."""
     table = {arch: tuple(_fused.max_state(limit, d) for d in DTYPES.values())

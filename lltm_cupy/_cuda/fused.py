@@ -17,8 +17,9 @@ Results are the stepped path's up to the order of the recurrent product's sums (
 accumulation for the 16-bit types, as cuBLAS; the same rounding points).
 
 Shared memory per block (bytes; T the storage type, A the arithmetic type: float32 for the 16-bit
-types): W_h, 3 S^2 sizeof(T) rounded up to 16, plus per batch row of the block's tile 3 S sizeof(A)
-(forward) or 5 S sizeof(A) (backward). A state size is accepted when the backward of a one-row
+types): W_h, 3 S^2 sizeof(T) (backward) or S rows of :func:`wt_stride` elements (forward, at most
+3 S^2 + 3 S: rows padded against bank conflicts at the load), rounded up to 16, plus per
+batch row of the block's tile 3 S sizeof(A) (forward) or 5 S sizeof(A) (backward). A state size is accepted when the backward of a one-row
 tile fits the device's opt-in limit per block (``MaxSharedMemoryPerBlockOptin``); the tile is the
 batch spread over the SMs, as many rows as fit. Largest accepted S (:func:`max_state`):
 
@@ -38,7 +39,7 @@ from .packed import _index, hidden_inputs
 from .._packing import block_steps, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 
-__all__ = ["ARCH_SHARED_MEMORY", "shared_bytes", "max_state", "usable", "forward_fused",
+__all__ = ["ARCH_SHARED_MEMORY", "wt_stride", "shared_bytes", "max_state", "usable", "forward_fused",
            "backward_fused"]
 
 #: Opt-in shared memory per block (bytes) of the architectures the tests check the bound for
@@ -52,9 +53,22 @@ def _acc_size(dtype) -> int:
     return 8 if np.dtype(dtype) == np.float64 else 4
 
 
+def wt_stride(state: int, itemsize: int) -> int:
+    """Row stride (elements) of the forward kernel's transposed W_h in shared memory, as
+    ``lltm_fused_wt_stride`` in cuda_src/lltm_fused.cu: at least 3S, an odd number of 4-byte
+    words for 2-byte types, odd for 4- and 8-byte types, so that the kernel's load (consecutive
+    threads storing to consecutive rows) meets no bank conflict where a warp stores into one
+    gate's column, at most a 2-way one where it straddles two (the unpadded 3S: 32-way at
+    S = 128)."""
+    s3 = 3 * state
+    return s3 + (6 - s3 % 4) % 4 if itemsize == 2 else s3 | 1
+
+
 def shared_bytes(state: int, dtype, tile: int, backward: bool) -> int:
     """Dynamic shared memory of one block of the fused kernels (see the module docstring)."""
-    weights = -(-3 * state * state * np.dtype(dtype).itemsize // 16) * 16
+    item = np.dtype(dtype).itemsize
+    elements = 3 * state * state if backward else state * wt_stride(state, item)
+    weights = -(-elements * item // 16) * 16
     return weights + tile * (5 if backward else 3) * state * _acc_size(dtype)
 
 

@@ -42,3 +42,10 @@ extern "C" void lltm_host_set_schedule(int order, unsigned long long seed) {
 }
 extern "C" const char* lltm_host_last_error(void) { return shim_error; }
 extern "C" long long lltm_host_barriers(void) { return shim_barriers; }
+
+// The kernels' own shared-memory layout functions, for the tests to hold the launcher's
+// (lltm_cupy/_cuda/fused.py) against: the forward's W_h row stride and the weights' regions.
+extern "C" int lltm_host_wt_stride(int state, int item) { return lltm_fused_wt_stride(state, item); }
+extern "C" long long lltm_host_w_bytes(int state, int item, int backward) {
+  return backward ? lltm_fused_w_bytes(state, item) : lltm_fused_wt_bytes(state, item);
+}

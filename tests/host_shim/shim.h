@@ -82,8 +82,18 @@ static unsigned long long shim_seed = 1;
 static const char* shim_error = nullptr;
 //: Barriers passed in the last launch, over all blocks (one per __syncthreads() round).
 static long long shim_barriers = 0;
-//: The block's dynamic shared memory (the kernel's extern __shared__ array).
+//: The block's dynamic shared memory (the kernel's extern __shared__ array) and its size.
 static unsigned char* lltm_dynamic_smem = nullptr;
+static size_t shim_shared_bytes = 0;
+
+// A kernel's check that the launch gave it the shared memory it lays out (LLTM_SHARED_FITS in
+// cuda_src/lltm_fused.cu; on a device a smaller launch would read and write past the block's
+// allocation unnoticed): false, with the launch's error set, when it did not.
+static inline bool shim_shared_fits(long long bytes) {
+  if (bytes <= (long long)shim_shared_bytes) return true;
+  shim_error = "the kernel lays out more dynamic shared memory than the launch gave it";
+  return false;
+}
 
 struct shim_block {
   ucontext_t scheduler;
@@ -164,6 +174,7 @@ static void shim_launch_block(unsigned int grid, unsigned int block, size_t shar
   gridDim.x = grid;
   blockDim.x = block;
   std::vector<unsigned char> shared(shared_bytes + 16);
+  shim_shared_bytes = shared_bytes;
   std::unique_ptr<char[]> stacks(new char[stack_bytes * block]);   // left uninitialised
   shim_block state;
   state.body = [](void* p) { (*(Kernel*)p)(); };
