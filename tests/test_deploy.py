@@ -320,3 +320,53 @@ def test_aot_inductor_package_runs_without_the_library(tmp_path):
     assert lines[-1] == "lltm_cupy imported: []"
     errors = [float(v) for v in lines[:-1]]
     assert len(errors) == 6 and max(errors) <= TOL, errors
+
+
+# ----------------------------------------------------------------------------- quantization
+
+def test_quantize_dynamic_leaves_the_lltm_in_float_onnxruntime_quantizes_it(onnxruntime,
+                                                                            tmp_path):
+    """docs/deploy.md: torch's quantize_dynamic quantizes a head nn.Linear and leaves the LLTM
+    as it is; onnxruntime's quantize_dynamic with EnableSubgraph runs every layer's GEMM (inside
+    the exported loop) with int8 weights, near the float model."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(lt.LLTM(8, 32, num_layers=2), _Output(),
+                                torch.nn.Linear(32, 4)).eval()
+    quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.LSTM, torch.nn.Linear})
+    assert type(quantized[0]) is lt.LLTM and quantized[0].weights_l0.dtype == torch.float32
+    assert type(quantized[2]) is not torch.nn.Linear      # the head was quantized
+
+    x = torch.randn(6, 3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(tmp_path / "float.onnx"), dynamo=False,
+                          input_names=["input"], dynamic_axes={"input": {0: "steps", 1: "batch"}})
+    quantize_dynamic(str(tmp_path / "float.onnx"), str(tmp_path / "int8.onnx"),
+                     weight_type=QuantType.QInt8, extra_options={"EnableSubgraph": True})
+
+    def op_types(graph, inside_loop=False):
+        for node in graph.node:
+            yield node.op_type, inside_loop
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    yield from op_types(attribute.g, True)
+    ops = list(op_types(onnx.load(str(tmp_path / "int8.onnx")).graph))
+    assert ops.count(("MatMulInteger", True)) == 2        # each layer's recurrent GEMM
+    assert ("MatMulInteger", False) in ops                # the head
+    session = onnxruntime.InferenceSession(str(tmp_path / "int8.onnx"),
+                                           providers=["CPUExecutionProvider"])
+    x = torch.randn(9, 2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    error = max_error(session.run(None, {"input": x.numpy()})[0], expected)
+    assert 1e-5 < error < 5e-2      # int8 rounding: off by more than float32, by about 1%
+
+
+class _Output(torch.nn.Module):
+    """An LLTM's output without its states, for nn.Sequential."""
+
+    def forward(self, out_and_state):
+        return out_and_state[0]
