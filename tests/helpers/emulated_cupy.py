@@ -246,6 +246,7 @@ class ndarray(np.ndarray):
         _state.counts["arrays"] += 1
         self._memory = getattr(obj, "_memory", None)
         self._memptr = getattr(obj, "_memptr", None)
+        self._data = None
 
     @property
     def device(self):
@@ -253,9 +254,12 @@ class ndarray(np.ndarray):
 
     @property
     def data(self):
-        if self._memory is None:  # made by NumPy outside this module: give it device memory
-            raise AssertionError("array without emulated device memory")
-        return MemoryPointer(self._memory, self.ctypes.data - self._memory.ptr)
+        # made once per array, as CuPy's (whose ndarray.data is an attribute)
+        if self._data is None:
+            if self._memory is None:  # made by NumPy outside this module
+                raise AssertionError("array without emulated device memory")
+            self._data = MemoryPointer(self._memory, self.ctypes.data - self._memory.ptr)
+        return self._data
 
     def get(self):
         _state.transfer("d2h", self.nbytes, sync=True)
