@@ -7,8 +7,9 @@
 # sequences (against stepped cells and cuDNN's nn.LSTM; a 2-layer bidirectional LLTM against
 # stepped cells, a ragged packed batch against it padded), at the large sizes (kernel
 # bandwidth and GEMM share), and a profile of the host time per step (what decides small
-# sizes), the fused sequence kernels against the default path and nn.LSTM, and the
-# forward-only input projection's block size (time and peak memory per block size).
+# sizes), the fused sequence kernels against the default path and nn.LSTM and their own time
+# per step, and the forward-only input projection's block size (time and peak memory per block
+# size).
 # Writes 11 files into DIR (default: $OUT if set, else ./gpu_check_results; made absolute):
 # env.txt, gpu_tests.txt, benchmark.txt (with the profiles), summary.txt and seven JSON files,
 # each rewritten during its benchmark (after every quarter of a size's runs and every size).
@@ -40,6 +41,9 @@
 #   profile cell          15 s  [cut at 5 s: start-up alone]; 300 profiled steps
 #   profile sequence      15 s  [cut at 5 s]; 5 profiled sequences
 #   bench fused f32/bf16  12 s each [about 10 s and 6 s on an H200]
+#   fused kernel time     20 s  not run on a GPU yet; expected ~10 s: start-up, 4 size-dtype
+#                               pairs x (3 checking + 7 timed calls), the stepped path at
+#                               T = 512 the slowest (~60 ms a call)
 #   block rows            20 s  not run on a GPU yet; expected ~10 s: start-up, 2 sizes x 6 block
 #                               sizes x 11 forward-only calls of ~15 ms and ~4 ms
 # Expected in all about 280 s (5 for the prerequisites); the caps add to more, so the deadline,
@@ -168,6 +172,11 @@ step "bench fused f32" 12 "$out/benchmark.txt" python3 scripts/benchmark.py --cu
 step "bench fused bf16" 12 "$out/benchmark.txt" python3 scripts/benchmark.py --cuda --bf16 \
     --sequence --sizes 16x32x128 -t 64 -r 10 --warmup 3 --impl sequence,fused,lstm \
     --json "$out/benchmark_fused_bf16.json"
+# The fused kernels' own time per step (CUDA events around each launch, no GEMM or host work)
+# beside the whole call's, at B = 16, F = 32, S = 128, T = 64 and 512, float32 and bfloat16,
+# each checked against a float64 run first.
+step "fused kernel time" 20 "$out/benchmark.txt" python3 scripts/fused_kernel_time.py \
+    --runs 5 --warmup 2
 # Forward only: time (CUDA events) and peak CuPy memory of a sequence's forward at
 # (500, 64, 16, 512) and (128, 32, 128, 256) for input-projection blocks of 512 ... 8192 rows
 # and one block for the whole sequence, float32, each checked against a float64 run first.
