@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 import lltm_cupy  # noqa: E402
+from lltm_cupy.benchmark._common import cupy_gpu, parse_sequence_sizes  # noqa: E402
 from lltm_cupy._cuda import sequence as _sequence  # noqa: E402
 from lltm_cupy._packing import block_steps  # noqa: E402
 
@@ -65,17 +66,6 @@ class _Release:
 
     def __del__(self):
         self.counter.live -= self.nbytes
-
-
-def parse_sizes(text):
-    sizes = []
-    for item in text.split(","):
-        parts = item.lower().split("x")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"--sizes: expected TxBxFxS with positive integers, "
-                                              f"got {item!r}")
-        sizes.append(tuple(int(p) for p in parts))
-    return sizes
 
 
 def parse_blocks(text):
@@ -152,7 +142,8 @@ def _measure(cupy, T, B, F, S, blocks, runs, warmup, dtype):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
+    parser.add_argument("--sizes", type=parse_sequence_sizes,
+                        default=parse_sequence_sizes(DEFAULT_SIZES),
                         help=f"comma-separated TxBxFxS (default {DEFAULT_SIZES})")
     parser.add_argument("--blocks", type=parse_blocks, default=parse_blocks(DEFAULT_BLOCKS),
                         help=f"block rows, or 'whole' (default {DEFAULT_BLOCKS})")
@@ -163,16 +154,11 @@ def main(argv=None):
     if args.runs < 1 or args.warmup < 0:
         parser.error("--runs must be at least 1 and --warmup at least 0")
 
-    import cupy
-
-    if not cupy.cuda.is_available():
-        print("block_rows.py: needs a GPU, and CuPy finds none (no device or no CUDA driver): "
-              "nothing measured", file=sys.stderr)
+    gpu = cupy_gpu("block_rows.py")
+    if gpu is None:
         return 1
-    device = cupy.cuda.Device()
-    name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
-    name = name.decode() if isinstance(name, bytes) else name
-    print(f"forward only, {args.dtype}, GPU {device.id}: {name}; CuPy {cupy.__version__}, "
+    cupy, name = gpu
+    print(f"forward only, {args.dtype}, {name}; CuPy {cupy.__version__}, "
           f"NumPy {np.__version__}; median of {args.runs} calls after {args.warmup} warm-up, "
           f"CUDA events; peak: bytes allocated during one call, outputs included")
     default, status = _sequence._BLOCK_ROWS, 0

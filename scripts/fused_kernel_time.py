@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from lltm_cupy import _cuda  # noqa: E402
+from lltm_cupy.benchmark._common import cupy_gpu, parse_sequence_sizes  # noqa: E402
 from lltm_cupy._cuda import kernels as _kernels  # noqa: E402
 
 DEFAULT_SIZES = "64x16x32x128,512x16x32x128"
@@ -37,17 +38,6 @@ FLOOR = {"float64": 1e-9, "float32": 1e-3, "float16": 5e-2, "bfloat16": 1e-1}
 STORAGE = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
            "bfloat16": np.uint16}
 NAMES = ("outputs", "h_n", "c_n", "d_inputs", "d_weights", "d_bias", "d_h0", "d_c0")
-
-
-def parse_sizes(text):
-    sizes = []
-    for item in text.split(","):
-        parts = item.lower().split("x")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"--sizes: expected TxBxFxS with positive integers, "
-                                              f"got {item!r}")
-        sizes.append(tuple(int(p) for p in parts))
-    return sizes
 
 
 def parse_dtypes(text):
@@ -164,7 +154,8 @@ def measure(cupy, T, B, F, S, dtype, runs, warmup):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
+    parser.add_argument("--sizes", type=parse_sequence_sizes,
+                        default=parse_sequence_sizes(DEFAULT_SIZES),
                         help=f"comma-separated TxBxFxS (default {DEFAULT_SIZES})")
     parser.add_argument("--dtypes", type=parse_dtypes, default=parse_dtypes(DEFAULT_DTYPES),
                         help=f"comma-separated (default {DEFAULT_DTYPES})")
@@ -174,16 +165,11 @@ def main(argv=None):
     if args.runs < 1 or args.warmup < 0:
         parser.error("--runs must be at least 1 and --warmup at least 0")
 
-    import cupy
-
-    if not cupy.cuda.is_available():
-        print("fused_kernel_time.py: needs a GPU, and CuPy finds none (no device or no CUDA "
-              "driver): nothing measured", file=sys.stderr)
+    gpu = cupy_gpu("fused_kernel_time.py")
+    if gpu is None:
         return 1
-    device = cupy.cuda.Device()
-    name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
-    name = name.decode() if isinstance(name, bytes) else name
-    print(f"fused sequence kernels, GPU {device.id}: {name}; CuPy {cupy.__version__}, NumPy "
+    cupy, name = gpu
+    print(f"fused sequence kernels, {name}; CuPy {cupy.__version__}, NumPy "
           f"{np.__version__}; median of {args.runs} forward + backward calls after "
           f"{args.warmup} warm-up, CUDA events; us per step")
     print(f"{'T':>5} {'B':>4} {'F':>4} {'S':>4} {'dtype':>9} {'fwd kernel':>11} "

@@ -2,25 +2,15 @@
 emulated CuPy it checks, measures and prints a row per block size; without a GPU it fails loudly."""
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from helpers import gpu_scripts
 from lltm_cupy._cuda import sequence as _sequence
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "block_rows.py"
 
 
 @pytest.fixture
 def block_rows():
-    spec = importlib.util.spec_from_file_location("block_rows_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return gpu_scripts.load("block_rows")
 
 
 def _table(text):
@@ -72,18 +62,9 @@ def test_a_wrong_result_fails_the_size(emulated_cupy, block_rows, capsys, monkey
 
 
 def test_bad_arguments_are_refused(block_rows):
-    for argv in (["--sizes", "5x3x2"], ["--blocks", "0"], ["--blocks", "all"], ["--runs", "0"]):
-        with pytest.raises(SystemExit) as exc:
-            block_rows.main(argv)
-        assert exc.value.code == 2, argv
+    gpu_scripts.assert_refuses(block_rows.main, ["--sizes", "5x3x2"], ["--blocks", "0"],
+                               ["--blocks", "all"], ["--runs", "0"])
 
 
 def test_without_a_gpu_it_fails_loudly():
-    import cupy
-
-    if cupy.cuda.is_available():
-        pytest.skip("GPU test: runs only without a GPU (with one, the script measures)")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--runs", "1"], capture_output=True,
-                          text=True, cwd=ROOT)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "needs a GPU" in proc.stderr and "nothing measured" in proc.stderr, proc.stderr
+    gpu_scripts.assert_fails_without_a_gpu("block_rows")

@@ -3,25 +3,15 @@ CuPy with the kernels' host build it checks, times and prints a row per size and
 kernel posts no time; without a GPU it fails loudly."""
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from helpers import gpu_scripts
 from test_fused_sequence import fused_cupy, fused_lib  # noqa: F401 -- the fixtures
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "fused_kernel_time.py"
 
 
 @pytest.fixture
 def script():
-    spec = importlib.util.spec_from_file_location("fused_kernel_time_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return gpu_scripts.load("fused_kernel_time")
 
 
 def _rows(text):
@@ -94,18 +84,9 @@ def test_a_size_the_kernels_cannot_run_is_refused(fused_cupy, script, capsys, mo
 
 
 def test_bad_arguments_are_refused(script):
-    for argv in (["--sizes", "5x3x2"], ["--dtypes", "int8"], ["--runs", "0"]):
-        with pytest.raises(SystemExit) as exc:
-            script.main(argv)
-        assert exc.value.code == 2, argv
+    gpu_scripts.assert_refuses(script.main, ["--sizes", "5x3x2"], ["--dtypes", "int8"],
+                               ["--runs", "0"])
 
 
 def test_without_a_gpu_it_fails_loudly():
-    import cupy
-
-    if cupy.cuda.is_available():
-        pytest.skip("GPU test: runs only without a GPU (with one, the script measures)")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--runs", "1"], capture_output=True,
-                          text=True, cwd=ROOT)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "needs a GPU" in proc.stderr and "nothing measured" in proc.stderr, proc.stderr
+    gpu_scripts.assert_fails_without_a_gpu("fused_kernel_time")

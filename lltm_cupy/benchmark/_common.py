@@ -124,6 +124,35 @@ def machine_name(cuda: bool) -> str:
     return f"{os.cpu_count()}-core {platform.machine()} CPU" + (f" ({model})" if model else "")
 
 
+def parse_sequence_sizes(text: str, option: str = "--sizes") -> list:
+    """Comma-separated TxBxFxS (steps, batch, features, state) of positive integers, for the
+    GPU scripts' ``--sizes`` (an argparse type: ArgumentTypeError otherwise)."""
+    import argparse
+
+    sizes = []
+    for item in text.split(","):
+        parts = item.lower().split("x")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"{option}: expected TxBxFxS with positive integers, "
+                                              f"got {item!r}")
+        sizes.append(tuple(int(p) for p in parts))
+    return sizes
+
+
+def cupy_gpu(script: str):
+    """``(cupy, "GPU <index>: <name>")`` for a script that measures on the GPU, or None, after
+    saying on stderr that ``script`` needs one, where CuPy finds no usable GPU."""
+    import cupy
+
+    if not cupy.cuda.is_available():
+        print(f"{script}: needs a GPU, and CuPy finds none (no device or no CUDA driver): "
+              f"nothing measured", file=sys.stderr)
+        return None
+    device = cupy.cuda.Device()
+    name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
+    return cupy, f"GPU {device.id}: {name.decode() if isinstance(name, bytes) else name}"
+
+
 def _log(quiet, *args):
     if not quiet:
         print(*args, file=sys.stderr, flush=True)
