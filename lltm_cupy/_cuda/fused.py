@@ -30,6 +30,8 @@ batch spread over the SMs, as many rows as fit. Largest accepted S (:func:`max_s
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import kernels
@@ -72,9 +74,11 @@ def shared_bytes(state: int, dtype, tile: int, backward: bool) -> int:
     return weights + tile * (5 if backward else 3) * state * _acc_size(dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def max_state(limit: int, dtype) -> int:
     """The largest state size whose backward (the larger kernel) fits ``limit`` bytes per block
-    with a one-row tile."""
+    with a one-row tile (worked out once per limit and dtype: a search over the sizes, which
+    every fused call asks for)."""
     state = 0
     while shared_bytes(state + 1, dtype, 1, True) <= limit:
         state += 1
@@ -83,15 +87,13 @@ def max_state(limit: int, dtype) -> int:
 
 def usable(state: int, dtype) -> bool:
     """True when the fused kernels run this state size in this dtype on the current device."""
-    import cupy
-
-    return 0 < state <= max_state(kernels.shared_memory_limit(cupy.cuda.Device().id), dtype)
+    return 0 < state <= max_state(kernels.shared_memory_limit(kernels.current_device()), dtype)
 
 
 def _geometry(cupy, batch: int, state: int, dtype, backward: bool):
     """(blocks, threads, tile, shared bytes): the batch spread over the SMs, one tile per block,
     as many rows per tile as shared memory holds."""
-    device = cupy.cuda.Device().id
+    device = kernels.current_device()
     limit = kernels.shared_memory_limit(device)
     per_row = shared_bytes(state, dtype, 1, backward) - shared_bytes(state, dtype, 0, backward)
     fits = (limit - shared_bytes(state, dtype, 0, backward)) // per_row
