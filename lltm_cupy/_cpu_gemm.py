@@ -1,9 +1,9 @@
 """The GEMMs of the CPU backend (:mod:`lltm_cupy._numpy`), done by NumPy's BLAS.
 
 The backend takes its GEMMs from an object with this interface (``mm=``), so that the torch
-layer can run them with torch's BLAS instead (``lltm_cupy.torch._interop.TorchGemm``: one BLAS
-thread pool per process, not two that fight over the cores). Besides ``mm(a, b)`` (a new array
-``a @ b``), the sequence loops use:
+layer can run them with torch's BLAS instead (``lltm_cupy.torch._torch_gemm.TorchGemm``: one
+BLAS thread pool per process, not two that fight over the cores). Besides ``mm(a, b)`` (a new
+array ``a @ b``), the sequence loops use:
 
 - ``operand(a)``: the array ``a`` as the GEMM calls take it (NumPy: the array itself; torch: a
   tensor over the same memory); ``rows(op)``: the operand's ``op[i]`` for every i, made in one

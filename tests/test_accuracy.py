@@ -175,7 +175,7 @@ def _exact_product(a, b):
 
 def _torch_mm():
     pytest.importorskip("torch")
-    from lltm_cupy.torch._interop import torch_mm
+    from lltm_cupy.torch._torch_gemm import torch_mm
 
     return torch_mm
 

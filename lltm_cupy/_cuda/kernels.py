@@ -7,8 +7,9 @@ the grid, the kernels of the index width it needs and the size arguments as the 
 types, so that a launch makes no object but its argument tuple: the kernels are called with
 integer device pointers (CuPy passes a Python int as a 64-bit value, what a pointer parameter
 takes: ``cupy/cuda/function.pyx``, ``_pointer``; ``cupy/_core/_scalar.pyx``,
-``numpy_dtype_from_pyscalar``, v14.2) and NumPy scalars of the exact C types; ``compile_offline`` runs NVRTC directly, with no GPU
-or driver, so the test suite can prove the source compiles for every architecture we support.
+``numpy_dtype_from_pyscalar``, v14.2) and NumPy scalars of the exact C types.
+``compile_offline`` runs NVRTC directly, with no GPU or driver, so the test suite can prove the
+source compiles for every architecture we support.
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["cupy_module", "current_device", "on_device", "Launch", "launch", "FLAG", "SOURCE_NAME", "KERNEL_NAMES", "Kernels", "BFLOAT16", "CUDA_TYPE", "INDEX_TYPE",
-           "source_path", "source", "name_expression", "get_kernels", "launch_config", "needs_wide_index", "compile_offline",
+__all__ = ["cupy_module", "current_device", "on_device", "Launch", "launch", "FLAG",
+           "SOURCE_NAME", "KERNEL_NAMES", "Kernels", "BFLOAT16", "CUDA_TYPE", "INDEX_TYPE",
+           "source_path", "source", "name_expression", "get_kernels", "launch_config",
+           "needs_wide_index", "compile_offline",
            "ARCHITECTURES", "FUSED_SOURCE_NAME", "FUSED_KERNEL_NAMES", "FusedKernels",
            "fused_source", "fused_name_expression", "get_fused_kernels", "compile_offline_fused"]
 

@@ -156,7 +156,7 @@ def _FloorCell(ref):
     import torch
 
     from .. import _numpy
-    from ..torch._interop import torch_mm
+    from ..torch._torch_gemm import torch_mm
 
     class Floor(torch.autograd.Function):
         @staticmethod

@@ -189,7 +189,7 @@ def cpu_blas_report(cfg: Config, runs=100) -> dict:
     would measure their contention). Returns medians in seconds and the GEMM share in percent.
     """
     from .. import _numpy
-    from ..torch._interop import torch_mm as _torch_mm
+    from ..torch._torch_gemm import torch_mm as _torch_mm
 
     dtype = np.float64 if cfg.double else np.float32
     B, F, S = cfg.size
