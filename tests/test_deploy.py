@@ -179,6 +179,31 @@ def test_jit_trace_refuses_what_it_cannot_record(grad):
             torch.jit.trace(_Wrapped(model, fn), args(3, 5))
 
 
+# ---------------------------------------------------------------------------- torch.compile
+
+def test_compile_keeps_the_custom_operators_and_compiles_once_across_lengths():
+    """torch.compile is not a recording: the compiled graph calls the library's operators (not
+    the reference cell), and with dynamic=True one graph serves every length."""
+    torch._dynamo.reset()
+    model, args, _ = _model("lltm-2-layers-bidirectional-batch-first-state")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        # (the first call's sizes differ from each other, F, S and the 4 layers x directions:
+        # Dynamo gives equal sizes one symbol and would then specialise them, a recompile)
+        _check_replays(compiled, model, args, sizes=((2, 6), (7, 9), (4, 2)))
+    assert len(graphs) == 1
+    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert "lltm_cupy.lltm_sequence_inference.default" in ops, ops    # (_check_replays: no_grad)
+    assert not any("addmm" in op for op in ops)
+    torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------------------- torch.export
 
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
