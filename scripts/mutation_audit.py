@@ -212,6 +212,21 @@ MUTANTS = [
            INFERENCE_TESTS + ("tests/test_torch.py", "tests/test_torch_sequence.py"),
            "torch layer: forward only chosen when only the input requires grad (frozen "
            "parameters: the input gets no gradient)"),
+    # ------------------------------- the torch layer recorded (torch.export, jit.trace, ONNX)
+    Mutant("export-scan-carries-swapped", "lltm_cupy/torch/_export.py",
+           "h, c = lltm_reference(x, weights, bias, *carry)",
+           "h, c = lltm_reference(x, weights, bias, carry[1], carry[0])", ("tests/test_deploy.py",),
+           "torch.export with a dynamic number of steps: the scan passes c as h and h as c"),
+    Mutant("trace-loop-not-scripted", "lltm_cupy/torch/_export.py",
+           "return _scripted_loop()(inputs, weights, bias, h0, c0)",
+           "return __import__('lltm_cupy.torch.reference', fromlist=['_'])"
+           ".lltm_sequence_reference(inputs, weights, bias, h0, c0)", ("tests/test_deploy.py",),
+           "jit.trace records the Python loop: the trace replays the traced number of steps only"),
+    Mutant("recording-under-compile", "lltm_cupy/torch/_export.py",
+           "return (_is_exporting is not None and _is_exporting()) or torch.jit.is_tracing()",
+           "return torch.compiler.is_compiling() or torch.jit.is_tracing()",
+           ("tests/test_deploy.py",) + INFERENCE_TESTS,
+           "torch.compile takes the recording path: the reference cell, not the library's kernels"),
     Mutant("numpy-packed-forward-only-h-n-sorted", "lltm_cupy/_numpy.py",
            "h_n[plan.perm], c_n[plan.perm] = h_state, c_state",
            "h_n[:], c_n[:] = h_state, c_state",
