@@ -9,9 +9,10 @@ program runs. So while one of these tools records, :func:`lltm_cupy.torch.lltm` 
 :func:`lltm_cupy.torch.lltm_sequence` compute the cell as the pure-torch reference
 (:func:`lltm_cupy.torch.reference.lltm_reference`) instead, and autograd differentiates it:
 
-- ``torch.export`` with a static sequence length: a loop over the steps, unrolled into the
-  graph; with a dynamic one (a ``Dim`` for the steps): ``torch._higher_order_ops.scan`` over the
-  steps, which the ONNX exporter turns into a loop of the ONNX graph;
+- non-strict ``torch.export`` with a static sequence length: a loop over the steps, unrolled
+  into the graph; with a dynamic one (a ``Dim`` for the steps), and under strict export (where
+  Dynamo shows every size as an int): ``torch._higher_order_ops.scan`` over the steps, which
+  the ONNX exporter turns into an ONNX ``Scan``;
 - ``torch.jit.trace``: the same loop compiled by TorchScript (``torch.jit.script``), which the
   trace calls, so the recorded program runs any number of steps (and the TorchScript ONNX
   exporter writes an ONNX loop).
@@ -24,6 +25,7 @@ on the host from the lengths' values. Anything else that would reach a backend w
 from __future__ import annotations
 
 import functools
+
 import torch
 from torch import Tensor
 
