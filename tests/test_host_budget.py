@@ -58,12 +58,12 @@ def _counted(emu, forward):
     return counts, emu.tally()
 
 
-def _array_api_counts(cupy, steps, dtype, keep):
+def _array_api_counts(cupy, steps, dtype, keep, **kw):
     """(forward, backward) tallies of one sequence through the array API."""
     xs, w, b, h0, c0, g = _sequence_case(cupy, steps, dtype=dtype)
 
     def forward():
-        *_, saved = lltm_cupy.forward_sequence(xs, w, b, h0, c0, return_saved=keep)
+        *_, saved = lltm_cupy.forward_sequence(xs, w, b, h0, c0, return_saved=keep, **kw)
         return keep and (lambda: lltm_cupy.backward_sequence(g, h0, c0, saved)) or None
 
     return _counted(cupy.emulator, forward)
@@ -80,6 +80,19 @@ def test_a_sequence_step_makes_nothing_but_a_launch_and_a_gemm(emulated_cupy, dt
     assert _per_step(short[0], long[0], 5) == EMPTY_STEP, "forward"
     if keep:
         assert _per_step(short[1], long[1], 5) == EMPTY_STEP, "backward"
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_variable_length_training_step_makes_nothing_but_a_launch_and_a_gemm(emulated_cupy,
+                                                                               reverse):
+    """Variable lengths, both directions: the same budget per step (one sequence a step shorter
+    than the others at both lengths: where sequences end, the backward makes the incoming cell
+    gradient, an array of its own, once per call here)."""
+    short, long = (_array_api_counts(emulated_cupy, steps, np.float32, True,
+                                     lengths=[steps, steps, steps - 1, steps], reverse=reverse)
+                   for steps in (3, 8))
+    assert _per_step(short[0], long[0], 5) == EMPTY_STEP, "forward"
+    assert _per_step(short[1], long[1], 5) == EMPTY_STEP, "backward"
 
 
 def test_a_torch_lltm_step_makes_nothing_but_a_launch_and_a_gemm(emulated_cuda_torch):

@@ -10,7 +10,8 @@ import numpy as np
 
 from .kernels import BFLOAT16, current_device
 
-__all__ = ["gemm", "Steps", "ViewSteps", "steps", "d_bias", "parameter_grads"]
+__all__ = ["gemm", "Steps", "ViewSteps", "ViewRows", "steps", "row_steps", "d_bias",
+           "parameter_grads"]
 
 
 def _operand(a):
@@ -120,10 +121,12 @@ class Steps:
             cupy.cuda.cublas.setMathMode(self._handle, self._restore)
         return False
 
-    def __call__(self, i, j):
+    def __call__(self, i, j, rows=0):
+        """The GEMM at offsets i, j; ``rows``: on that many rows of a and out, not m."""
         handle, op_b, op_a, n, m, k, one, b, t, ldb, lda, beta, ldc, compute, algo = self._args
-        self._gemm_ex(handle, op_b, op_a, n, m, k, one, b, t, ldb, self._a + i * self._a_step,
-                      t, lda, beta, self._c + j * self._c_step, t, ldc, compute, algo)
+        self._gemm_ex(handle, op_b, op_a, n, rows or m, k, one, b, t, ldb,
+                      self._a + i * self._a_step, t, lda, beta, self._c + j * self._c_step, t, ldc,
+                      compute, algo)
 
 
 class ViewSteps:
@@ -144,6 +147,27 @@ class ViewSteps:
 
     def __call__(self, i, j):
         self._gemm(self._a[i], self._b, self._out[j], accumulate=self._accumulate)
+
+
+class ViewRows(ViewSteps):
+    """:class:`Steps` by rows for another GEMM engine: ``run(i, j, rows)`` calls it on the views
+    a[i:i + rows], out[j:j + rows]."""
+
+    __slots__ = ()
+
+    def __call__(self, i, j, rows):
+        self._gemm(self._a[i: i + rows], self._b, self._out[j: j + rows],
+                   accumulate=self._accumulate)
+
+
+def row_steps(engine, a, b, out, accumulate=False):
+    """The per-step GEMMs ``out[j:j + rows] (+)= a[i:i + rows] @ b`` of a packed sequence's
+    rows, a (R, k) and out (R', n) C-contiguous, by ``engine``: ``run(i, j, rows)``, on pointers
+    for this module's GEMM (:class:`Steps`), on views for another (:class:`ViewRows`). Use it in
+    a ``with`` block."""
+    if engine is gemm:
+        return Steps(a, b, out, accumulate, a.strides[0], out.strides[0])
+    return ViewRows(engine, a, b, out, accumulate)
 
 
 def steps(engine, a, b, out, accumulate=False):

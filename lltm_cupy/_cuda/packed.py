@@ -9,11 +9,16 @@ steady state a call copies nothing between host and device and never waits for t
 Forward only (``keep=False``), no array grows with the packed rows but the outputs and the packed
 copy of the inputs: each step's hidden state is written where the outputs want it.
 
+With a backward to come (``keep=True``) and in the backward, a step runs on pointers at its row
+offset into the packed buffers (as the fixed-length loop of :mod:`.sequence`): one GEMM and one
+launch, no view or allocation, except where sequences end (the backward's incoming cell
+gradient there).
+
 The caller (:mod:`.sequence`) passes the CuPy module, the GEMM and its block size.
 """
 from __future__ import annotations
 
-from .gemm import d_bias as bias_gradient
+from .gemm import d_bias as bias_gradient, row_steps
 from .kernels import FLAG, launch, on_device
 from .._packing import incoming_cell_grad, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
@@ -95,48 +100,43 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
         widest = max((plan.offsets[b] - plan.offsets[a] for a, b in blocks), default=0)
         gates = cupy.empty((rows if keep else widest, 3 * state), dtype)
         h0s, c0s = _permuted(h0, d.perm), _permuted(c0, d.perm)
+        w_x_t, w_h_t = weights[:, state:].T, weights[:, :state].T
+        bias_c = cupy.ascontiguousarray(bias.reshape(-1))
+        sizes = plan.batch_sizes
         if keep:
             out = cupy.empty((rows, state), dtype)
-            scatter = None
-
-            def h_at(tau):
-                return out[plan.step(tau)]
+            cells = cupy.empty((rows, state), dtype)
+            _forward_steps(cupy, plan, blocks, x, w_x_t, w_h_t, bias_c, h0s, c0s, gates, out,
+                           cells, gemm)
         else:
             outputs, h_at, scatter = _forward_only_outputs(cupy, plan, d, state, dtype)
             # each sequence's state after its last step (h0, c0 for length 0)
             h_sorted, c_sorted = h0s.copy(), c0s.copy()
-        cells = cupy.empty((rows, state) if keep else (2, batch, state), dtype)
-        w_x_t, w_h_t = weights[:, state:].T, weights[:, :state].T
-        bias_c = cupy.ascontiguousarray(bias.reshape(-1))
-        sizes = plan.batch_sizes
-        for tau0, tau1 in blocks:
-            start = plan.offsets[tau0] if keep else 0
-            base_row = plan.offsets[tau0]
-            # the input projection of a block of steps in one GEMM
-            g = gates[start: start + plan.offsets[tau1] - base_row]
-            gemm(x[base_row: plan.offsets[tau1]], w_x_t, g)
-            for tau in range(tau0, tau1):
-                n = sizes[tau]
-                rows_t = plan.step(tau)
-                g_t = g[rows_t.start - base_row: rows_t.stop - base_row]
-                if tau:
-                    prev = plan.offsets[tau - 1]
-                    h_in = h_at(tau - 1)[:n]
-                    c_in = cells[prev: prev + n] if keep else cells[(tau - 1) % 2, :n]
-                else:
-                    h_in, c_in = h0s[:n], c0s[:n]
-                h_out = h_at(tau)
-                c_out = cells[rows_t] if keep else cells[tau % 2, :n]
-                gemm(h_in, w_h_t, g_t, accumulate=True)
-                run = launch(dtype, n * state, state)
-                run.kernels.fwd(run.grid, run.block, (
-                    g_t, bias_c, c_in, h_out, c_out, run.n, run.state))
-                if scatter is not None:
-                    scatter(tau, h_out)
-                nxt = sizes[tau + 1] if tau + 1 < len(sizes) else 0
-                if not keep and nxt < n:                    # sequences ending at this step
-                    h_sorted[nxt:n] = h_out[nxt:n]
-                    c_sorted[nxt:n] = c_out[nxt:n]
+            cells = cupy.empty((2, batch, state), dtype)
+            for tau0, tau1 in blocks:
+                base_row = plan.offsets[tau0]
+                # the input projection of a block of steps in one GEMM
+                g = gates[: plan.offsets[tau1] - base_row]
+                gemm(x[base_row: plan.offsets[tau1]], w_x_t, g)
+                for tau in range(tau0, tau1):
+                    n = sizes[tau]
+                    rows_t = plan.step(tau)
+                    g_t = g[rows_t.start - base_row: rows_t.stop - base_row]
+                    if tau:
+                        h_in, c_in = h_at(tau - 1)[:n], cells[(tau - 1) % 2, :n]
+                    else:
+                        h_in, c_in = h0s[:n], c0s[:n]
+                    h_out, c_out = h_at(tau), cells[tau % 2, :n]
+                    gemm(h_in, w_h_t, g_t, accumulate=True)
+                    run = launch(dtype, n * state, state)
+                    run.kernels.fwd(run.grid, run.block, (
+                        g_t, bias_c, c_in, h_out, c_out, run.n, run.state))
+                    if scatter is not None:
+                        scatter(tau, h_out)
+                    nxt = sizes[tau + 1] if tau + 1 < len(sizes) else 0
+                    if nxt < n:                    # sequences ending at this step
+                        h_sorted[nxt:n] = h_out[nxt:n]
+                        c_sorted[nxt:n] = c_out[nxt:n]
         if keep:
             outputs = unpack_rows(out, plan, cupy, *index)
             ended = plan.ended  # the sequences with a last step: a prefix of the sorted order
@@ -187,24 +187,9 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
         w_h = weights[:, :state]
         sizes = plan.batch_sizes
         d_c = d_h_first = None
-        for tau in range(len(sizes) - 1, -1, -1):
-            n, nxt = sizes[tau], sizes[tau + 1] if tau + 1 < len(sizes) else 0
-            rows_t = plan.step(tau)
-            # the cell gradient entering step tau (the call only where sequences end)
-            dc_in = (d_c if d_c is not None and nxt == n
-                     else incoming_cell_grad(cupy, d_c, gcn, n, nxt, state, dtype))
-            d_c_out = cupy.empty((n, state), dtype)
-            run = launch(dtype, n * state, state)
-            run.kernels.bwd(run.grid, run.block, (
-                grad_h[rows_t], cells[rows_t] if dc_in is None else dc_in, gates[rows_t],
-                cells[rows_t], flat[rows_t], d_c_out, FLAG[1], FLAG[dc_in is not None],
-                run.n, run.state))
-            d_c = d_c_out
-            if tau:
-                prev = plan.offsets[tau - 1]
-                gemm(flat[rows_t], w_h, grad_h[prev: prev + n], accumulate=True)
-            else:
-                d_h_first = gemm(flat[rows_t], w_h, cupy.empty((n, state), dtype))
+        if sizes:
+            d_c, d_h_first = _backward_steps(cupy, plan, grad_h, gates, cells, flat, w_h, gcn,
+                                             gemm)
         d_h0s = cupy.zeros((batch, state), dtype) if ghn is None else cupy.array(ghn)
         d_c0s = cupy.zeros((batch, state), dtype) if gcn is None else cupy.array(gcn)
         if sizes:
@@ -230,3 +215,72 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
                                         cupy.empty((rows, features), dtype)), plan, cupy, *index)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)
+
+
+def _forward_steps(cupy, plan, blocks, x, w_x_t, w_h_t, bias, h0s, c0s, gates, out, cells,
+                   gemm):
+    """The steps of a packed forward that keeps everything for the backward, on pointers: each
+    step's rows of the packed ``gates``, ``out`` (hidden states) and ``cells`` at its row offset,
+    no view or allocation per step; one input-projection GEMM per block of steps."""
+    sizes, offsets = plan.batch_sizes, plan.offsets
+    state, dtype = out.shape[1], out.dtype
+    c0_c = cupy.ascontiguousarray(c0s)
+    g_at, h_at, c_at, b_ptr = (a.data.ptr for a in (gates, out, cells, bias))
+    row, g_row = out.strides[0], gates.strides[0]      # bytes per packed row
+    with row_steps(gemm, out, w_h_t, gates, accumulate=True) as recurrent:
+        for tau0, tau1 in blocks:
+            r0, r1 = offsets[tau0], offsets[tau1]
+            gemm(x[r0:r1], w_x_t, gates[r0:r1])     # the block's input projection
+            for tau in range(tau0, tau1):
+                n, r = sizes[tau], offsets[tau]
+                if tau:
+                    prev = offsets[tau - 1]
+                    recurrent(prev, r, n)          # gates[rows] += out[previous rows] @ W_h.T
+                    c_in = c_at + prev * row
+                else:
+                    gemm(h0s[:n], w_h_t, gates[:n], accumulate=True)
+                    c_in = c0_c.data.ptr
+                run = launch(dtype, n * state, state)
+                run.kernels.fwd(run.grid, run.block, (
+                    g_at + r * g_row, b_ptr, c_in, h_at + r * row, c_at + r * row, run.n,
+                    run.state))
+
+
+def _backward_steps(cupy, plan, grad_h, gates, cells, flat, w_h, gcn, gemm):
+    """The recurrence of a packed backward, last step first, on pointers: each step's rows of
+    the packed buffers at its row offset, no view or allocation but where sequences end (the
+    incoming cell gradient there). Writes every step's d_gates into ``flat`` and adds each
+    step's recurrent gradient into the previous step's rows of ``grad_h``; returns (the cell
+    gradient and the hidden-state gradient of step 0's rows)."""
+    sizes, offsets = plan.batch_sizes, plan.offsets
+    batch, state = len(plan.perm), cells.shape[1]
+    dtype = cells.dtype
+    # the cell gradient each step passes back: two (batch, state) buffers taken in turn, never
+    # the one read as grad_cell (restrict)
+    buffers = cupy.empty((2, batch, state), dtype)
+    passed = (buffers.data.ptr, buffers.data.ptr + buffers.strides[0])
+    gh_at, cell_at, g_at, flat_at = (a.data.ptr for a in (grad_h, cells, gates, flat))
+    row, g_row = cells.strides[0], gates.strides[0]     # bytes per packed row
+    last = None                 # which buffer holds the gradient the last step passed back
+    with row_steps(gemm, flat, w_h, grad_h, accumulate=True) as recurrent:
+        for i, tau in enumerate(range(len(sizes) - 1, -1, -1)):
+            n, nxt = sizes[tau], sizes[tau + 1] if tau + 1 < len(sizes) else 0
+            r0 = offsets[tau]
+            if last is not None and nxt == n:   # no sequence ends at this step
+                held, dc_in = None, passed[last]
+            else:       # the cell gradient entering the step (an array only where sequences end)
+                held = incoming_cell_grad(cupy, None if last is None else buffers[last, :nxt],
+                                          gcn, n, nxt, state, dtype)
+                dc_in = None if held is None else held.data.ptr
+            cell_t = cell_at + r0 * row
+            run = launch(dtype, n * state, state)
+            run.kernels.bwd(run.grid, run.block, (
+                gh_at + r0 * row, cell_t if dc_in is None else dc_in, g_at + r0 * g_row, cell_t,
+                flat_at + r0 * g_row, passed[i % 2], FLAG[1], FLAG[dc_in is not None], run.n,
+                run.state))
+            last = i % 2
+            if tau:
+                recurrent(r0, offsets[tau - 1], n)   # grad_h[prev rows] += flat[rows] @ W_h
+    n = sizes[0]
+    d_h_first = gemm(flat[:n], w_h, cupy.empty((n, state), dtype))
+    return buffers[last, :n], d_h_first
