@@ -171,22 +171,20 @@ def test_double_backward_raises_clearly(compiled):
     fn = torch.compile(lt.lltm, backend="aot_eager", fullgraph=True) if compiled else lt.lltm
     h, c = fn(*args)
     with pytest.raises(RuntimeError, match="double backward"):
-        # Eager: our backward refuses create_graph=True. Compiled: AOTAutograd's backward is
-        # differentiable only into its own error, raised on the second backward.
+        # Eager: the gradients' own backward refuses. Compiled: our backward refuses
+        # create_graph=True (AOTAutograd's backward is differentiable only into that error).
         (g,) = torch.autograd.grad(h.sum(), args[1], create_graph=True)
         g.sum().backward()
 
 
-def test_in_place_change_of_weights_or_output_is_detected():
+def test_in_place_change_of_the_weights_is_detected():
+    """The backward reads the weights: changing them between forward and backward raises, with
+    the library's advice (the outputs' cases: tests/test_saved_tensors.py)."""
     args = tensors(make_case(2, 3, 4, np.float64), "cpu")
     h, c = lt.lltm(*args)
     with torch.no_grad():
         args[1].add_(1.0)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        h.sum().backward()
-    h, c = lt.lltm(*[a.detach().requires_grad_() for a in args])
-    c.mul_(2)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    with pytest.raises(RuntimeError, match="(?s)modified by an inplace operation.*lltm_cupy"):
         h.sum().backward()
 
 

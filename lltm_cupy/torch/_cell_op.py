@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _export, _interop
+from . import _export, _interop, _saved
 from .._types import LLTMSaved
 from ._dispatch import (_autocast, _backend_name, _empty_gates, _forward_only, _in_float32,
                         _needs_grad, _refuse_double_backward, _to_argument_order,
@@ -33,39 +33,42 @@ def _(input, weights, bias, old_h, old_cell):
 # One step, eager: a plain autograd.Function
 
 class LLTMFunction(torch.autograd.Function):
-    """One LLTM step with autograd; ``apply(input, weights, bias, old_h, old_cell)``.
+    """One LLTM step with autograd; ``apply(input, weights, bias, old_h, old_cell)`` returns
+    ``(new_h, new_cell)`` followed by what the backward keeps (``lltm_cupy.torch._saved``: a
+    layout and the backend's arrays as tensors, which autograd's saved-tensor hooks see).
 
-    Prefer :func:`lltm`, which checks the arguments first, handles autocast and also works
-    under torch.compile.
+    Prefer :func:`lltm`, which checks the arguments first, handles autocast, returns the two
+    outputs only and also works under torch.compile. Written in the style ``torch.func`` asks
+    for (``setup_context``): ``torch.func.grad``, ``vjp`` and ``jacrev`` work; ``vmap`` and
+    forward-mode AD are refused.
     """
 
     @staticmethod
-    def forward(ctx, input, weights, bias, old_h, old_cell):
-        device = input.device
-        with _interop.backend_call(device) as call:
-            new_h, new_cell, saved = call.backend.forward(
-                *(call.array(t) for t in (input, weights, bias, old_h, old_cell)), **call.kw)
-            new_h, new_cell_t = call.tensor(new_h), call.tensor(new_cell)
-        ctx.lltm_saved = saved
-        ctx.device = device
-        # Saved through autograd so that an in-place change of the weights, or of the returned
-        # new_cell (which backward reads), raises instead of giving wrong gradients.
-        ctx.save_for_backward(weights, new_cell_t)
-        ctx.set_materialize_grads(False)
-        return new_h, new_cell_t
+    def forward(input, weights, bias, old_h, old_cell):
+        with _interop.backend_call(input.device) as call:
+            arrays = [call.array(t) for t in (input, weights, bias, old_h, old_cell)]
+            new_h, new_cell, saved = call.backend.forward(*arrays, **call.kw)
+            outputs, layout, extras = _saved.stash(call, saved, arrays, (new_h, new_cell))
+        return (*outputs, layout, *extras)
 
     @staticmethod
-    def backward(ctx, grad_h, grad_cell):
-        _refuse_double_backward()
-        ctx.saved_tensors  # noqa: B018 -- the version check
+    def setup_context(ctx, inputs, output):
+        _saved.keep(ctx, inputs, output, 2)
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_cell, *_):
         if grad_h is None and grad_cell is None:
             return (None,) * 5
-        with _interop.backend_call(ctx.device) as call:
-            grads = call.backend.backward(call.optional(grad_h), call.optional(grad_cell),
-                                          ctx.lltm_saved, _to_grads_order(ctx.needs_input_grad),
-                                          **call.kw)
-            return tuple(None if g is None else call.tensor(g) for g in _to_argument_order(grads))
+        return _saved.run_backward(ctx, _step_backward, (grad_h, grad_cell),
+                                   _to_grads_order(ctx.needs_input_grad))
 
+    vmap = staticmethod(_saved.refuse_vmap)
+    jvp = staticmethod(_saved.refuse_jvp)
+
+
+def _step_backward(call, grads, saved, needed):
+    """The backend's backward of one step, gradients in the forward's argument order."""
+    return _to_argument_order(call.backend.backward(*grads, saved, needed, **call.kw))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,5 +167,5 @@ def lltm(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
     if torch.compiler.is_compiling() or meta:
         new_h, new_cell, _, _ = _lltm_forward_op(*tensors)
         return new_h, new_cell
-    return LLTMFunction.apply(*tensors)
+    return LLTMFunction.apply(*tensors)[:2]
 

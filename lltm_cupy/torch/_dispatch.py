@@ -4,7 +4,8 @@ op (``_cell_op``) and the sequence op (``_sequence_op``).
 Two paths give the same results:
 
 - eager calls go through :class:`LLTMFunction` / :class:`LLTMSequenceFunction`, plain
-  ``torch.autograd.Function`` s (the cheapest per call);
+  ``torch.autograd.Function`` s (the cheapest per call), which keep the backend's saved state
+  through autograd's saved-tensor mechanism and compose with ``torch.func`` (``_saved``);
 - under ``torch.compile`` the same work runs as the custom operators ``lltm_cupy::lltm_forward``,
   ``lltm_cupy::lltm_backward`` and their sequence twins (``torch.library.custom_op`` with fake and
   autograd registrations), which the compiler treats as opaque: no graph break, and CUDA graphs
@@ -75,8 +76,10 @@ def _to_grads_order(needs):
 
 
 def _refuse_double_backward() -> None:
-    # The engine runs backward with grad mode on exactly when create_graph=True. Our backward is
-    # not differentiable; returning its result would silently give zero second derivatives.
+    # The compiled path's backward (the eager Functions' refuses in _saved.BackendBackward, when
+    # the gradients are differentiated). The engine runs backward with grad mode on exactly when
+    # create_graph=True. Our backward is not differentiable; returning its result would silently
+    # give zero second derivatives.
     if torch.is_grad_enabled():
         raise RuntimeError("lltm_cupy.torch: double backward (create_graph=True) is not supported: "
                            "the LLTM backward kernels are not differentiable")
@@ -94,8 +97,8 @@ def _needs_grad(tensors) -> bool:
 
 def _transformed(tensors) -> bool:
     """Whether any argument is a ``torch.func`` transform's wrapper (vmap's batched tensor,
-    grad's tracking tensor): those go to the autograd Functions, which refuse them clearly.
-    Eager calls only."""
+    grad's tracking tensor): those go to the autograd Functions, which support grad and refuse
+    vmap clearly. Eager calls only."""
     check = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
     return check is not None and any(check(t) for t in tensors)
 

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _export, _interop
+from . import _export, _interop, _saved
 from .._checks import check_flag, check_packed_shapes, check_sequence_shapes
 from .._types import LLTMSequenceSaved
 from ._dispatch import (_autocast, _backend_name, _empty_gates, _forward_only, _fused_kw,
@@ -22,37 +22,39 @@ _SEQ_NAMES = ("inputs", "weights", "bias", "h0", "c0")
 
 
 class LLTMSequenceFunction(torch.autograd.Function):
-    """A whole sequence with autograd; ``apply(inputs, weights, bias, h0, c0, plan, fused)``.
+    """A whole sequence with autograd; ``apply(inputs, weights, bias, h0, c0, plan, fused)``
+    returns ``(outputs, h_n, c_n)`` followed by what the backward keeps (as
+    :class:`LLTMFunction`). The outputs are a view of the hidden states the backward reads:
+    an in-place change of them is refused (clone them first).
 
-    Returns ``(outputs, h_n, c_n)``. Prefer :func:`lltm_sequence`.
+    Prefer :func:`lltm_sequence`. ``torch.func`` as for :class:`LLTMFunction`.
     """
 
     @staticmethod
-    def forward(ctx, inputs, weights, bias, h0, c0, plan=None, fused=False):
-        device = inputs.device
+    def forward(inputs, weights, bias, h0, c0, plan=None, fused=False):
         kw = {} if plan is None else {"plan": plan}
-        with _interop.backend_call(device) as call:
+        with _interop.backend_call(inputs.device) as call:
             kw.update(_fused_kw(call, fused))
-            outputs, h_n, c_n, saved = call.backend.forward_sequence(
-                *(call.array(t) for t in (inputs, weights, bias, h0, c0)), **call.kw, **kw)
-            outputs, h_n, c_n = (call.tensor(a) for a in (outputs, h_n, c_n))
-        ctx.lltm_saved = saved
-        ctx.device = device
-        # The saved hidden states are the outputs' memory, and the saved inputs may be the
-        # caller's: saved through autograd so that an in-place change raises at backward.
-        ctx.save_for_backward(inputs, weights, outputs)
-        ctx.set_materialize_grads(False)
-        return outputs, h_n, c_n
+            arrays = [call.array(t) for t in (inputs, weights, bias, h0, c0)]
+            outputs, h_n, c_n, saved = call.backend.forward_sequence(*arrays, **call.kw, **kw)
+            outputs, layout, extras = _saved.stash(call, saved, arrays, (outputs, h_n, c_n))
+        return (*outputs, layout, *extras)
 
     @staticmethod
-    def backward(ctx, grad_outputs, grad_h_n, grad_c_n):
-        _refuse_double_backward()
-        ctx.saved_tensors  # noqa: B018 -- the version check
-        with _interop.backend_call(ctx.device) as call:
-            grads = call.backend.backward_sequence(
-                call.optional(grad_outputs), call.optional(grad_h_n), call.optional(grad_c_n),
-                ctx.lltm_saved, tuple(ctx.needs_input_grad[:5]), **call.kw)
-            return tuple(None if g is None else call.tensor(g) for g in grads) + (None, None)
+    def setup_context(ctx, inputs, output):
+        _saved.keep(ctx, inputs, output, 3)
+
+    @staticmethod
+    def backward(ctx, grad_outputs, grad_h_n, grad_c_n, *_):
+        return _saved.run_backward(ctx, _sequence_backward, (grad_outputs, grad_h_n, grad_c_n),
+                                   tuple(ctx.needs_input_grad[:5])) + (None, None)
+
+    vmap = staticmethod(_saved.refuse_vmap)
+    jvp = staticmethod(_saved.refuse_jvp)
+
+
+def _sequence_backward(call, grads, saved, needed):
+    return call.backend.backward_sequence(*grads, saved, needed, **call.kw)
 
 
 @torch.library.custom_op("lltm_cupy::lltm_sequence_forward", mutates_args=())
@@ -157,7 +159,7 @@ def _packed_sequence(tensors, lengths, reverse: bool, fused: bool = False):
     _interop.refuse_capture_without((plan,), device)
     if not _needs_grad(tensors) and not _transformed(tensors):
         return _forward_only(tensors, True, fused, plan=plan)
-    return LLTMSequenceFunction.apply(*tensors, plan, fused)
+    return LLTMSequenceFunction.apply(*tensors, plan, fused)[:3]
 
 
 def lltm_packed(data: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Tensor,
@@ -186,7 +188,7 @@ def lltm_packed(data: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Ten
         return hs[1], h_n[:batch], c_n[:batch]
     if not _needs_grad(tensors) and not _transformed(tensors):
         return _forward_only(tensors, True, fused, plan=plan)
-    return LLTMSequenceFunction.apply(*tensors, plan, fused)
+    return LLTMSequenceFunction.apply(*tensors, plan, fused)[:3]
 
 
 def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Tensor,
@@ -241,4 +243,4 @@ def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0:
     if torch.compiler.is_compiling():
         hs, h_n, c_n, _, _ = _sequence_forward_op(*tensors, fused)
         return hs[1:], h_n, c_n
-    return LLTMSequenceFunction.apply(*tensors, None, fused)
+    return LLTMSequenceFunction.apply(*tensors, None, fused)[:3]

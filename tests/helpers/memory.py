@@ -13,3 +13,29 @@ def peak_traced_bytes(call):
         return tracemalloc.get_traced_memory()[1], result
     finally:
         tracemalloc.stop()
+
+
+_profiler_started = []
+
+
+def held_bytes(call):
+    """Run ``call()``; return (the bytes it allocated and still holds when it returns, its
+    result): NumPy's buffers as tracemalloc sees them plus torch's CPU allocations as torch's
+    profiler records them (each sees only its own, so the sum counts everything once)."""
+    import torch
+
+    def profile():
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                      profile_memory=True)
+
+    if not _profiler_started:       # its first start allocates for good: not the call's bytes
+        with profile():
+            _profiler_started.append(True)
+    tracemalloc.start()
+    try:
+        with profile() as prof:
+            result = call()
+        numpy_bytes = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    return numpy_bytes + sum(e.self_cpu_memory_usage for e in prof.events()), result
