@@ -42,7 +42,8 @@ class _TorchRunner:
 
     def saved_bytes(self) -> int:
         """Bytes of the tensors autograd saves for backward, other than parameters and inputs,
-        plus the arrays our autograd Functions keep on their ctx (invisible to the hooks)."""
+        plus the arrays a Function keeps on its ctx (invisible to the hooks: cell-floor's;
+        the library's Functions save everything through autograd)."""
         torch = self.torch
         saved = {}
         exclude = {t.data_ptr() for t in (*self.module.parameters(), *self._inputs())}
