@@ -25,10 +25,12 @@ import lltm_cupy
 #: (arrays, DLPack conversions, allocations) at most of one LLTMCell forward: the five inputs
 #: (DLPack), X, gates, new_h, new_cell (allocations) and the weights' transposed view
 CELL_FORWARD = (10, 5, 4)
-#: ... of its backward with every gradient: the two incoming gradients (DLPack); d_gates,
-#: d_old_cell, d_old_h, d_input, d_weights, d_bias (allocations: the bias reduction's result is
-#: one); the views of the weights' two halves, d_gates.T and the reduction's reshape
-CELL_BACKWARD = (12, 2, 6)
+#: ... of its backward with every gradient: the two incoming gradients and the four tensors the
+#: forward saved through autograd (X, gates, new_cell, weights: DLPack, as saved-tensor hooks
+#: may have replaced them); d_gates, d_old_cell, d_old_h, d_input, d_weights, d_bias
+#: (allocations: the bias reduction's result is one); the views of the weights' two halves,
+#: d_gates.T and the reduction's reshape
+CELL_BACKWARD = (16, 6, 6)
 
 
 def _per_step(short, long, steps):

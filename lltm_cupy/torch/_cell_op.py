@@ -43,6 +43,10 @@ class LLTMFunction(torch.autograd.Function):
     forward-mode AD are refused.
     """
 
+    @classmethod
+    def apply(cls, *args):
+        return _saved.apply(cls, args)
+
     @staticmethod
     def forward(input, weights, bias, old_h, old_cell):
         with _interop.backend_call(input.device) as call:

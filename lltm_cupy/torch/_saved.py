@@ -31,13 +31,15 @@ backward as a Function of its own, :class:`BackendBackward`, so that ``torch.fun
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from . import _interop
 
-__all__ = ["stash", "keep", "run_backward", "BackendBackward", "UNREAD", "refuse_vmap",
+__all__ = ["apply", "stash", "keep", "run_backward", "BackendBackward", "UNREAD", "refuse_vmap",
            "refuse_jvp"]
 
 #: (backend, saved type) -> the array fields that backend's backward never reads (it takes only
@@ -52,12 +54,25 @@ INPLACE_MESSAGE = (
     "out-of-place operation (out = out.relu()).")
 
 
+def apply(cls, args):
+    """``cls.apply(*args)`` for the Functions here (``setup_context`` style, every argument
+    given): outside torch.func's transforms through torch's C++ ``apply``, which runs forward
+    and then setup_context itself. torch's Python ``Function.apply`` first binds the default
+    arguments of such a Function through ``inspect.signature`` on every call, which took 2/3 of
+    the time this layer adds to a small step (two calls per step: forward and backward); under
+    the transforms it is needed (``custom_function_call``) and used."""
+    if torch._C._are_functorch_transforms_active():
+        return torch.autograd.Function.apply.__func__(cls, *args)
+    return super(torch.autograd.Function, cls).apply(*args)
+
+
 def _is_array(value) -> bool:
-    return hasattr(value, "__array_interface__") or hasattr(value, "__cuda_array_interface__")
+    return isinstance(value, np.ndarray) or hasattr(value, "__cuda_array_interface__")
 
 
 def _pointer(a) -> int:
-    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+    # (NumPy's ``a.ctypes.data`` makes a ctypes object: several times slower)
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
 
 
 def _span(a):
@@ -83,11 +98,10 @@ def _inside(a, whole) -> bool:
     return lo <= start and end <= hi and (start - lo) % a.itemsize == 0
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Layout:
+class Layout(NamedTuple):
     """How to rebuild a saved object from what ``setup_context`` saved: its type, its non-array
-    fields, and per array field where its tensor comes from: ``("input", i, shape)``, ``("output", j)``,
-    ``("extra", k)`` (in the order saved), or ``("unread", shape, dtype)``."""
+    fields, and per array field where its tensor comes from: ``("input", i, shape)``,
+    ``("output", j)``, ``("extra", k)`` (in the order saved), or ``("unread", shape, dtype)``."""
 
     kind: type
     constants: dict
@@ -95,39 +109,56 @@ class Layout:
     device: torch.device
 
 
+@functools.lru_cache(maxsize=None)
+def _field_names(kind) -> tuple:
+    return tuple(f.name for f in dataclasses.fields(kind))
+
+
+def _root(a):
+    """The end of ``a``'s chain of ``base`` objects (the array or buffer that owns its memory,
+    as NumPy and CuPy record it): arrays of different roots are different allocations."""
+    while getattr(a, "base", None) is not None:
+        a = a.base
+    return a
+
+
 def stash(call, saved, arrays, outputs):
     """After a backend's forward: ``(output tensors, layout, extra tensors)``. ``arrays``: the
-    arrays the forward was given (in argument order), ``outputs``: the arrays it returned."""
+    arrays the forward was given (in argument order), ``outputs``: the arrays it returned.
+    Memory is compared (by address) only between arrays of one root."""
     out_tensors = [None] * len(outputs)
     extras, fields, constants = [], [], {}
     unread = UNREAD.get((saved.backend, type(saved).__name__), ())
-    for f in dataclasses.fields(saved):
-        value = getattr(saved, f.name)
+    in_roots = [_root(a) for a in arrays]
+    out_roots = [_root(o) for o in outputs]
+    for name in _field_names(type(saved)):
+        value = getattr(saved, name)
         if not _is_array(value):
-            constants[f.name] = value
+            constants[name] = value
             continue
-        if f.name in unread:
-            fields.append((f.name, ("unread", value.shape, value.dtype)))
+        if name in unread:
+            fields.append((name, ("unread", value.shape, value.dtype)))
             continue
+        root = _root(value)
         source = next((("input", i, value.shape) for i, a in enumerate(arrays)
-                       if _same_memory(value, a)), None)
+                       if in_roots[i] is root and _same_memory(value, a)), None)
         if source is None:
             source = next((("output", j) for j, o in enumerate(outputs)
-                           if out_tensors[j] is None and o.shape == value.shape
-                           and _same_memory(o, value)), None)
+                           if out_tensors[j] is None and out_roots[j] is root
+                           and o.shape == value.shape and _same_memory(o, value)), None)
             if source is not None:
                 out_tensors[source[1]] = call.tensor(value)
         if source is None:
             whole = call.tensor(value)
             for j, o in enumerate(outputs):
-                if out_tensors[j] is None and _inside(o, value):
+                if out_tensors[j] is None and out_roots[j] is root and _inside(o, value):
                     step = value.itemsize
                     out_tensors[j] = whole.as_strided(
                         o.shape, tuple(s // step for s in o.strides),
                         whole.storage_offset() + (_pointer(o) - _pointer(value)) // step)
             source = ("extra", len(extras))
             extras.append(whole)
-        fields.append((f.name, source))
+        fields.append((name, source))
     out_tensors = [call.tensor(o) if t is None else t for t, o in zip(out_tensors, outputs)]
     device = out_tensors[0].device if out_tensors else extras[0].device
     return tuple(out_tensors), Layout(type(saved), constants, tuple(fields), device), extras
@@ -145,15 +176,22 @@ def keep(ctx, inputs, output, n_outputs: int) -> None:
     ctx.save_for_backward(*(sources[s[0]][s[1]] for _, s in layout.fields if s[0] != "unread"))
 
 
+@functools.lru_cache(maxsize=64)
+def _stand_in(shape, dtype):
+    """A read-only NaN array of ``shape`` that takes no memory (one element, broadcast)."""
+    return np.broadcast_to(np.array(np.nan, dtype), shape)
+
+
 def _restore(call, layout: Layout, tensors):
     values, it = dict(layout.constants), iter(tensors)
     for name, source in layout.fields:
         if source[0] == "unread":
-            values[name] = np.broadcast_to(np.array(np.nan, source[2]), source[1])
+            values[name] = _stand_in(*source[1:])
             continue
         a = call.array(next(it))
         # an argument saved for a field that holds it reshaped: a sequence's (T * B, F) inputs
-        values[name] = a.reshape(source[2]) if source[0] == "input" else a
+        values[name] = a.reshape(source[2]) if source[0] == "input" and a.shape != source[2] \
+            else a
     return layout.kind(**values)
 
 
@@ -173,6 +211,10 @@ class BackendBackward(torch.autograd.Function):
     ``run(call, grads, saved, needed)`` takes arrays and the rebuilt saved object. A Function of
     its own so that torch.func sees the gradients come from one (jacrev: its ``vmap`` rule runs
     one backward per row); its backward refuses a double backward."""
+
+    @classmethod
+    def apply(cls, *args):
+        return apply(cls, args)
 
     @staticmethod
     def forward(run, layout, needed, n_grads, *tensors):
@@ -204,10 +246,14 @@ class BackendBackward(torch.autograd.Function):
 
 
 def run_backward(ctx, run, grads, needed):
-    """The Functions' ``backward``: ``run`` through :class:`BackendBackward` on what
-    ``ctx`` saved."""
-    return BackendBackward.apply(run, ctx.layout, needed, len(grads), *grads,
-                                 *saved_tensors(ctx))
+    """The Functions' ``backward``: ``run`` on what ``ctx`` saved, through
+    :class:`BackendBackward` where its result may be differentiated (grad mode on: the
+    backward of ``create_graph=True``, torch.func's transforms); a plain call otherwise, as
+    that Function would record nothing."""
+    args = (run, ctx.layout, needed, len(grads), *grads, *saved_tensors(ctx))
+    if torch.is_grad_enabled():
+        return BackendBackward.apply(*args)
+    return BackendBackward.forward(*args)
 
 
 def refuse_vmap(info, in_dims, *args):

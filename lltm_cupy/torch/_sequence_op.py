@@ -30,6 +30,10 @@ class LLTMSequenceFunction(torch.autograd.Function):
     Prefer :func:`lltm_sequence`. ``torch.func`` as for :class:`LLTMFunction`.
     """
 
+    @classmethod
+    def apply(cls, *args):
+        return _saved.apply(cls, args)
+
     @staticmethod
     def forward(inputs, weights, bias, h0, c0, plan=None, fused=False):
         kw = {} if plan is None else {"plan": plan}
