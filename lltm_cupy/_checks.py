@@ -82,6 +82,9 @@ def _check_dtypes(named: dict, backend: str) -> np.dtype:
     if first not in _FLOATS[backend]:
         allowed = ", ".join(str(d) for d in _FLOATS[backend])
         hint = " (float16 runs on the GPU backend only)" if first == np.float16 else ""
+        if not first.isnative:
+            hint = (f" (a non-native byte order: convert first, e.g. "
+                    f"a.astype(a.dtype.newbyteorder('=')) gives {first.newbyteorder('=')})")
         raise TypeError(f"lltm_cupy: unsupported dtype {first} for the {backend} backend; "
                         f"expected one of {allowed}{hint}")
     return first

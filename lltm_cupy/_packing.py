@@ -155,6 +155,10 @@ def check_lengths(lengths, steps: int, batch: int) -> np.ndarray:
         lengths = lengths.get()
     elif hasattr(lengths, "detach"):                                      # a torch tensor
         lengths = lengths.detach().cpu().numpy()
+    elif isinstance(lengths, (list, tuple)) and any(isinstance(v, (bool, np.bool_))
+                                                    for v in lengths):
+        # NumPy makes [True, 2] an integer array: True would be a length of 1
+        raise TypeError(f"lltm_cupy: lengths must hold integers, got a bool in {lengths!r}")
     try:
         values = np.asarray(lengths)
     except Exception as exc:

@@ -113,10 +113,14 @@ def _array_module(xp, rng):
     if isinstance(xp, str):
         if xp not in ("numpy", "cupy"):
             raise ValueError(f"lltm_cupy: xp must be numpy, cupy or their names, got {xp!r}")
-        if xp == "cupy":
-            import cupy
-            return cupy
-        return np
+        xp = np if xp == "numpy" else None
+    if xp is None or getattr(xp, "__name__", None) == "cupy":
+        # CuPy without a usable GPU fails in its first allocation with a driver error: the
+        # library's message instead (RuntimeError)
+        from ._cuda.kernels import cupy_module
+
+        cupy = cupy_module()
+        return cupy if xp is None else xp
     return xp
 
 

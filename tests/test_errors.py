@@ -35,6 +35,9 @@ def test_shape_errors_name_the_argument(name, shape, pattern):
     (np.int64, "unsupported dtype int64"),
     (np.complex128, "unsupported dtype complex128"),
     (np.float16, "float16 runs on the GPU backend only"),
+    (np.dtype(">f8"), r"unsupported dtype >f8 .*non-native byte order: convert first, e.g. "
+                      r"a.astype\(a.dtype.newbyteorder\('='\)\) gives float64"),
+    (np.dtype(">f4"), r"unsupported dtype >f4 .*non-native byte order.* gives float32"),
 ])
 def test_unsupported_dtypes(dtype, pattern):
     a = [x.astype(dtype) for x in args(np.float64)]
@@ -129,3 +132,18 @@ def test_mixed_numpy_and_cupy():
     a[3] = cupy.asarray(a[3])
     with pytest.raises(TypeError, match="all NumPy or all CuPy.*cupy: old_h"):
         lltm_cupy.forward(*a)
+
+
+@pytest.mark.parametrize("xp", ["cupy", "module"])
+def test_init_parameters_on_cupy_without_a_gpu_says_so(xp):
+    """init_parameters(..., xp=cupy) where CuPy finds no usable GPU: the library's message, not
+    CuPy's driver error from its first allocation."""
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install .[test])")
+    from conftest import gpu_unavailable_reason
+
+    if not gpu_unavailable_reason():
+        pytest.skip("GPU test: runs only without a GPU")
+    with pytest.raises(RuntimeError, match="lltm_cupy: the GPU backend needs a GPU, and CuPy "
+                                           "finds no usable GPU"):
+        lltm_cupy.init_parameters(3, 4, rng=np.random.default_rng(0),
+                                  xp=cupy if xp == "module" else xp)

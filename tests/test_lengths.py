@@ -145,6 +145,8 @@ def test_padded_positions_cost_nothing(emulated_cupy):
     ([1, -1, 2], ValueError, "lengths must lie in [0, 5]"),
     ([1.5, 2, 3], TypeError, "lengths must hold integers"),
     ([True, False, True], TypeError, "lengths must hold integers"),
+    ([True, 2, 3], TypeError, "lengths must hold integers, got a bool"),   # NumPy: [1, 2, 3]
+    ((2, np.True_, 3), TypeError, "lengths must hold integers, got a bool"),
 ])
 def test_bad_lengths(lengths, error, words):
     case = _case(5, 3, 4, 2, np.float32, seed=0)

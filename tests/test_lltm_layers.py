@@ -246,6 +246,30 @@ def test_dropout_eval_equals_no_dropout_and_training_is_reproducible():
     assert not torch.allclose(a, plain(x)[0])
 
 
+def test_compiled_dropout_draws_inductors_masks_unless_fallback_random():
+    """As docs/api.md says: under torch.compile (inductor) a seed repeats a compiled run, but
+    its dropout masks are not the eager run's; inductor's fallback_random=True draws the eager
+    masks."""
+    import torch._inductor.config as inductor
+    from test_autocast import _fresh_compile
+
+    torch.manual_seed(0)
+    model = lt.LLTM(F, S, num_layers=2, dropout=0.5)
+    x = torch.randn(T, B, F)
+
+    def run(fn):
+        torch.manual_seed(7)
+        return fn(x)[0]
+
+    eager = run(model)
+    with _fresh_compile():
+        compiled = torch.compile(model)
+        first = run(compiled)
+        assert torch.equal(first, run(compiled)) and not torch.equal(first, eager)
+    with _fresh_compile(), inductor.patch(fallback_random=True):
+        assert torch.equal(run(torch.compile(model)), eager)
+
+
 def test_dropout_mean_over_masks_is_close_to_eval():
     """Dropout scales kept values by 1 / (1 - p): the mean of the first layer's output fed to
     the second is the eval value; the model's output mean over many masks is near eval's."""

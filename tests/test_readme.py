@@ -97,3 +97,17 @@ def test_relative_links_resolve(page):
         if anchor:
             headings = re.findall(r"^#+ (.*)$", dest.read_text(), re.M)
             assert anchor in {_anchor(h) for h in headings}, f"{page.name}: no heading for {target}"
+
+
+def test_gpu_example_without_a_gpu_gives_the_librarys_error(tmp_path, monkeypatch):
+    """Where CuPy is installed but finds no usable GPU, README.md's CuPy example stops at its
+    first line that reaches CuPy through the library (lltm_cupy.warmup), with the library's
+    RuntimeError, not inside CuPy with a driver error."""
+    pytest.importorskip("cupy", reason="CuPy is not installed (pip install .[test])")
+    if gpu_unavailable_reason() is None:
+        pytest.skip("GPU test: runs only without a GPU (with one, test_gpu_blocks_run runs it)")
+    page = ROOT / "README.md"
+    index = next(i for i, (g, code) in enumerate(blocks(page)) if g and "torch" not in code)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="lltm_cupy: .*no usable GPU"):
+        _run(page, index, {})

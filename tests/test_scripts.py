@@ -74,6 +74,26 @@ def test_benchmark_runs_and_writes_json(tmp_path):
         assert 0 < blas[name]["gemm_share_pct"] < 100
 
 
+def test_benchmark_table_warns_when_medians_sit_far_above_minimums():
+    """A median 100x its minimum (a loaded machine) gets a warning under the table that suggests
+    one thread; medians near their minimums get none."""
+    from lltm_cupy.benchmark import PHASES, format_table
+    from lltm_cupy.benchmark.reports import SPREAD_LIMIT
+
+    def record(ratio):
+        times = {p: {"median_s": 1e-4 * ratio, "min_s": 1e-4} for p in PHASES}
+        steady = {p: {"median_s": 1.1e-4, "min_s": 1e-4} for p in PHASES}
+        return dict(batch=4, features=3, state=5, dtype="float32", device="cpu", runs=9,
+                    skipped={}, results={"reference": dict(steady, saved_bytes=None),
+                                         "cell": dict(times, saved_bytes=None)})
+
+    loaded = format_table(record(100.0))
+    assert "warning: medians far above their minimums (cell 100.0x)" in loaded
+    assert "OMP_NUM_THREADS=1" in loaded and "reference" not in loaded.splitlines()[-1]
+    for ratio in (1.2, SPREAD_LIMIT):
+        assert "warning" not in format_table(record(ratio))
+
+
 def test_benchmark_rejects_unknown_implementations():
     proc = script("benchmark.py", "--impl", "nope", "--quiet")
     assert proc.returncode == 2 and "unknown --impl nope" in proc.stderr

@@ -21,6 +21,29 @@ def _fmt_bytes(n) -> str:
         n /= 1024
 
 
+#: A median this many times its minimum: the runs were disturbed (see :func:`spread_warning`).
+SPREAD_LIMIT = 2.0
+
+
+def spread_warning(record: dict) -> str:
+    """A warning line when some implementation's median sits more than ``SPREAD_LIMIT`` times
+    above its minimum (the fastest run: what the code can do), else ``""``. On a busy machine
+    (other processes, or NumPy's and torch's BLAS threads competing for the cores) the medians
+    measure the contention, not the code."""
+    worst = {}
+    for name, r in record["results"].items():
+        ratios = [r[p]["median_s"] / r[p]["min_s"] for p in PHASES if r[p]["min_s"] > 0]
+        if ratios and max(ratios) > SPREAD_LIMIT:
+            worst[name] = max(ratios)
+    if not worst:
+        return ""
+    listing = ", ".join(f"{n} {v:.1f}x" for n, v in worst.items())
+    return (f"warning: medians far above their minimums ({listing}): the runs were disturbed "
+            f"(a busy machine, or BLAS threads competing for the cores), so the medians "
+            f"measure that; rerun on a quiet machine with one thread (OMP_NUM_THREADS=1) for "
+            f"steady figures")
+
+
 def format_table(record: dict, scale="us") -> str:
     """A text table: median / min per phase, speed-up of fwd+bwd over the baseline (the eager
     reference; for sequences our cell stepped from Python)."""
@@ -53,6 +76,9 @@ def format_table(record: dict, scale="us") -> str:
         a, b = (res[n]["fwd+bwd"]["median_s"] for n in (row, other))
         lines.append(f"{row} / {other}: {a / b:.2f}x of its fwd+bwd median "
                      f"(min: {res[row]['fwd+bwd']['min_s'] / res[other]['fwd+bwd']['min_s']:.2f}x)")
+    warning = spread_warning(record)
+    if warning:
+        lines.append(warning)
     return "\n".join(lines)
 
 
