@@ -4,9 +4,9 @@ memory and GEMM.
 CPU tensors run the NumPy backend on ``Tensor.numpy()`` views, with the GEMMs through torch's
 BLAS (one BLAS thread pool per process). CUDA tensors run the CuPy backend:
 
-- **in**: DLPack, zero-copy (``__dlpack__(stream=-1)``: no stream handshake is needed, every
-  kernel runs on the stream torch is on, and none is recorded, so the import is legal while a
-  CUDA graph is being captured);
+- **in**: DLPack, zero-copy (a capsule as ``__dlpack__(stream=-1)`` makes it: no stream
+  handshake is needed, every kernel runs on the stream torch is on, and none is recorded, so
+  the import is legal while a CUDA graph is being captured);
 - **stream and device**: CuPy runs on torch's current stream of the tensors' device, read on
   every call, never cached (its raw handle, ``torch._C._cuda_getCurrentRawStream``: no torch
   Stream object; CuPy's wrapper of a handle, which holds nothing but the handle, is made at the
@@ -40,6 +40,7 @@ import threading
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from .. import _numpy
 from .._checks import check_shapes
@@ -177,14 +178,19 @@ def _torch_allocator(device: torch.device):
 def _array_cuda(t: Tensor):
     """A CuPy view of ``t`` through DLPack (a contiguous export: the well-trodden path). CuPy has
     no bfloat16: a bfloat16 tensor crosses as its bits (an int16 view), and arrives as uint16,
-    which the CuPy backend reads as bfloat16."""
+    which the CuPy backend reads as bfloat16.
+
+    The capsule comes from ``torch.utils.dlpack.to_dlpack``: the capsule ``__dlpack__(stream=-1)``
+    returns (no stream handshake), made by one C call instead of ``Tensor.__dlpack__``'s checks
+    in Python (its device and current-device lookups cost microseconds per tensor); CuPy takes a
+    capsule as it is (``cupy/_core/dlpack.pyx``, ``from_dlpack``)."""
     import cupy
 
     t = t.detach()
     t = t if t.is_contiguous() else t.contiguous()
     if t.dtype == torch.bfloat16:
-        return cupy.from_dlpack(t.view(torch.int16).__dlpack__(stream=-1)).view(cupy.uint16)
-    return cupy.from_dlpack(t.__dlpack__(stream=-1))
+        return cupy.from_dlpack(_to_dlpack(t.view(torch.int16))).view(cupy.uint16)
+    return cupy.from_dlpack(_to_dlpack(t))
 
 
 def _tensor_cuda(a) -> Tensor:
