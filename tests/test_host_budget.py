@@ -12,8 +12,9 @@ The budgets:
   lengths, divided by the steps between them);
 - an ``LLTMCell`` step through the torch layer: no stream object, the launches and GEMMs of
   tests/test_launch_budget.py, and at most :data:`CELL_FORWARD` / :data:`CELL_BACKWARD` of the
-  rest: one CuPy array per tensor crossing in (5 forward, 2 gradients backward, by DLPack), one
-  per buffer the backend allocates, and the views its GEMMs read.
+  rest: one CuPy array per tensor crossing in by DLPack (5 forward; backward, the 2 gradients
+  and the 4 tensors the forward saved through autograd), one per buffer the backend allocates,
+  and the views its GEMMs read.
 """
 from __future__ import annotations
 
