@@ -204,6 +204,30 @@ def test_compile_keeps_the_custom_operators_and_compiles_once_across_lengths():
     torch._dynamo.reset()
 
 
+def test_compile_is_not_taken_for_export_where_dynamo_folds_is_exporting(monkeypatch):
+    """Dynamo before torch 2.13 folds ``torch.compiler.is_exporting()`` to True in every trace,
+    torch.compile's included (torch 2.11 does): the layer must still tell torch.compile from
+    torch.export there. Simulated here by the library's ``is_exporting`` always True (torch's
+    own is left alone: Dynamo reads it to decide how to trace)."""
+    from lltm_cupy.torch import _export
+
+    monkeypatch.setattr(_export, "_is_exporting", lambda: True)
+    torch._dynamo.reset()
+    model, args, _ = _model("lltm-2-layers-bidirectional-batch-first-state")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        compiled(*args(3, 4))
+    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert "lltm_cupy.lltm_sequence_inference.default" in ops, ops
+    torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------------------- torch.export
 
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])

@@ -40,9 +40,20 @@ def tracing() -> bool:
     return torch.jit.is_tracing()
 
 
+def _exporting() -> bool:
+    """Whether ``torch.export`` (strict or not) is tracing the call: torch's own flag, read
+    directly. Not ``torch.compiler.is_exporting()`` inside a Dynamo trace: Dynamo before torch
+    2.13 folds that call to True in every trace, torch.compile's included (torch 2.11: the
+    compiled layer took the recording path), where reading the flag gives its value."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    if flag is not None:
+        return bool(flag)
+    return _is_exporting is not None and _is_exporting()
+
+
 def recording() -> bool:
     """Whether ``torch.export`` (strict or not) or ``torch.jit.trace`` is recording the call."""
-    return (_is_exporting is not None and _is_exporting()) or torch.jit.is_tracing()
+    return _exporting() or torch.jit.is_tracing()
 
 
 def refusal(what: str) -> RuntimeError:
