@@ -204,7 +204,10 @@ def test_compile_keeps_the_custom_operators_and_compiles_once_across_lengths():
     torch._dynamo.reset()
 
 
-def test_compile_is_not_taken_for_export_where_dynamo_folds_is_exporting(monkeypatch):
+@pytest.mark.parametrize("name, op", [("cell-state", "lltm_inference"),
+                                      ("lltm-2-layers-bidirectional-batch-first-state",
+                                       "lltm_sequence_inference")], ids=["cell", "lltm"])
+def test_compile_is_not_taken_for_export_where_dynamo_folds_is_exporting(monkeypatch, name, op):
     """Dynamo before torch 2.13 folds ``torch.compiler.is_exporting()`` to True in every trace,
     torch.compile's included (torch 2.11 does): the layer must still tell torch.compile from
     torch.export there. Simulated here by the library's ``is_exporting`` always True (torch's
@@ -213,7 +216,7 @@ def test_compile_is_not_taken_for_export_where_dynamo_folds_is_exporting(monkeyp
 
     monkeypatch.setattr(_export, "_is_exporting", lambda: True)
     torch._dynamo.reset()
-    model, args, _ = _model("lltm-2-layers-bidirectional-batch-first-state")
+    model, args, _ = _model(name)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -224,7 +227,7 @@ def test_compile_is_not_taken_for_export_where_dynamo_folds_is_exporting(monkeyp
     with torch.no_grad():
         compiled(*args(3, 4))
     ops = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
-    assert "lltm_cupy.lltm_sequence_inference.default" in ops, ops
+    assert f"lltm_cupy.{op}.default" in ops, ops
     torch._dynamo.reset()
 
 
