@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
 
 import lltm_cupy.torch as lt  # noqa: E402
+from lltm_cupy.torch import _export  # noqa: E402
 from conftest import TOLERANCE, max_error  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -240,6 +241,11 @@ def test_export_holds_torch_operators_only(strict):
     at other sizes, forward and gradients."""
     model, args, dims = _model("lltm-2-layers-bidirectional-batch-first-state")
     example = args(3, 5)
+    if not _export._scan_gradients_ok():     # (torch 2.11's scan differentiates it wrongly)
+        with pytest.raises(RuntimeError, match="scan returns wrong gradients"):
+            torch.export.export(model, example, dynamic_shapes=_dynamic_shapes(example, dims),
+                                strict=strict)
+        return
     ep = torch.export.export(model, example, dynamic_shapes=_dynamic_shapes(example, dims),
                              strict=strict)
     assert _lltm_ops(ep.graph_module) == []
@@ -256,6 +262,29 @@ def test_export_holds_torch_operators_only(strict):
                                          [params[n] for n, _ in model.named_parameters()]))
     for g, e in zip(*grads):
         assert max_error(g, e) <= TOL
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_scan_gradients_refused_where_torch_gets_them_wrong(monkeypatch, tmp_path, strict):
+    """On a torch whose scan differentiates the LLTM wrongly (2.11: 5.4 normalised, forward
+    right), a differentiable export that records a scan is refused; under no_grad, a static
+    number of steps (non-strict) and ONNX it still exports."""
+    monkeypatch.setattr(_export, "_scan_gradients_ok", lambda: False)
+    model, args, dims = _model("lltm")
+    example = args(3, 5)
+    shapes = _dynamic_shapes(example, dims)
+    with pytest.raises(RuntimeError, match="scan returns wrong gradients"):
+        torch.export.export(model, example, dynamic_shapes=shapes, strict=strict)
+    with torch.no_grad():
+        _check_replays(torch.export.export(model, example, dynamic_shapes=shapes,
+                                           strict=strict).module(), model, args)
+    if not strict:
+        static = _dynamic_shapes(example, dims, steps=False)
+        torch.export.export(model, example, dynamic_shapes=static, strict=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, example, str(tmp_path / "lltm.onnx"), dynamo=True,
+                              dynamic_shapes=shapes, verbose=False)
 
 
 def test_export_refuses_variable_lengths():

@@ -78,9 +78,38 @@ def _scripted_loop():
         return torch.jit.script(lltm_sequence_reference)
 
 
+#: The first torch whose scan differentiates the LLTM correctly: on torch 2.11 an exported
+#: program's gradients through scan were wrong (5.4 normalised; forward right), on 2.13 right.
+SCAN_GRADIENTS_FROM = (2, 13)
+
+
+def _version_at_least(version: tuple) -> bool:
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch.__version__) >= version
+
+
+# (worked out at import: a TorchVersion cannot be made inside a Dynamo trace, strict export's)
+_SCAN_GRADIENTS_OK = _version_at_least(SCAN_GRADIENTS_FROM)
+
+
+def _scan_gradients_ok() -> bool:
+    return _SCAN_GRADIENTS_OK
+
+
 def _scan(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Tensor):
     """``lltm_sequence_reference`` as ``torch._higher_order_ops.scan``: a dynamic number of
-    steps."""
+    steps. Refused where the program could be differentiated on a torch whose scan gives wrong
+    gradients (before :data:`SCAN_GRADIENTS_FROM`): grad mode on and an argument requiring grad,
+    outside an ONNX export (an ONNX model is never differentiated)."""
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in (inputs, weights, bias, h0, c0))
+            and not torch.onnx.is_in_onnx_export() and not _scan_gradients_ok()):
+        raise RuntimeError(
+            f"lltm_cupy.torch: exporting the LLTM with a dynamic number of steps (or by strict "
+            f"export) records a scan, and torch {torch.__version__}'s scan returns wrong "
+            f"gradients for it (right from torch 2.13): export under torch.no_grad() for "
+            f"inference, or by non-strict export with a static number of steps (no Dim for the "
+            f"steps) to differentiate the program")
     try:
         from torch._higher_order_ops.scan import scan
     except ImportError as exc:      # torch too old for scan
