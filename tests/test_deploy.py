@@ -451,3 +451,49 @@ class _Output(torch.nn.Module):
 
     def forward(self, out_and_state):
         return out_and_state[0]
+
+
+# ------------------------------------------------------------ nn.LSTM beside it (docs/deploy.md)
+
+def test_nn_lstm_beside_it(onnxruntime, tmp_path):
+    """What docs/deploy.md says nn.LSTM does, run beside the LLTM (torch 2.13, onnxruntime
+    1.32): jit.trace replays it at other sizes and round-trips jit.save/load; the TorchScript
+    ONNX exporter gives dynamic steps and batch; the dynamo exporter's file runs at the export's
+    number of steps only; torch.export with a dynamic number of steps fails, with static steps
+    it exports."""
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(8, 16).eval()
+    example = torch.randn(5, 3, 8)
+    other = torch.randn(9, 2, 8)
+    with torch.no_grad():
+        want = lstm(other)[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(lstm, (example,))
+        torch.jit.save(traced, str(tmp_path / "lstm.pt"))
+        loaded = torch.jit.load(str(tmp_path / "lstm.pt"))
+        assert max_error(traced(other)[0], want) <= TOL
+        assert max_error(loaded(other)[0], want) <= TOL
+
+    def session(path):
+        s = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return lambda x: torch.from_numpy(s.run(None, {s.get_inputs()[0].name: x.numpy()})[0])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(lstm, (example,), str(tmp_path / "ts.onnx"), dynamo=False,
+                          input_names=["input"], dynamic_axes={"input": {0: "steps", 1: "batch"}})
+        steps = torch.export.Dim("steps")
+        torch.onnx.export(lstm, (example,), str(tmp_path / "dynamo.onnx"), dynamo=True,
+                          dynamic_shapes=({0: steps},), verbose=False)
+    assert max_error(session(tmp_path / "ts.onnx")(other), want) <= TOL
+    dynamo_run = session(tmp_path / "dynamo.onnx")
+    same_steps = torch.randn(5, 3, 8)
+    with torch.no_grad():
+        assert max_error(dynamo_run(same_steps), lstm(same_steps)[0]) <= TOL
+    with pytest.raises(Exception):        # onnxruntime: a Reshape fails at another length
+        dynamo_run(torch.randn(9, 3, 8))
+
+    with pytest.raises(Exception, match="(?i)constraint"):
+        torch.export.export(lstm, (example,), dynamic_shapes=({0: torch.export.Dim("steps")},))
+    torch.export.export(lstm, (example,))

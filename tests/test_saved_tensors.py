@@ -310,3 +310,30 @@ def test_unread_fields_are_not_kept():
         h, c = cell(x)
     assert not any(t.data_ptr() == c.data_ptr() for t in seen)
     assert np.isfinite(_grads(h.sum() + c.sum(), list(cell.parameters()))[0].numpy()).all()
+
+
+def test_nn_lstm_beside_it_in_place():
+    """What docs/api.md's table says nn.LSTMCell / nn.LSTM allow, run beside the LLTM cases above:
+    c.clamp_() after nn.LSTMCell backpropagates as the out-of-place clamp does, h_n / c_n of
+    nn.LSTM may be changed in place, and changing nn.LSTM's weights in place before the backward
+    raises."""
+    torch.manual_seed(3)
+    cell = torch.nn.LSTMCell(F, H, dtype=torch.float64)
+    x = torch.randn(B, F, dtype=torch.float64)
+    h, c = cell(x)
+    want = _grads(h.relu().sum() + c.clamp(-0.5, 0.5).pow(2).sum(), list(cell.parameters()))
+    h, c = cell(x)
+    c.clamp_(-0.5, 0.5)
+    _assert_same(_grads(h.relu().sum() + c.pow(2).sum(), list(cell.parameters())), want,
+                 "nn.LSTMCell c.clamp_()")
+    lstm = torch.nn.LSTM(F, H, dtype=torch.float64)
+    xs = torch.randn(T, B, F, dtype=torch.float64)
+    out, (h_n, c_n) = lstm(xs)
+    h_n.clamp_(-0.5, 0.5)
+    c_n.clamp_(-0.5, 0.5)
+    (out.sum() + h_n.sum() + c_n.sum()).backward()
+    out, _ = lstm(xs)
+    with torch.no_grad():
+        lstm.weight_hh_l0.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
