@@ -83,14 +83,8 @@ def _scripted_loop():
 SCAN_GRADIENTS_FROM = (2, 13)
 
 
-def _version_at_least(version: tuple) -> bool:
-    from torch.torch_version import TorchVersion
-
-    return TorchVersion(torch.__version__) >= version
-
-
 # (worked out at import: a TorchVersion cannot be made inside a Dynamo trace, strict export's)
-_SCAN_GRADIENTS_OK = _version_at_least(SCAN_GRADIENTS_FROM)
+_SCAN_GRADIENTS_OK = torch.torch_version.TorchVersion(torch.__version__) >= SCAN_GRADIENTS_FROM
 
 
 def _scan_gradients_ok() -> bool:
