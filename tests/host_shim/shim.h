@@ -20,6 +20,26 @@
 //   - dynamic shared memory (extern __shared__ lltm_dynamic_smem[] in the kernel) is a fresh
 //     buffer per block of the launch's byte size, filled with 0xFF bytes (a NaN in every
 //     floating type) so that a read of a word no thread has written shows up in the results.
+//
+// shim_launch_cluster: thread-block clusters (a kernel's __cluster_dims__) with real cluster
+// semantics. Clusters run one after another; inside a cluster every thread of every block is its
+// own context, and the scheduler runs one thread at a time, each until it reaches a barrier or
+// returns, picking the next by shim_schedule: the lowest-numbered runnable thread (ascending;
+// threads numbered rank * blockDim + threadIdx), the highest (descending), or a random one. A
+// block's barrier releases its threads as soon as all of them reach it, so with the ascending
+// order block 0 runs as far as its barriers let it before block 1 starts: a missing cluster
+// barrier shows. Besides __syncthreads() (the thread's block), the kernel's cluster primitives
+// (cuda_src/lltm_fused_cluster.cu gives their GPU bodies, inline PTX):
+//   - lltm_cluster_sync(): barrier.cluster.arrive + wait, all threads of all blocks of the
+//     cluster; reached by some threads while others have returned: an error, as for blocks;
+//     threads waiting at different barriers with none runnable: an error (a deadlock);
+//   - lltm_cluster_rank() / lltm_cluster_size(): %cluster_ctarank / %cluster_nctarank;
+//   - lltm_cluster_map(p, rank): mapa.shared::cluster, the address of the same offset as p (in
+//     this block's dynamic shared memory) in block `rank`'s; lltm_cluster_store(address + bytes,
+//     value): st.shared::cluster. A store outside the cluster's shared memory, or into a block
+//     that has not started (a thread of it has not run yet: on a GPU a block must not be written
+//     before a cluster barrier shows it running) or has finished (all its threads returned), stops
+//     the launch with an error.
 // No warp intrinsics are emulated (the kernels use none); a kernel that uses one fails to build.
 #pragma once
 #include <math.h>
@@ -105,7 +125,14 @@ struct shim_block {
 };
 static shim_block* shim_active = nullptr;
 
+static inline void shim_cluster_syncthreads();
+static inline bool shim_in_cluster();
+
 static inline void __syncthreads() {
+  if (shim_in_cluster()) {               // shim_launch_cluster: the barrier of the thread's block
+    shim_cluster_syncthreads();
+    return;
+  }
   if (shim_active == nullptr) {          // an element-wise launch has no barrier semantics
     shim_error = "__syncthreads() outside shim_launch_block";
     return;
@@ -190,6 +217,253 @@ static void shim_launch_block(unsigned int grid, unsigned int block, size_t shar
                    "that others, already returned, never reach";
     }
     shim_active = nullptr;
+  }
+  lltm_dynamic_smem = nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cluster semantics (see the top of this file).
+
+//: Cluster barriers passed in the last cluster launch (one per lltm_cluster_sync() round).
+static long long shim_cluster_barriers = 0;
+
+// A shared::cluster address: in the shim a plain pointer (byte arithmetic as on the GPU's u32).
+typedef unsigned char* lltm_dsmem;
+
+struct shim_cluster {
+  ucontext_t scheduler;
+  std::vector<ucontext_t> threads;       // rank * block + threadIdx
+  std::vector<int> state;                // 0 runnable, 1 at __syncthreads, 2 returned, 3 at cluster
+  std::vector<char> started;             // the thread has run
+  std::vector<unsigned char*> smem;      // each block's dynamic shared memory
+  std::vector<unsigned> runnable;        // random order: the runnable threads
+  unsigned current = 0, block = 0, size = 0, first = 0;
+  size_t shared_bytes = 0;
+  void (*body)(void*) = nullptr;
+  void* arg = nullptr;
+};
+static shim_cluster* shim_cluster_active = nullptr;
+
+static inline bool shim_in_cluster() { return shim_cluster_active != nullptr; }
+
+static inline void shim_cluster_wait(int why) {
+  shim_cluster* c = shim_cluster_active;
+  c->state[c->current] = why;
+  swapcontext(&c->threads[c->current], &c->scheduler);
+}
+
+static inline void shim_cluster_syncthreads() { shim_cluster_wait(1); }
+
+static inline void lltm_cluster_sync() {
+  if (shim_cluster_active == nullptr) {
+    shim_error = "lltm_cluster_sync() outside shim_launch_cluster";
+    return;
+  }
+  shim_cluster_wait(3);
+}
+
+static inline unsigned lltm_cluster_rank() {
+  return shim_cluster_active ? shim_cluster_active->current / shim_cluster_active->block : 0;
+}
+static inline unsigned lltm_cluster_size() {
+  return shim_cluster_active ? shim_cluster_active->size : 1;
+}
+
+static unsigned char shim_cluster_scratch[64];   // where a refused store goes
+
+static inline lltm_dsmem lltm_cluster_map(const void* p, unsigned rank) {
+  shim_cluster* c = shim_cluster_active;
+  const unsigned char* own = lltm_dynamic_smem;
+  const unsigned char* q = (const unsigned char*)p;
+  if (c == nullptr || rank >= c->size || q < own || q >= own + c->shared_bytes) {
+    shim_error = "lltm_cluster_map(): not an address of the block's dynamic shared memory, or "
+                 "a rank outside the cluster";
+    return shim_cluster_scratch;
+  }
+  return c->smem[rank] + (q - own);
+}
+
+// The rank whose shared memory holds [a, a + n), after the checks of the top of this file; -1
+// (with the launch's error set) if none may be written.
+static inline int shim_cluster_target(lltm_dsmem a, size_t n) {
+  shim_cluster* c = shim_cluster_active;
+  if (c == nullptr) {
+    shim_error = "a distributed shared memory store outside shim_launch_cluster";
+    return -1;
+  }
+  for (unsigned r = 0; r < c->size; ++r) {
+    if (a >= c->smem[r] && a + n <= c->smem[r] + c->shared_bytes) {
+      if (r == c->current / c->block) return (int)r;      // the thread's own block
+      bool started = true, finished = true;
+      for (unsigned t = r * c->block; t < (r + 1) * c->block; ++t) {
+        started = started && c->started[t];
+        finished = finished && c->state[t] == 2;
+      }
+      if (!started) {
+        shim_error = "a distributed shared memory store into a block of the cluster that has "
+                     "not started (no cluster barrier before it)";
+        return -1;
+      }
+      if (finished) {
+        shim_error = "a distributed shared memory store into a block of the cluster that has "
+                     "finished";
+        return -1;
+      }
+      return (int)r;
+    }
+  }
+  shim_error = "a distributed shared memory store outside the cluster's shared memory";
+  return -1;
+}
+
+template <typename V>
+static inline void lltm_cluster_store(lltm_dsmem a, V value) {
+  if (shim_cluster_target(a, sizeof(V)) >= 0) memcpy(a, &value, sizeof(V));
+}
+
+static void shim_cluster_thread_main() {
+  shim_cluster_active->body(shim_cluster_active->arg);
+  shim_cluster_active->state[shim_cluster_active->current] = 2;
+}
+
+// Marks the threads [lo, hi) runnable.
+static inline void shim_cluster_release(shim_cluster& c, unsigned lo, unsigned hi) {
+  for (unsigned t = lo; t < hi; ++t) {
+    c.state[t] = 0;
+    if (shim_schedule == 2) c.runnable.push_back(t);
+  }
+}
+
+// Runs the threads of one cluster (their contexts made) to their end; the error message, or
+// nullptr.
+static __attribute__((noinline)) const char* shim_run_cluster(shim_cluster& c) {
+  const unsigned n = c.size * c.block;
+  unsigned cursor = shim_schedule == 1 ? n - 1 : 0;   // no runnable thread beyond it (in order)
+  c.runnable.clear();
+  if (shim_schedule == 2) {
+    for (unsigned t = 0; t < n; ++t) c.runnable.push_back(t);
+  }
+  for (;;) {
+    // the next thread to run, by the schedule
+    long long pick = -1;
+    if (shim_schedule == 2) {
+      if (!c.runnable.empty()) {
+        const size_t at = shim_next_random() % c.runnable.size();
+        pick = c.runnable[at];
+        c.runnable[at] = c.runnable.back();
+        c.runnable.pop_back();
+      }
+    } else if (shim_schedule == 1) {
+      for (long long t = cursor; t >= 0; --t) {
+        if (c.state[t] == 0) { pick = t; break; }
+      }
+    } else {
+      for (unsigned t = cursor; t < n; ++t) {
+        if (c.state[t] == 0) { pick = t; break; }
+      }
+    }
+    if (pick < 0) {
+      unsigned returned = 0, at_block = 0, at_cluster = 0;
+      for (int st : c.state) {
+        returned += st == 2;
+        at_block += st == 1;
+        at_cluster += st == 3;
+      }
+      if (returned == n) return nullptr;
+      if (at_cluster && returned) {
+        return "divergent cluster barrier: some threads of a cluster wait at a cluster barrier "
+               "that others, already returned, never reach";
+      }
+      if (at_block && returned) {
+        return "divergent __syncthreads(): some threads of a block wait at a barrier that "
+               "others, already returned, never reach";
+      }
+      return "deadlock: the threads of a cluster wait at different barriers";
+    }
+    const unsigned t = (unsigned)pick;
+    if (shim_schedule != 2) cursor = t;
+    c.current = t;
+    c.started[t] = 1;
+    threadIdx.x = t % c.block;
+    blockIdx.x = c.first + t / c.block;
+    lltm_dynamic_smem = c.smem[t / c.block];
+    swapcontext(&c.scheduler, &c.threads[t]);
+    if (shim_error != nullptr) return shim_error;
+    if (c.state[t] == 1) {           // its block's barrier: released when all its threads are there
+      const unsigned lo = t - t % c.block, hi = lo + c.block;
+      bool all = true;
+      for (unsigned u = lo; u < hi && all; ++u) all = c.state[u] == 1;
+      if (all) {
+        ++shim_barriers;
+        shim_cluster_release(c, lo, hi);
+        cursor = shim_schedule == 1 ? std::max(cursor, hi - 1) : std::min(cursor, lo);
+      }
+    } else if (c.state[t] == 3) {    // the cluster's barrier
+      bool all = true;
+      for (unsigned u = 0; u < n && all; ++u) all = c.state[u] == 3;
+      if (all) {
+        ++shim_cluster_barriers;
+        shim_cluster_release(c, 0, n);
+        cursor = shim_schedule == 1 ? n - 1 : 0;
+      }
+    }
+  }
+}
+
+// One context per thread of every block of a cluster, each starting at the kernel.
+static __attribute__((noinline)) void shim_make_cluster_threads(shim_cluster& c, char* stacks,
+                                                                size_t stack_bytes) {
+  const unsigned n = c.size * c.block;
+  c.threads.assign(n, ucontext_t());
+  c.state.assign(n, 0);
+  c.started.assign(n, 0);
+  for (unsigned t = 0; t < n; ++t) {
+    ucontext_t& u = c.threads[t];
+    getcontext(&u);
+    u.uc_stack.ss_sp = stacks + t * stack_bytes;
+    u.uc_stack.ss_size = stack_bytes;
+    u.uc_link = &c.scheduler;
+    makecontext(&u, shim_cluster_thread_main, 0);
+  }
+}
+
+// A launch of `grid` blocks of `block` threads in clusters of `cluster` blocks (consecutive
+// blockIdx.x, rank = blockIdx.x mod cluster), `shared_bytes` of dynamic shared memory per block.
+template <typename Kernel>
+static void shim_launch_cluster(unsigned int grid, unsigned int block, unsigned int cluster,
+                                size_t shared_bytes, Kernel run) {
+  const size_t stack_bytes = 64 * 1024;
+  shim_error = nullptr;
+  shim_barriers = 0;
+  shim_cluster_barriers = 0;
+  if (cluster == 0 || grid % cluster != 0) {
+    shim_error = "the grid is not a whole number of clusters";
+    return;
+  }
+  gridDim.x = grid;
+  blockDim.x = block;
+  shim_shared_bytes = shared_bytes;
+  std::vector<std::vector<unsigned char>> shared(cluster,
+                                                 std::vector<unsigned char>(shared_bytes + 16));
+  std::unique_ptr<char[]> stacks(new char[stack_bytes * block * cluster]);   // uninitialised
+  shim_cluster c;
+  c.body = [](void* p) { (*(Kernel*)p)(); };
+  c.arg = &run;
+  c.block = block;
+  c.size = cluster;
+  c.shared_bytes = shared_bytes;
+  for (unsigned int first = 0; first < grid && shim_error == nullptr; first += cluster) {
+    c.first = first;
+    c.smem.clear();
+    for (auto& s : shared) {
+      memset(s.data(), 0xFF, s.size());
+      c.smem.push_back(s.data());
+    }
+    shim_make_cluster_threads(c, stacks.get(), stack_bytes);
+    shim_cluster_active = &c;
+    const char* error = shim_run_cluster(c);
+    shim_cluster_active = nullptr;
+    if (error != nullptr) shim_error = error;
   }
   lltm_dynamic_smem = nullptr;
 }

@@ -1,0 +1,42 @@
+"""tests/host_shim/harness_cluster.cpp built as host C++ with cluster semantics (shim.h's
+shim_launch_cluster: every thread of every block of a cluster a context, __syncthreads() the
+block's barrier, lltm_cluster_sync() the cluster's, lltm_cluster_map / lltm_cluster_store the
+distributed shared memory) and loaded with ctypes."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+from lltm_cupy._cuda import kernels as _kernels
+from .host_kernels import SHIM
+from .host_fused import SCHEDULES
+
+
+def build(out_dir: Path, source_dir: Path | None = None) -> ctypes.CDLL:
+    """Compile tests/host_shim/harness_cluster.cpp into out_dir and load it. ``source_dir``: a
+    folder whose CUDA sources replace cuda_src's (mutation tests)."""
+    cxx = shutil.which("g++")
+    assert cxx, "g++ is required to run the CUDA source on the CPU (apt-get install g++)"
+    out = Path(out_dir) / "lltm_cluster_host.so"
+    includes = ([f"-I{source_dir}"] if source_dir else []) + [
+        f"-I{_kernels.source_path().parent}", f"-I{SHIM}"]
+    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
+           *includes, str(SHIM / "harness_cluster.cpp"), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, f"host build failed: {' '.join(cmd)}\n{proc.stderr}"
+    lib = ctypes.CDLL(str(out))
+    lib.lltm_host_last_error.restype = ctypes.c_char_p
+    lib.lltm_host_barriers.restype = ctypes.c_longlong
+    lib.lltm_host_cluster_barriers.restype = ctypes.c_longlong
+    return lib
+
+
+def set_schedule(lib, name: str, seed: int = 1) -> None:
+    lib.lltm_host_set_schedule(ctypes.c_int(SCHEDULES[name]), ctypes.c_ulonglong(seed))
+
+
+def last_error(lib) -> str | None:
+    error = lib.lltm_host_last_error()
+    return None if error is None else error.decode()
