@@ -192,6 +192,18 @@ MUTANTS = [
            "    return _cupy_stream(index, 0)",
            ("tests/test_torch_cuda_path.py", "tests/test_lltm_layers.py"),
            "CuPy work on the null stream, not torch's current stream"),
+    Mutant("imported-view-offset-dropped", "lltm_cupy/torch/_cuda_arrays.py",
+           "t.storage_offset() + (data.ptr - t.data_ptr()) // item)",
+           "t.storage_offset())",
+           ("tests/test_torch_cuda_path.py", "tests/test_lltm_layers.py"),
+           "a view of an imported tensor (weights[:, S:]) given back at the tensor's start"),
+    Mutant("torch-rows-read-at-out-offset", "lltm_cupy/torch/_torch_gemm.py",
+           "a, out = self._a.narrow(0, i, rows), self._out.narrow(0, j, rows)",
+           "a, out = self._a.narrow(0, j, rows), self._out.narrow(0, j, rows)",
+           ("tests/test_torch_cuda_path.py", "tests/test_lltm_layers.py",
+            "tests/test_gpu_variable_length.py"),
+           "a packed step's recurrent GEMM by torch reads the rows it writes, not the previous "
+           "step's"),
     Mutant("stream-cached", "lltm_cupy/torch/_interop.py",
            "    return _cupy_stream(index, current_raw_stream(index))",
            "    return _cupy_stream(index, _torch_stream.__dict__.setdefault("

@@ -18,7 +18,8 @@ which the kernels, ``gemm`` and the bias gradient read as bfloat16.
 
 Every GEMM goes through ``gemm``: by default :func:`lltm_cupy._cuda.gemm.gemm` (cuBLAS
 ``gemmEx`` through CuPy's binding, on any row-major view, without copies); the torch layer
-passes torch's GEMM while a CUDA graph is being captured, where CuPy refuses to call cuBLAS.
+passes torch's GEMM (``lltm_cupy.torch._torch_gemm.TORCH_CUDA_GEMM``), eagerly and under
+CUDA-graph capture, where CuPy refuses to call cuBLAS.
 """
 from __future__ import annotations
 

@@ -16,18 +16,22 @@ BLAS (one BLAS thread pool per process). CUDA tensors run the CuPy backend:
   allocator installed for the call only (``cupy.cuda.using_allocator``; the user's own CuPy code
   keeps CuPy's pool). torch sees and accounts for all of it, ``empty_cache`` and memory
   snapshots cover it, and during CUDA-graph capture it comes from the graph's private pool.
-  Not from torch: the workspace of CuPy's cuBLAS handle (one handle per thread and device,
-  created by CuPy with cuBLAS's default workspace, which CuPy 14 does not let us replace), and
-  the compiled kernel modules (see ``lltm_cupy.warmup``);
+  The GEMMs' workspace is torch's too (its cuBLAS handles'); not from torch: the compiled kernel
+  modules (see ``lltm_cupy.warmup``);
 - **out**: the arrays the backend returns live in those torch allocations, and come back as
-  ordinary torch tensors over them (not DLPack wrappers), so ``record_stream`` works on them;
-- **GEMM**: cuBLAS through CuPy, except while the stream is being captured into a CUDA graph,
-  where CuPy refuses to call cuBLAS: then torch's GEMM, on the same stream, on torch views of
-  the same memory. torch keeps one cuBLAS handle per thread and device and creates it at the
-  thread's first torch GEMM, which must not happen inside a capture (``cublasCreate`` fails
-  there): so every eager call on CUDA makes sure the calling thread has its torch handle (once
-  per thread and device; the backward runs on autograd's device thread, whose eager backward
-  does the same), and ``lltm_cupy.warmup`` does it for the calling thread and autograd's.
+  ordinary torch tensors over them (not DLPack wrappers), so ``record_stream`` works on them
+  (``_cuda_arrays``: an array over an imported tensor comes back as a view of that tensor);
+- **GEMM**: torch's (``torch.mm`` / ``addmm_`` on torch views of the same memory, on the same
+  stream: ``_torch_gemm.TORCH_CUDA_GEMM``), eagerly and while the stream is being captured into
+  a CUDA graph alike, so that a graph's replay computes what the eager call computes. CuPy's
+  cuBLAS binding cannot serve both: it refuses every cuBLAS call during a capture. So the torch
+  layer's GEMMs follow torch's matmul settings, as ``torch.mm`` does (TF32 only where
+  ``torch.backends.cuda.matmul.allow_tf32`` or ``torch.set_float32_matmul_precision`` allow it;
+  16-bit reductions as ``allow_fp16_reduced_precision_reduction`` /
+  ``allow_bf16_reduced_precision_reduction`` say); the array API's GEMMs are CuPy's cuBLAS. torch
+  keeps one cuBLAS handle per thread and device and creates it at the thread's first torch
+  GEMM, which must not happen inside a capture (``cublasCreate`` fails there): an eager call
+  makes it, and ``lltm_cupy.warmup`` makes it for the calling thread and autograd's.
 
 Autocast is switched off inside a call: the backend's GEMMs must run in the dtype the cell
 computes in (``lltm_cupy.torch`` casts the arguments first, as autocast would).
@@ -40,22 +44,18 @@ import threading
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.dlpack import to_dlpack as _to_dlpack
-
 from .. import _numpy
 from .._checks import check_shapes
-from ._torch_gemm import TORCH_GEMM
+from ._cuda_arrays import imports as _imports, to_array as _array_cuda, to_tensor as _tensor_cuda
+from ._torch_gemm import TORCH_CUDA_GEMM, TORCH_GEMM
 
-__all__ = ["check", "backend_call", "torch_gemm", "uses_cupy", "DTYPES"]
+__all__ = ["check", "backend_call", "uses_cupy", "DTYPES"]
 
 NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 #: What each backend computes in. bfloat16 CPU tensors are computed in float32 by the layer above
 #: (lltm_cupy.torch._dispatch), so they never reach the NumPy backend.
 DTYPES = {"cpu": (torch.float32, torch.float64),
           "cuda": (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
-#: CuPy dtype -> torch dtype; uint16 arrays are bfloat16 bits (lltm_cupy._cuda.kernels.BFLOAT16)
-_TORCH_DTYPE = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
-                np.dtype(np.float64): torch.float64, np.dtype(np.uint16): torch.bfloat16}
 
 
 def check(tensors, names=NAMES, check_shapes=check_shapes) -> None:
@@ -175,49 +175,6 @@ def _torch_allocator(device: torch.device):
     return allocate
 
 
-def _array_cuda(t: Tensor):
-    """A CuPy view of ``t`` through DLPack (a contiguous export: the well-trodden path). CuPy has
-    no bfloat16: a bfloat16 tensor crosses as its bits (an int16 view), and arrives as uint16,
-    which the CuPy backend reads as bfloat16.
-
-    The capsule comes from ``torch.utils.dlpack.to_dlpack``: the capsule ``__dlpack__(stream=-1)``
-    returns (no stream handshake), made by one C call instead of ``Tensor.__dlpack__``'s checks
-    in Python (its device and current-device lookups cost microseconds per tensor); CuPy takes a
-    capsule as it is (``cupy/_core/dlpack.pyx``, ``from_dlpack``)."""
-    import cupy
-
-    t = t.detach()
-    t = t if t.is_contiguous() else t.contiguous()
-    if t.dtype == torch.bfloat16:
-        return cupy.from_dlpack(_to_dlpack(t.view(torch.int16))).view(cupy.uint16)
-    return cupy.from_dlpack(_to_dlpack(t))
-
-
-def _tensor_cuda(a) -> Tensor:
-    """The torch tensor over CuPy array ``a``'s memory, no copy.
-
-    Memory from :func:`_torch_allocator` comes back as a view of the torch allocation that owns
-    it: an ordinary torch tensor. Anything else (an imported tensor's memory, or a view of it
-    such as ``weights.T``) through DLPack, in the dtype the array stands for (bfloat16 for the
-    uint16 bits of bfloat16).
-    """
-    mem = a.data.mem
-    owner = getattr(mem, "_owner", None)
-    dtype = _TORCH_DTYPE[a.dtype]
-    if isinstance(owner, Tensor) and owner.dtype == torch.uint8:
-        storage = owner.untyped_storage()
-        item = a.itemsize
-        offset = a.data.ptr - storage.data_ptr()
-        if a.size == 0:
-            return torch.empty(a.shape, dtype=dtype, device=owner.device)
-        return torch.empty(0, dtype=dtype, device=owner.device).set_(
-            storage, offset // item, a.shape, tuple(s // item for s in a.strides))
-    t = torch.from_dlpack(a.__dlpack__(stream=-1))
-    # CuPy exports its uint16 storage of bfloat16 as unsigned integers, which torch imports as
-    # torch.uint16: reinterpret the bits (same element size, so any strides are kept).
-    return t.view(dtype) if t.dtype != dtype else t
-
-
 _blas_ready = threading.local()
 
 
@@ -274,17 +231,6 @@ def refuse_capture_without(plans, device: torch.device, lengths=None) -> None:
         pin(p)
 
 
-def torch_gemm(a, b, out, accumulate: bool = False):
-    """The CuPy backend's ``gemm`` done by torch (``out = a @ b`` or ``out += a @ b``) on torch
-    views of the same memory, on torch's current stream: what runs while a graph is captured."""
-    ta, tb, tout = _tensor_cuda(a), _tensor_cuda(b), _tensor_cuda(out)
-    if accumulate:
-        tout.addmm_(ta, tb)
-    else:
-        torch.mm(ta, tb, out=tout)
-    return out
-
-
 class Call:
     """What one backend call from the torch layer uses: the backend module, its GEMM keyword,
     and the two conversions (tensor -> array, array -> tensor). Also a do-nothing context
@@ -334,7 +280,8 @@ def _autocast_off(device: torch.device, cupy_path: bool):
 class _CudaCall:
     """One call of the CUDA backend: the tensors' device current (entered only when it is not
     already), torch's current stream as CuPy's (its handle read now), torch's caching allocator
-    as CuPy's, and the GEMM: CuPy's cuBLAS, or torch's while the stream is being captured."""
+    as CuPy's, the call's imported tensors remembered (``_cuda_arrays.imports``), and torch's
+    GEMM."""
 
     __slots__ = ("_device", "_entered")
 
@@ -351,17 +298,13 @@ class _CudaCall:
         entered = self._entered = []
         try:
             for context in (kernels.on_device(index), _torch_stream(index),
-                            cupy.cuda.using_allocator(_torch_allocator(device))):
+                            cupy.cuda.using_allocator(_torch_allocator(device)), _imports()):
                 context.__enter__()
                 entered.append(context)
-            capturing = entered[1].is_capturing()
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        if capturing:
-            return _cuda_call(torch_gemm)
-        _torch_blas_ready(index)
-        return _cuda_call(None)
+        return _cuda_call()
 
     def __exit__(self, *exc):
         while self._entered:
@@ -369,16 +312,13 @@ class _CudaCall:
         return False
 
 
-_CUDA_CALLS: dict = {}
+_CUDA_CALL: list = []
 
 
-def _cuda_call(gemm) -> Call:
-    """The :class:`Call` of the CUDA backend with ``gemm`` (None: the backend's own), made once
-    per GEMM engine."""
-    found = _CUDA_CALLS.get(gemm)
-    if found is None:
+def _cuda_call() -> Call:
+    """The :class:`Call` of the CUDA backend (made at first use: it imports the backend)."""
+    if not _CUDA_CALL:
         from .. import _cuda
 
-        found = _CUDA_CALLS[gemm] = Call(_cuda, {"gemm": _cuda.gemm if gemm is None else gemm},
-                                         _array_cuda, _tensor_cuda)
-    return found
+        _CUDA_CALL.append(Call(_cuda, {"gemm": TORCH_CUDA_GEMM}, _array_cuda, _tensor_cuda))
+    return _CUDA_CALL[0]

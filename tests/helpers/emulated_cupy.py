@@ -109,6 +109,7 @@ class _State:
         self.transfers = []
         self.syncs = 0
         self.torch_blas_threads = set()
+        self.gemm_engines = []
         self.counts = dict.fromkeys(COUNTED, 0)
         self.noop = False
 
@@ -124,6 +125,7 @@ class _State:
     def reset(self):
         self.counts = dict.fromkeys(COUNTED, 0)
         self.log.clear()
+        self.gemm_engines.clear()
         self.allocations.clear()
         self.pool_allocations = 0
         self.compiles.clear()
@@ -595,6 +597,7 @@ def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ld
         assert _state.math_mode & _DISALLOW_REDUCED_PRECISION, \
             "16-bit gemmEx without CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION"
     _state.log.append("gemm")
+    _state.gemm_engines.append("cublas")
     if m == 0 or n == 0 or _state.noop:
         return
     a = _colmajor(A, a_rows, k if transa == 0 else m, lda, dtype)

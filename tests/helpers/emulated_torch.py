@@ -81,23 +81,37 @@ def install_torch(patch, fake):
 def torch_blas(emulator, interop, patch):
     """torch's per-thread cuBLAS handles, as the emulator models them: made by
     ``create_torch_blas_handle`` or by a thread's first torch GEMM outside a capture; a torch
-    GEMM inside a capture on a thread without one raises, as ``cublasCreate`` does there."""
-    from lltm_cupy.torch import _interop
+    GEMM inside a capture on a thread without one raises, as ``cublasCreate`` does there. Every
+    torch GEMM of the CUDA path (``_torch_gemm._mm`` / ``_addmm_``) is device work: logged as
+    "gemm" on its stream, its engine noted in ``emulator.gemm_engines`` ("torch"; CuPy's gemmEx
+    notes "cublas"), its arithmetic skipped under ``noop``."""
+    from lltm_cupy.torch import _torch_gemm
 
-    patch.setattr(_interop, "_blas_ready", threading.local())   # a fresh process
+    patch.setattr(interop, "_blas_ready", threading.local())   # a fresh process
     emulator.torch_blas_threads.clear()
     patch.setattr(interop, "create_torch_blas_handle",
                   lambda index: emulator.torch_blas_threads.add(threading.get_ident()))
     # lltm_cupy.warmup's: the calling thread's handle (the emulated backward runs on it too)
     patch.setattr(interop, "prepare_capture", lambda index: interop._torch_blas_ready(index))
-    real = interop.torch_gemm
 
-    def torch_gemm(a, b, out, accumulate=False):
+    def issued(out):
         if threading.get_ident() not in emulator.torch_blas_threads:
             if emulator.capturing:
                 raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling "
                                    "`cublasCreate(handle)`")
             emulator.torch_blas_threads.add(threading.get_ident())
-        return real(a, b, out, accumulate)
+        if out.numel():
+            emulator.log.append("gemm")
+            emulator.gemm_engines.append("torch")
+        return not emulator.noop
 
-    patch.setattr(interop, "torch_gemm", torch_gemm)
+    real_mm, real_addmm = _torch_gemm._mm, _torch_gemm._addmm_
+
+    def mm(a, b, *, out):
+        return real_mm(a, b, out=out) if issued(out) else out
+
+    def addmm_(out, a, b):
+        return real_addmm(out, a, b) if issued(out) else out
+
+    patch.setattr(_torch_gemm, "_mm", mm)
+    patch.setattr(_torch_gemm, "_addmm_", addmm_)
