@@ -160,9 +160,16 @@ def _device_index(device: torch.device) -> int:
     return 0 if device.index is None else device.index
 
 
+_ALLOCATORS: dict = {}
+
+
 def _torch_allocator(device: torch.device):
     """A CuPy allocator whose every allocation is a torch tensor on ``device`` (torch's caching
-    allocator, torch's current stream); the tensor is the memory's owner."""
+    allocator, torch's current stream); the tensor is the memory's owner. One per device, made
+    at its first use."""
+    found = _ALLOCATORS.get(device)
+    if found is not None:
+        return found
     import cupy
 
     index = _device_index(device)
@@ -172,6 +179,7 @@ def _torch_allocator(device: torch.device):
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return pointer(memory(buffer.data_ptr(), nbytes, buffer, index), 0)
 
+    _ALLOCATORS[device] = allocate
     return allocate
 
 

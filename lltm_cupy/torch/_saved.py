@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -67,7 +68,12 @@ def apply(cls, args):
 
 
 def _is_array(value) -> bool:
-    return isinstance(value, np.ndarray) or hasattr(value, "__cuda_array_interface__")
+    """A NumPy or CuPy array (by type: CuPy's ``__cuda_array_interface__`` property builds a dict
+    and reads the current stream on every access)."""
+    if isinstance(value, np.ndarray):
+        return True
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(value, cupy.ndarray)
 
 
 def _pointer(a) -> int:

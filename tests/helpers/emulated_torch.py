@@ -73,6 +73,7 @@ def install_torch(patch, fake):
     patch.setattr(torch.cuda, "Stream", TorchStream)
     patch.setattr(torch.cuda, "stream", stream)
     patch.setattr(_interop, "uses_cupy", lambda device: True)
+    patch.setattr(_interop, "_ALLOCATORS", {})     # made over this emulated CuPy's classes
     emulator.torch_stream = lambda: current[-1].cuda_stream
     torch_blas(emulator, _interop, patch)
     return fake
