@@ -85,6 +85,8 @@ class Plan:
     data_index: Optional[np.ndarray] = None   # (N,) data row of each packed row; None: the same
     #: device id -> the index arrays on that device (see device_arrays)
     _device: dict = field(default_factory=dict, repr=False)
+    #: device id -> the handles of the streams the index arrays there were used on
+    _streams: dict = field(default_factory=dict, repr=False)
 
     @property
     def rows(self) -> int:
@@ -114,6 +116,19 @@ class Plan:
     def on_device(self, device_id: int) -> bool:
         return device_id in self._device
 
+    def first_use_on(self, device_id: int, stream: int):
+        """The index arrays on ``device_id`` (:meth:`device_arrays`' namespace) if they are
+        there and were not used on stream ``stream`` (a handle) before, else None; notes the
+        stream as used. The stream they were uploaded on counts as used."""
+        found = self._device.get(device_id)
+        if found is None:
+            return None
+        seen = self._streams.setdefault(device_id, set())
+        if stream in seen:
+            return None
+        seen.add(stream)
+        return found
+
     def device_arrays(self, xp, device_id: int, capturing: bool = False):
         """The index arrays the GPU backend reads, on device ``device_id`` (``xp``: CuPy, its
         current device that one): ``t_index``, ``b_index`` (None for a PackedSequence plan),
@@ -141,6 +156,7 @@ class Plan:
             prev=upload(self.prev_row) if len(self.prev_row) else None,
             offsets=upload(np.asarray(self.offsets, np.int64)))
         self._device[device_id] = found
+        self._streams[device_id] = {xp.cuda.get_current_stream().ptr}
         return found
 
     def step(self, tau: int) -> slice:

@@ -289,3 +289,43 @@ def _interop_ref(stream):
     from lltm_cupy.torch._interop import _StreamRef
 
     return _StreamRef(stream.cuda_stream)
+
+
+@pytest.mark.parametrize("how", ["packed-sequence", "lengths"])
+def test_plan_index_arrays_record_each_other_stream_they_are_read_on(emulated_cuda_torch,
+                                                                     monkeypatch, how):
+    """A packing plan's index arrays are torch allocations made on the stream of their upload;
+    read on another stream, that stream is recorded on each of them once (so that their memory
+    is not handed out again before that stream's work has read it), and never the upload's."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    from lltm_cupy.torch import _interop
+
+    recorded = []
+    monkeypatch.setattr(_interop, "record_stream",
+                        lambda t, index, stream: recorded.append((t.data_ptr(), stream)))
+    torch.manual_seed(5)
+    model = lt.LLTM(3, 4)
+    x = torch.randn(5, 3, 3)
+    lengths = torch.tensor([3, 5, 2])
+    packed = pack_padded_sequence(x, lengths, enforce_sorted=False)
+
+    def run():
+        if how == "packed-sequence":
+            return model(packed)[0].data
+        h0 = torch.zeros(3, 4)
+        return lt.lltm_sequence(x, model.weights_l0, model.bias_l0, h0, h0, lengths=lengths)[0]
+
+    first = run()                   # uploads the plan's arrays on the default stream
+    assert recorded == []
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        again = run()
+        run()
+    assert recorded, "nothing recorded for the side stream"
+    assert {stream for _, stream in recorded} == {side.cuda_stream}
+    assert len({ptr for ptr, _ in recorded}) == len(recorded)     # once per array
+    count = len(recorded)
+    run()                           # the default stream again: the upload's, nothing to record
+    assert len(recorded) == count
+    torch.testing.assert_close(again, first, rtol=0, atol=0)

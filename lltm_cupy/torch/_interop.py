@@ -215,28 +215,43 @@ def prepare_capture(index: int) -> None:
     torch.mm(x, x).sum().backward()
 
 
-def capturing(device: torch.device) -> bool:
-    """Whether torch's current stream on ``device`` is being captured into a CUDA graph."""
+def use_plans(plans, device: torch.device, lengths=None) -> None:
+    """Before a call that reads the packing plans' index arrays on ``device``:
+
+    - under CUDA-graph capture, variable-length input runs only on plans already on the device
+      (and with lengths on the host): else CaptureError, before any work is queued; plans used
+      under capture are kept for the graph's replays;
+    - a plan's index arrays are torch allocations made on the stream current at their upload:
+      used on another stream, that stream is recorded on them (``record_stream``, once per plan
+      and stream), so that torch does not hand their memory out again, once the plan is
+      dropped, before the work queued there has read them."""
     if not uses_cupy(device):
-        return False
-    return bool(_torch_stream(_device_index(device)).is_capturing())
-
-
-def refuse_capture_without(plans, device: torch.device, lengths=None) -> None:
-    """Under CUDA-graph capture, variable-length input runs only on plans already on the device
-    (and with lengths on the host): else CaptureError, before any work is queued. Plans used
-    under capture are kept for the graph's replays."""
-    if not capturing(device):
+        return
+    index = _device_index(device)
+    stream = current_raw_stream(index)
+    for p in plans:
+        arrays = p.first_use_on(index, stream)
+        if arrays is not None:
+            for a in vars(arrays).values():
+                owner = None if a is None else getattr(a.data.mem, "_owner", None)
+                if isinstance(owner, Tensor):
+                    record_stream(owner, index, stream)
+    if not _cupy_stream(index, stream).is_capturing():
         return
     from .._packing import capture_error, pin
 
     if isinstance(lengths, Tensor) and lengths.device.type != "cpu":
         raise capture_error("with lengths on the GPU (reading them would wait for the device)")
-    index = _device_index(device)
     if not all(p.on_device(index) for p in plans):
         raise capture_error()
     for p in plans:
         pin(p)
+
+
+def record_stream(tensor: Tensor, index: int, stream: int) -> None:
+    """``tensor.record_stream`` of the stream with handle ``stream`` on device ``index`` (the
+    tests' emulated CUDA path replaces this)."""
+    tensor.record_stream(torch.cuda.ExternalStream(stream, device=torch.device("cuda", index)))
 
 
 class Call:

@@ -215,12 +215,12 @@ class LLTM(nn.Module):
             from torch.nn.utils.rnn import PackedSequence
 
             from .._packing import packed_plan
-            from ._interop import refuse_capture_without
+            from ._interop import use_plans
 
             _check_input("LLTM", input.data, "(rows, input_size)", self.input_size)
             plans = [packed_plan(input.batch_sizes, reverse=d == 1)
                      for d in range(self.num_directions)]
-            refuse_capture_without(plans, input.data.device)
+            use_plans(plans, input.data.device)
             x, unbatched = input.data, False
             batch = int(input.batch_sizes[0]) if len(input.batch_sizes) else 0
         else:

@@ -158,9 +158,9 @@ def _packed_sequence(tensors, lengths, reverse: bool, fused: bool = False):
 
     steps, batch = tensors[0].shape[:2]
     device = tensors[0].device
-    _interop.refuse_capture_without((), device, lengths)     # lengths on the GPU: refused now
+    _interop.use_plans((), device, lengths)     # lengths on the GPU: refused now
     plan = _packing.cached_plan(_packing.check_lengths(lengths, steps, batch), steps, reverse)
-    _interop.refuse_capture_without((plan,), device)
+    _interop.use_plans((plan,), device)
     if not _needs_grad(tensors) and not _transformed(tensors):
         return _forward_only(tensors, True, fused, plan=plan)
     return LLTMSequenceFunction.apply(*tensors, plan, fused)[:3]

@@ -110,6 +110,7 @@ class _State:
         self.syncs = 0
         self.torch_blas_threads = set()
         self.gemm_engines = []
+        self.recorded_streams = []
         self.counts = dict.fromkeys(COUNTED, 0)
         self.noop = False
 

@@ -74,6 +74,9 @@ def install_torch(patch, fake):
     patch.setattr(torch.cuda, "stream", stream)
     patch.setattr(_interop, "uses_cupy", lambda device: True)
     patch.setattr(_interop, "_ALLOCATORS", {})     # made over this emulated CuPy's classes
+    # record_stream of a CPU tensor raises: noted instead
+    patch.setattr(_interop, "record_stream",
+                  lambda tensor, index, stream: emulator.recorded_streams.append(stream))
     emulator.torch_stream = lambda: current[-1].cuda_stream
     torch_blas(emulator, _interop, patch)
     return fake
