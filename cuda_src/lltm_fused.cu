@@ -30,9 +30,15 @@
 // goes to sum k mod LLTM_FUSED_LANES), added in a fixed tree order at the end: shorter dependent
 // chains than one running sum, and a rounding error that grows with S / LLTM_FUSED_LANES instead
 // of S. The order is fixed by the source, so results do not depend on the launch geometry or the
-// thread schedule. The global values a step's element needs besides the dot product (the input
+// thread schedule.
+//
+// Prefetch: the global values an element of a step needs besides the dot product (the input
 // projection and bias forward; the saved pre-activations, cell and output gradient backward) are
-// loaded before the dot product or the cell's arithmetic, so that their latency overlaps it.
+// loaded into registers one element of the thread's work ahead: while a thread computes an
+// element, the loads of its next one are in flight, that is of the next step's (the previous
+// step's backward) first element when it has one element per step, issued before the current
+// step's dot product and barriers. The values are the same; only when they are read changes.
+// The first element's bias, the same at every step, is loaded once per launch.
 //
 // Shared memory (dynamic, bytes; A = arithmetic type, T = storage type; lltm_cupy/_cuda/fused.py
 // computes the same sizes):
@@ -142,14 +148,31 @@ __global__ void lltm_seq_fwd_kernel(const T* __restrict__ w, long long w_stride,
   }
   __syncthreads();
 
+  // Step t's rows are first .. edge (edge: step t + 1's first row), `active` of them this
+  // block's; the offset after edge is read one step ahead, for the prefetch of step t + 1.
   long long first = lltm_fused_offset(offsets, packed, 0, batch);
+  long long edge = steps > 0 ? lltm_fused_offset(offsets, packed, 1, batch) : first;
+  int active = min(rows, (int)(edge - first) - row0);             // the same for every thread
+  // The bias of the thread's first element, the element it has at every step.
+  const T b0_i = bias[walk.s0], b0_o = bias[S + walk.s0], b0_c = bias[2 * S + walk.s0];
+  // Prefetched: the input projection and bias of the thread's next element (the loads of
+  // step 0's first one here, then each loaded while the element before it computes).
+  T q_i = T(), q_o = T(), q_c = T(), qb_i = b0_i, qb_o = b0_o, qb_c = b0_c;
+  if ((int)threadIdx.x < active * S) {
+    const T* gn = gates + (first + row0 + walk.r0) * S3 + walk.s0;
+    q_i = gn[0];
+    q_o = gn[S];
+    q_c = gn[2 * S];
+  }
+  A* h_cur = h_buf;                                                 // h of step t - 1
+  A* h_next = h_buf + tile * S;                                     // h of step t
   int t = 0;
   for (; t < steps; ++t) {
-    const long long edge = lltm_fused_offset(offsets, packed, t + 1, batch);
-    const int active = min(rows, (int)(edge - first) - row0);   // the same for every thread
     if (active <= 0) break;
-    const A* h_cur = h_buf + (t & 1) * tile * S;
-    A* h_next = h_buf + ((t + 1) & 1) * tile * S;
+    const long long edge_next = t + 1 < steps ? lltm_fused_offset(offsets, packed, t + 2, batch)
+                                              : edge;
+    const int active_next = min(rows, (int)(edge_next - edge) - row0);  // <= 0 after the last
+    const int m = active * S, m_next = max(active_next, 0) * S;
     int r = walk.r0, s = walk.s0;
     for (int i = threadIdx.x; i < n; i += blockDim.x, walk.next(S, &r, &s)) {
       if (r >= active) {             // finished: its state moves along unchanged
@@ -158,8 +181,30 @@ __global__ void lltm_seq_fwd_kernel(const T* __restrict__ w, long long w_stride,
       }
       const long long row = first + row0 + r;
       T* g = gates + row * S3 + s;
-      const T p_i = g[0], p_o = g[S], p_c = g[2 * S];
-      const T b_i = bias[s], b_o = bias[S + s], b_c = bias[2 * S + s];
+      const T p_i = q_i, p_o = q_o, p_c = q_c, b_i = qb_i, b_o = qb_o, b_c = qb_c;
+      // the thread's next element: this step's next one, else step t + 1's first one
+      long long row_n = -1;
+      int s_n = walk.s0;
+      if (i + (int)blockDim.x < m) {
+        int r_n = r;
+        s_n = s;
+        walk.next(S, &r_n, &s_n);
+        row_n = first + row0 + r_n;
+        qb_i = bias[s_n];
+        qb_o = bias[S + s_n];
+        qb_c = bias[2 * S + s_n];
+      } else if ((int)threadIdx.x < m_next) {
+        row_n = edge + row0 + walk.r0;
+        qb_i = b0_i;
+        qb_o = b0_o;
+        qb_c = b0_c;
+      }
+      if (row_n >= 0) {
+        const T* gn = gates + row_n * S3 + s_n;
+        q_i = gn[0];
+        q_o = gn[S];
+        q_c = gn[2 * S];
+      }
       const A* h = h_cur + r * S;
       A ai[LLTM_FUSED_LANES], ao[LLTM_FUSED_LANES], ac[LLTM_FUSED_LANES];
 LLTM_UNROLL
@@ -199,15 +244,39 @@ LLTM_UNROLL
       c_buf[i] = tr::load(c_t);
     }
     first = edge;
+    edge = edge_next;
+    active = active_next;
+    A* const h_done = h_next;
+    h_next = h_cur;
+    h_cur = h_done;
     __syncthreads();
   }
-  const A* h_fin = h_buf + (t & 1) * tile * S;
+  const A* h_fin = h_cur;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const long long dst = (long long)row0 * S + i;
     h_last[dst] = tr::store(h_fin[i]);
     c_last[dst] = tr::store(c_buf[i]);
   }
 }
+
+// What the backward of one element of a step reads besides the carried gradients: the saved
+// pre-activations and cell, and the outputs' gradient (zero without one).
+template <typename T>
+struct lltm_fused_saved {
+  T z_i, z_o, z_c, c_t;
+  typename lltm_traits<T>::acc go;
+  __device__ __forceinline__ void load(const T* __restrict__ gates, const T* __restrict__ cells,
+                                       const T* __restrict__ grad_out, int has_grad_out,
+                                       long long row, int s, int S) {
+    const T* z = gates + row * 3 * S + s;
+    z_i = z[0];
+    z_o = z[S];
+    z_c = z[2 * S];
+    c_t = cells[row * S + s];
+    go = has_grad_out ? lltm_traits<T>::load(grad_out[row * S + s])
+                      : typename lltm_traits<T>::acc(0);
+  }
+};
 
 // Backward through all steps. gates, cells (rows, 3S) / (rows, S): what the forward saved;
 // grad_out (rows, S) the outputs' gradient (has_grad_out), grad_h_n, grad_c_n (batch, S) the
@@ -251,22 +320,45 @@ __global__ void lltm_seq_bwd_kernel(const T* __restrict__ w, long long w_stride,
     dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : A(0);
   }
 
+  // Step t's rows are first .. edge (step t + 1's first row), `active` of them this block's. The
+  // steps after this block's longest row run nothing (packed: the last ones, the rows sorted by
+  // length); from the first that runs on, every step does, and the offset before `first` is
+  // read one step ahead, for the prefetch of step t - 1.
   long long edge = lltm_fused_offset(offsets, packed, steps, batch);
-  for (int t = steps - 1; t >= 0; --t) {
-    const long long first = lltm_fused_offset(offsets, packed, t, batch);
-    const int active = min(rows, (int)(edge - first) - row0);      // block-uniform
-    edge = first;
-    if (active <= 0) continue;
-    const int m = active * S;
+  long long first = edge;
+  int active = 0;                                                   // block-uniform
+  int t = steps - 1;
+  for (; t >= 0; --t, edge = first) {
+    first = lltm_fused_offset(offsets, packed, t, batch);
+    active = min(rows, (int)(edge - first) - row0);
+    if (active > 0) break;
+  }
+  // Prefetched: the saved values of the thread's next element (the loads of the first step's
+  // first one here, then each loaded while the element before it computes).
+  lltm_fused_saved<T> next = {};
+  if (t >= 0 && (int)threadIdx.x < active * S) {
+    next.load(gates, cells, grad_out, has_grad_out, first + row0 + walk.r0, walk.s0, S);
+  }
+  for (; t >= 0; --t) {
+    const long long prev = t > 0 ? lltm_fused_offset(offsets, packed, t - 1, batch) : first;
+    const int active_prev = min(rows, (int)(first - prev) - row0);   // <= 0 before step 0
+    const int m = active * S, m_prev = max(active_prev, 0) * S;
     int r = walk.r0, s = walk.s0;
     for (int i = threadIdx.x; i < m; i += blockDim.x, walk.next(S, &r, &s)) {
       const long long row = first + row0 + r;
-      const T* z = gates + row * S3 + s;
-      const T z_i = z[0], z_o = z[S], z_c = z[2 * S], c_t = cells[row * S + s];
-      const A go = has_grad_out ? tr::load(grad_out[row * S + s]) : A(0);
-      const A gh = tr::load(tr::store(dh_buf[i] + go));
+      const lltm_fused_saved<T> cur = next;
+      // the thread's next element: this step's next one, else step t - 1's first one
+      if (i + (int)blockDim.x < m) {
+        int r_n = r, s_n = s;
+        walk.next(S, &r_n, &s_n);
+        next.load(gates, cells, grad_out, has_grad_out, first + row0 + r_n, s_n, S);
+      } else if ((int)threadIdx.x < m_prev) {
+        next.load(gates, cells, grad_out, has_grad_out, prev + row0 + walk.r0, walk.s0, S);
+      }
+      const A gh = tr::load(tr::store(dh_buf[i] + cur.go));
       T d_i, d_o, d_c, d_c_t;
-      lltm_cell_backward<T>(z_i, z_o, z_c, c_t, gh, dc_buf[i], &d_i, &d_o, &d_c, &d_c_t);
+      lltm_cell_backward<T>(cur.z_i, cur.z_o, cur.z_c, cur.c_t, gh, dc_buf[i], &d_i, &d_o, &d_c,
+                            &d_c_t);
       T* dg = d_gates + row * S3 + s;
       dg[0] = d_i;
       dg[S] = d_o;
@@ -276,6 +368,10 @@ __global__ void lltm_seq_bwd_kernel(const T* __restrict__ w, long long w_stride,
       dgs[S] = tr::load(d_o);
       dgs[2 * S] = tr::load(d_c);
       dc_buf[i] = tr::load(d_c_t);
+    }
+    // a thread with no element at step t and one at step t - 1 (a row that ends at t - 1)
+    if ((int)threadIdx.x >= m && (int)threadIdx.x < m_prev) {
+      next.load(gates, cells, grad_out, has_grad_out, prev + row0 + walk.r0, walk.s0, S);
     }
     __syncthreads();
     r = walk.r0;
@@ -298,6 +394,8 @@ LLTM_UNROLL
       }
       dh_buf[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
     }
+    first = prev;
+    active = active_prev;
     __syncthreads();
   }
   for (int i = threadIdx.x; i < n; i += blockDim.x) {

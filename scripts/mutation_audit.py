@@ -141,6 +141,19 @@ MUTANTS = [
     Mutant("fused-drop-grad-c-n", "cuda_src/lltm_fused.cu",
            "dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : A(0);", "dc_buf[i] = A(0);",
            FUSED_TESTS, "fused sequence backward: the final cell state's gradient dropped"),
+    Mutant("fused-prefetch-next-bias", "cuda_src/lltm_fused.cu",
+           "        qb_i = bias[s_n];", "        qb_i = b0_i;",
+           FUSED_TESTS, "fused sequence forward: a thread's next element in the same step gets "
+           "its first element's input-gate bias (several elements per thread)"),
+    Mutant("fused-prefetch-next-step-row", "cuda_src/lltm_fused.cu",
+           "        row_n = edge + row0 + walk.r0;", "        row_n = first + row0 + walk.r0;",
+           FUSED_TESTS, "fused sequence forward: the next step's input projection prefetched "
+           "from the current step's rows"),
+    Mutant("fused-prefetch-idle-thread", "cuda_src/lltm_fused.cu",
+           "    if ((int)threadIdx.x >= m && (int)threadIdx.x < m_prev) {",
+           "    if (false) {",
+           FUSED_TESTS, "fused sequence backward: a thread with no element at step t does not "
+           "load its element of step t - 1 (rows that end at different steps)"),
     # --------------------------------------------------------------- NumPy backend
     Mutant("numpy-drop-grad-cell", "lltm_cupy/_numpy.py",
            "            np.add(d_new_cell, grad_cell, d_new_cell)\n", "            pass\n",

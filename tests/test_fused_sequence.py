@@ -131,6 +131,26 @@ def test_fused_equals_stepped_and_reference(fused_cupy, monkeypatch, dtype, leng
     compare(fused, stepped, want, dtype, f"{np.dtype(dtype)}")
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_fused_with_several_elements_per_thread(fused_cupy, monkeypatch, dtype, reverse):
+    """Blocks of 16 threads over one tile of 7 rows x 6 states (2 or 3 elements per thread, on
+    different rows and states): the walk over a thread's elements, and the loads of each element
+    issued while the one before it computes (the next one of the step, else the first of the
+    next step), with rows that end at different steps."""
+    monkeypatch.setattr(_fused, "THREADS", 16)
+    stored, case = make(5, 7, 4, 6, dtype, seed=11 + reverse)
+    lengths = LENGTHS["zeros and ties"]
+    emu = fused_cupy.emulator
+    emu.reset()
+    fused = run(fused_cupy, stored, lengths, reverse, True)
+    assert emu.log.count("kernel:seq_fwd") == 1 and emu.log.count("kernel:seq_bwd") == 1
+    stepped = run(fused_cupy, stored, lengths, reverse, False)
+    want = _reference(case, lengths, reverse, (case["grad_outputs"], case["grad_h_n"],
+                                               case["grad_c_n"]))
+    compare(fused, stepped, want, dtype, f"{np.dtype(dtype)}")
+
+
 def _bound_sizes():
     return [pytest.param(dtype, state, id=f"{name}-S{state}") for name, dtype in DTYPES.items()
             for top in [_fused.max_state(LIMIT, dtype)] for state in (top - 1, top)]
