@@ -21,7 +21,7 @@ from lltm_cupy import _packing
 from lltm_cupy._cuda import fused as _fused, kernels as _kernels
 from conftest import (TOLERANCE, assert_engines_agree, gpu_unavailable_reason, max_error,
                       to_numpy)
-from helpers import host_fused
+from helpers import cubin as _cubin, host_fused
 from test_lengths import _reference
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed (pip install .[test])")
@@ -343,12 +343,56 @@ def test_a_divergent_barrier_is_reported(tmp_path, emulated_cupy, monkeypatch):
 
 ARCHS = (80, 90, 100)
 
+#: Registers per thread of each kernel variant as compiled today: the larger of NVRTC 13.5's
+#: (the runtime compiler: the nvidia-cuda-nvrtc wheel) and ptxas 13.0's (nvcc) figure, which
+#: differ by a few on sm_100. No variant uses local memory (no spill). Static shared memory is
+#: 0 bytes in every variant (all of it is the launch's dynamic shared memory, sized by
+#: lltm_cupy/_cuda/fused.shared_bytes).
+#:                 float16  bfloat16  float32  float64
+#:   sm_80  fwd       64       56        72      128
+#:          bwd       48       48        48       80
+#:   sm_90  fwd       80       64        72      128
+#:          bwd       56       55        56       95
+#:   sm_100 fwd       64       64        64       96
+#:          bwd       56       56        56       82
+REGISTERS = {
+    (80, "fwd"): (64, 56, 72, 128), (80, "bwd"): (48, 48, 48, 80),
+    (90, "fwd"): (80, 64, 72, 128), (90, "bwd"): (56, 55, 56, 95),
+    (100, "fwd"): (64, 64, 64, 96), (100, "bwd"): (56, 56, 56, 82),
+}
+#: What a variant may use beyond its figure above before the test fails: one allocation unit (8
+#: registers per thread), room for a compiler update, not for a change that blows the budget.
+REGISTER_MARGIN = 8
+#: the kernels' template arguments as the Itanium ABI mangles them
+_MANGLED = {"9lltm_half": "float16", "9lltm_bf16": "bfloat16", "f": "float32", "d": "float64"}
+
+
+def _variant(symbol: str) -> tuple:
+    """("fwd" | "bwd", dtype name) of a fused kernel's mangled name."""
+    m = re.match(r"_Z19lltm_seq_(fwd|bwd)_kernelI(\w+?)Ev", symbol)
+    assert m and m.group(2) in _MANGLED, f"not a fused kernel: {symbol}"
+    return m.group(1), _MANGLED[m.group(2)]
+
+
+def _register_ceiling(arch: int, symbol: str) -> int:
+    kernel, dtype = _variant(symbol)
+    return REGISTERS[arch, kernel][list(DTYPES).index(dtype)] + REGISTER_MARGIN
+
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_nvrtc_compiles_the_fused_kernels(dtype, arch):
+    """NVRTC (what CuPy compiles with at run time) builds both kernels of the dtype for the
+    architecture; the cubin records no local memory (no spill) and registers within the pins."""
     cubin = _kernels.compile_offline_fused(dtype, arch, output="cubin")
     assert cubin[:4] == b"\x7fELF", "NVRTC did not return an ELF cubin"
+    resources = _cubin.kernel_resources(cubin)
+    assert sorted(_variant(k)[0] for k in resources) == ["bwd", "fwd"], sorted(resources)
+    for name, r in resources.items():
+        assert _variant(name)[1] == [k for k, v in DTYPES.items() if v == dtype][0], name
+        assert r.get("frame") == 0 and r.get("stack") == 0, f"sm_{arch} {name}: local memory {r}"
+        assert 0 < r["registers"] <= _register_ceiling(arch, name), \
+            f"sm_{arch} {name}: {r['registers']} registers > {_register_ceiling(arch, name)}"
 
 
 def _store_conflicts(state: int, itemsize: int, stride: int) -> int:
@@ -423,9 +467,10 @@ def test_shared_memory_bound_table():
         assert re.search(rf"sm_{arch} .*\s{half}\s+{single}\s+{double}\n", doc), arch
 
 
-def _ptxas_report(arch: int) -> dict:
+def _ptxas_report(arch: int) -> tuple:
     """ptxas -v of every fused kernel for sm_<arch> (nvcc 13.0's, on the same source text as
-    NVRTC's): {mangled name: (registers, spill stores, spill loads, static shared bytes)}."""
+    NVRTC's): ({mangled name: {"registers", "spills": (stores, loads), "frame", "smem"}}, the
+    cubin)."""
     nvcc = shutil.which("nvcc")
     assert nvcc, "nvcc (CUDA toolkit) is required for the ptxas check"
     return _run_ptxas(nvcc, arch)
@@ -438,37 +483,50 @@ def _run_ptxas(nvcc, arch):
     keep = ", ".join(f"(void*)&{_kernels.fused_name_expression(k, d)}"
                      for d in DTYPES.values() for k in _kernels.FUSED_KERNEL_NAMES)
     with tempfile.TemporaryDirectory() as folder:
-        src = Path(folder) / "fused.cu"
+        src, out = Path(folder) / "fused.cu", Path(folder) / "fused.cubin"
         src.write_text(_kernels.fused_source() + f"\nvoid* lltm_instances[] = {{{keep}}};\n")
         proc = subprocess.run([nvcc, "--cubin", f"-arch=sm_{arch}", "-Xptxas", "-v",
-                               "-ftz=true", "-std=c++17", str(src), "-o",
-                               str(Path(folder) / "fused.cubin")],
+                               "-ftz=true", "-std=c++17", str(src), "-o", str(out)],
                               capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+        assert proc.returncode == 0, proc.stderr
+        cubin = out.read_bytes()
     report, name = {}, None
     for line in proc.stderr.splitlines():
         m = re.search(r"Compiling entry function '(\w+)'", line)
         if m:
             name = m.group(1)
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                      line)
         if m and name:
-            report.setdefault(name, {})["spills"] = (int(m.group(1)), int(m.group(2)))
+            report.setdefault(name, {})["spills"] = (int(m.group(2)), int(m.group(3)))
+            report[name]["frame"] = int(m.group(1))
         m = re.search(r"Used (\d+) registers", line)
         if m and name:
             smem = re.search(r"(\d+) bytes smem", line)
             report[name]["registers"] = int(m.group(1))
             report[name]["smem"] = int(smem.group(1)) if smem else 0
-    return report
+    return report, cubin
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ptxas_reports_no_spill_and_shared_memory_within_the_limit(arch):
-    report = _ptxas_report(arch)
+    """ptxas -v (nvcc) on every variant: no spill, registers within the pins (REGISTERS) and no
+    static shared memory, and every size the selection accepts within the architecture's
+    shared memory. Also holds the cubin reader of the NVRTC test above to ptxas's own figures
+    for the same cubin."""
+    report, cubin = _ptxas_report(arch)
     assert len(report) == len(DTYPES) * len(_kernels.FUSED_KERNEL_NAMES), sorted(report)
+    read = _cubin.kernel_resources(cubin)
+    assert sorted(read) == sorted(report)
     limit = _fused.ARCH_SHARED_MEMORY[arch]
     for name, r in report.items():
-        assert r["spills"] == (0, 0), f"sm_{arch} {name}: spills {r['spills']}"
+        assert (read[name]["registers"], read[name]["frame"]) == (r["registers"], r["frame"]), \
+            f"sm_{arch} {name}: the cubin reader says {read[name]}, ptxas -v {r}"
+        assert r["spills"] == (0, 0) and r["frame"] == 0, f"sm_{arch} {name}: spills {r}"
+        assert r["registers"] <= _register_ceiling(arch, name), \
+            f"sm_{arch} {name}: {r['registers']} registers > {_register_ceiling(arch, name)}"
         assert r["registers"] * _fused.THREADS <= 65536, f"sm_{arch} {name}: registers"
+        assert r["smem"] == 0, f"sm_{arch} {name}: {r['smem']} bytes of static shared memory"
         backward = "bwd" in name
         for dtype in DTYPES.values():
             # every size the selection accepts, with the largest tile it would choose

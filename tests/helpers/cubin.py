@@ -1,0 +1,56 @@
+"""What a cubin (the ELF file NVRTC or ptxas writes) records about each kernel's resources, read
+without a GPU, a driver or the CUDA toolkit: the registers per thread and the local-memory stack
+frame (where spilled registers and local arrays live) that ptxas -v prints, from the global
+``.nv.info`` section's attributes (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE, EIATTR_MIN_STACK_SIZE),
+keyed by the kernel's symbol. tests/test_fused_sequence.py checks these against ptxas -v on the
+same cubin where nvcc is installed."""
+from __future__ import annotations
+
+import struct
+
+#: .nv.info attribute codes (one record per kernel: symbol index, value)
+EIATTR_FRAME_SIZE = 0x11
+EIATTR_MIN_STACK_SIZE = 0x12
+EIATTR_REGCOUNT = 0x2F
+_FIELDS = {EIATTR_REGCOUNT: "registers", EIATTR_FRAME_SIZE: "frame",
+           EIATTR_MIN_STACK_SIZE: "stack"}
+#: record formats: EIFMT_SVAL (a size, then that many bytes); the others carry no payload
+_EIFMT_SVAL = 4
+
+
+def _sections(elf: bytes) -> dict:
+    """{name: (offset, size)} of an ELF64 little-endian file's sections."""
+    assert elf[:4] == b"\x7fELF" and elf[4] == 2 and elf[5] == 1, "not an ELF64 LE file"
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize)
+               for i in range(shnum)]
+    names = headers[shstrndx][4]
+    return {_string(elf, names + h[0]): (h[4], h[5]) for h in headers}
+
+
+def _string(elf: bytes, at: int) -> str:
+    return elf[at:elf.index(b"\0", at)].decode()
+
+
+def kernel_resources(elf: bytes) -> dict:
+    """{kernel symbol: {"registers": n, "frame": bytes, "stack": bytes}} of every kernel (every
+    symbol with a register count) the cubin's ``.nv.info`` section describes; a figure the
+    section does not give is missing from the kernel's dict."""
+    sec = _sections(elf)
+    sym_off, sym_size = sec[".symtab"]
+    str_off = sec[".strtab"][0]
+    symbols = [_string(elf, str_off + struct.unpack_from("<I", elf, sym_off + i)[0])
+               for i in range(0, sym_size, 24)]
+    info_off, info_size = sec[".nv.info"]
+    result, at, end = {}, info_off, info_off + info_size
+    while at < end:
+        fmt, attr, size = struct.unpack_from("<BBH", elf, at)
+        at += 4
+        if fmt != _EIFMT_SVAL:
+            continue
+        if attr in _FIELDS:
+            index, value = struct.unpack_from("<II", elf, at)
+            result.setdefault(symbols[index], {})[_FIELDS[attr]] = value
+        at += size
+    return {name: r for name, r in result.items() if "registers" in r}
