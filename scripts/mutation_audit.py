@@ -270,10 +270,16 @@ MUTANTS = [
            "NumPy forward only, variable lengths: reverse outputs written at step tau, not at "
            "each sequence's own time L - 1 - tau"),
     Mutant("cupy-packed-forward-only-h-n-step-early", "lltm_cupy/_cuda/packed.py",
-           "h_sorted[nxt:n] = h_out[nxt:n]", "h_sorted[nxt:n] = h_in[nxt:n]",
+           "copy(hn_at + nxt * row, h_out + nxt * row,",
+           "copy(hn_at + nxt * row, h_at + h_rows[tau - 1] * row + nxt * row,",
            INFERENCE_TESTS + ("tests/test_layers.py",),
            "CuPy forward only, variable lengths: a sequence's h_n is its state before its last "
            "step"),
+    Mutant("cupy-packed-forward-only-scatter-wrap", "lltm_cupy/_cuda/packed.py",
+           "row, first = 0, offsets[tau]", "row, first = 0, offsets[tau - 1]",
+           INFERENCE_TESTS,
+           "CuPy forward only, unsorted or reverse: after the hidden-state buffer is scattered "
+           "and refilled, its rows scattered to the previous step's places"),
     Mutant("cupy-packed-forward-only-direct-reverse", "lltm_cupy/_cuda/packed.py",
            "if d.perm is None and not plan.reverse:", "if d.perm is None:",
            INFERENCE_TESTS + ("tests/test_layers.py",),

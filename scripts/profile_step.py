@@ -9,11 +9,12 @@ small sizes (one synchronisation at the end waits for the queued work).
 With ``--emulated`` it profiles nothing: it runs the torch layer's CUDA path on the emulated CuPy
 of the tests (tests/helpers/emulated_cupy.py, kernels and GEMMs no-ops, every argument still
 checked), on any machine, and prints per LLTMCell step and per LLTM sequence step (the
-difference of two lengths, divided by the steps between them), forward and backward apart, what
-the host makes (CuPy arrays, DLPack conversions, allocations, stream objects) and launches
-(kernels, GEMMs), and the host time per step (process time) beside the tutorial's eager cell on
-the CPU: medians of interleaved repetitions. Run it with OMP_NUM_THREADS=1 for comparable
-numbers.
+difference of two lengths, divided by the steps between them), forward and backward apart, and
+per forward-only step with variable lengths (under no_grad: a PackedSequence, and unsorted
+``lengths=``, whose outputs need a scatter), what the host makes (CuPy arrays, DLPack
+conversions, allocations, stream objects) and launches (kernels, GEMMs), and the host time per
+step (process time) beside the tutorial's eager cell on the CPU: medians of interleaved
+repetitions. Run it with OMP_NUM_THREADS=1 for comparable numbers.
 
 Examples:
     python scripts/profile_step.py                       # LLTMCell at (16, 32, 128) on the CPU
@@ -120,7 +121,9 @@ def emulated(args) -> int:
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "tests"))
     from helpers import emulated_cupy as emu, emulated_torch
-    from lltm_cupy.torch import LLTM, LLTMCell
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    from lltm_cupy.torch import LLTM, LLTMCell, lltm_sequence
     from lltm_cupy.torch.reference import ReferenceLLTMCell
 
     B, F, S = args.batch_size, args.features, args.state_size
@@ -147,6 +150,23 @@ def emulated(args) -> int:
                     (out, c_n), (torch.ones_like(out), torch.ones_like(c_n)))
             return step
 
+        def forward_only(steps, packed):
+            """A forward under no_grad, its last sequence a step shorter than the others (by
+            ``lengths=`` first in the batch: not sorted by length)."""
+            data = pack_padded_sequence(xs[:steps], [steps] * (B - 1) + [steps - 1],
+                                        enforce_sorted=False)
+            lengths = [steps - 1] + [steps] * (B - 1)
+
+            def step():
+                with torch.no_grad():
+                    if packed:
+                        model(data, (h[None], c[None]))
+                    else:
+                        lltm_sequence(xs[:steps], model.weights, model.bias, h, c,
+                                      lengths=lengths)
+                return lambda: None
+            return step
+
         def counted(step):
             """(forward, backward) counts of one call of ``step``."""
             state.reset()
@@ -156,11 +176,15 @@ def emulated(args) -> int:
             backward()
             return forward, state.tally()
 
-        for run in (cell_step, sequence(short), sequence(long)):   # warm-up
+        inference = [[forward_only(steps, packed) for steps in (short, long)]
+                     for packed in (True, False)]
+        for run in (cell_step, sequence(short), sequence(long), *sum(inference, [])):  # warm-up
             run()()
         cell_counts = counted(cell_step)
         per_step = [{k: (b[k] - a[k]) / (long - short) for k in a}
                     for a, b in zip(counted(sequence(short)), counted(sequence(long)))]
+        per_step += [{k: (b[k] - a[k]) / (long - short) for k in a}
+                     for a, b in ((counted(s)[0], counted(t)[0]) for s, t in inference)]
 
         def timed(step, runs):      # process time: what this process spent, not its waits
             t0 = time.process_time()
@@ -189,7 +213,9 @@ def emulated(args) -> int:
     print(f"{'':34}" + "".join(f"{n:>12}" for n in names))
     rows = [("LLTMCell step, forward", cell_counts[0]), ("LLTMCell step, backward", cell_counts[1]),
             (f"LLTM step, forward (T {short}->{long})", per_step[0]),
-            (f"LLTM step, backward (T {short}->{long})", per_step[1])]
+            (f"LLTM step, backward (T {short}->{long})", per_step[1]),
+            (f"forward only, packed (T {short}->{long})", per_step[2]),
+            (f"forward only, unsorted (T {short}->{long})", per_step[3])]
     for label, counts in rows:
         print(f"{label:34}" + "".join(f"{counts[n]:>12.4g}" for n in names))
     print(f"host us per LLTMCell step (forward + backward):            {med['cell']:9.1f}")

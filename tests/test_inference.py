@@ -202,10 +202,11 @@ LAYOUTS = {  # name: (lengths (None: a PackedSequence's batch_sizes of the same 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_gpu_variable_lengths_keep_no_packed_hidden_states(emulated_cupy, small_blocks, layout):
     """Forward only with variable lengths on the GPU path: each step's hidden state goes straight
-    into the outputs (or through two (B, S) buffers into them), so the bytes allocated beyond the
-    outputs grow with the packed rows by at most the packed copy of the inputs (F values per row;
-    none for a PackedSequence in the forward direction, whose data is the packed inputs), never
-    by a hidden state per row (S values). The outputs are those of the training forward."""
+    into the outputs (or through a buffer of a few steps' rows into them), so the bytes allocated
+    beyond the outputs grow with the packed rows by at most the packed copy of the inputs (F
+    values per row; none for a PackedSequence in the forward direction, whose data is the packed
+    inputs), never by a hidden state per row (S values). The outputs are those of the training
+    forward."""
     fractions, reverse = layout
     emu = emulated_cupy.emulator
     B, F, S = 5, 2, 16

@@ -116,6 +116,9 @@ def test_profile_step_emulated_prints_the_host_counts_per_step():
     assert rows["LLTM step, forward (T 4->7)"] == ["0", "0", "0", "0", "1", "1"], proc.stdout
     assert rows["LLTM step, backward (T 4->7)"] == ["0", "0", "0", "0", "1", "1"], proc.stdout
     assert rows["LLTMCell step, forward"][3:] == ["0", "2", "1"], proc.stdout
+    # forward only, variable lengths: a scatter into the outputs every few steps where unsorted
+    assert rows["forward only, packed (T 4->7)"] == ["0", "0", "0", "0", "1", "1"], proc.stdout
+    assert rows["forward only, unsorted (T 4->7)"][1:] == ["0", "0", "0", "1", "1"], proc.stdout
     assert "host us per LLTMCell step" in proc.stdout
 
 

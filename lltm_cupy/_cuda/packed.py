@@ -6,13 +6,15 @@ packed arrays, so every GEMM and kernel launch is the fixed-length one on fewer 
 kernels need nothing new. The gathers and scatters are CuPy's advanced indexing with the plan's
 index arrays on the device (uploaded once per plan and device, :meth:`Plan.device_arrays`): in
 steady state a call copies nothing between host and device and never waits for the device.
-Forward only (``keep=False``), no array grows with the packed rows but the outputs and the packed
-copy of the inputs: each step's hidden state is written where the outputs want it.
+Every step runs on pointers at its row offset into the packed buffers (as the fixed-length loop
+of :mod:`.sequence`): one GEMM and one launch, no view or allocation. Where sequences end, the
+backward makes the incoming cell gradient there (an array), and the forward only copies their
+final h and c by two device-to-device copies on pointers (no object).
 
-With a backward to come (``keep=True``) and in the backward, a step runs on pointers at its row
-offset into the packed buffers (as the fixed-length loop of :mod:`.sequence`): one GEMM and one
-launch, no view or allocation, except where sequences end (the backward's incoming cell
-gradient there).
+Forward only (``keep=False``), no array grows with the packed rows but the outputs and the packed
+copy of the inputs: each step's hidden state is written where the outputs want it, straight into
+them where its rows are contiguous there, else into a buffer of a few steps' rows that one
+scatter puts into the outputs when it is full.
 
 The caller (:mod:`.sequence`) passes the CuPy module, the GEMM and its block size.
 """
@@ -49,35 +51,106 @@ def _permuted(a, perm):
     return a if perm is None or a is None else a[perm]
 
 
+#: Forward only, where the outputs need a scatter: the hidden states of this many steps of the
+#: whole batch (rows) are gathered before one scatter puts them into the outputs
+SCATTER_STEPS = 4
+
+
 def _forward_only_outputs(cupy, plan, d, state, dtype):
-    """Forward only: (outputs, h_at, scatter). ``h_at(tau)`` is the (batch_sizes[tau], state)
-    C-contiguous array the forward kernel writes step tau's hidden state into (and step tau + 1
-    reads it from); ``scatter(tau, h)``, where not None, puts it into ``outputs``.
+    """Forward only: (outputs, hs, h_rows, scatter, after). The forward kernel writes step
+    tau's hidden state into rows ``h_rows[tau]`` onwards of ``hs``, a C-contiguous (rows, state)
+    array (step tau + 1's recurrent GEMM reads it there); after a step tau in ``after``,
+    ``scatter(*after[tau])`` puts the packed rows r0:r1, then in ``hs[:r1 - r0]``, into
+    ``outputs``.
 
     Straight into the outputs where step tau's rows are contiguous there: a PackedSequence's data
     in the forward direction (the packed rows themselves), and the padded (T, B, S) outputs when
     the sort order is the caller's and the direction forward (``outputs[tau, :n]``). Otherwise
-    two (batch, state) hidden states taken in turn, each step scattered into the outputs by the
-    plan's index arrays (slices of the device copies: no upload)."""
-    sizes, batch = plan.batch_sizes, len(plan.perm)
+    the packed rows of :data:`SCATTER_STEPS` steps (of the whole batch; more steps as sequences
+    end) one after the other in ``hs``, then scattered into the outputs in one go by the plan's
+    index arrays (slices of the device copies: no upload), and the next steps written from row
+    0 again: the first of them reads the previous step's rows by its GEMM before its kernel
+    writes (stream order)."""
+    sizes, offsets, batch = plan.batch_sizes, plan.offsets, len(plan.perm)
     if plan.packed_io:
         outputs = cupy.empty((plan.rows, state), dtype)   # every row is written
         if d.data_index is None:
-            return outputs, lambda tau: outputs[plan.step(tau)], None
+            return outputs, outputs, offsets, None, {}
     else:
         outputs = cupy.zeros((plan.steps, batch, state), dtype)     # zeros at padded positions
         if d.perm is None and not plan.reverse:
-            return outputs, lambda tau: outputs[tau, : sizes[tau]], None
-    hs = cupy.empty((2, batch, state), dtype)
+            return (outputs, outputs.reshape(plan.steps * batch, state),
+                    range(0, len(sizes) * batch, batch), None, {})
+    hs = cupy.empty((min(SCATTER_STEPS * batch, plan.rows), state), dtype)
 
-    def scatter(tau, h):
-        rows_t = plan.step(tau)
+    def scatter(r0, r1):
         if plan.packed_io:
-            outputs[d.data_index[rows_t]] = h
+            outputs[d.data_index[r0:r1]] = hs[: r1 - r0]
         else:
-            outputs[d.t_index[rows_t], d.b_index[rows_t]] = h
+            outputs[d.t_index[r0:r1], d.b_index[r0:r1]] = hs[: r1 - r0]
 
-    return outputs, lambda tau: hs[tau % 2, : sizes[tau]], scatter
+    h_rows, after, row, first = [], {}, 0, 0
+    for tau, n in enumerate(sizes):
+        if row + n > len(hs):               # hs is full: scatter, then start from row 0
+            after[tau - 1] = (first, offsets[tau])
+            row, first = 0, offsets[tau]
+        h_rows.append(row)
+        row += n
+    if sizes:
+        after[len(sizes) - 1] = (first, plan.rows)
+    return outputs, hs, h_rows, scatter, after
+
+
+def _forward_only_steps(cupy, plan, d, blocks, x, w_x_t, w_h_t, bias, h0s, c0s, gemm):
+    """The steps of a packed forward only, on pointers: (outputs, h_sorted, c_sorted), the
+    latter two each sorted sequence's state after its last step (h0s, c0s for length 0).
+
+    Each step's rows of one block's gate pre-activations, of the hidden states (written where
+    :func:`_forward_only_outputs` says) and of two (batch, state) cell buffers taken in turn (the
+    kernel's old_cell and new_cell may not alias) at their offsets: one GEMM and one launch, no
+    view or allocation; where sequences end, their rows of h and c go into h_sorted, c_sorted
+    by two device-to-device copies on pointers (no object either). Per block of steps: its
+    input projection in one GEMM. Where the outputs need a scatter, one every
+    :data:`SCATTER_STEPS` steps or more."""
+    sizes, offsets = plan.batch_sizes, plan.offsets
+    batch, state = len(plan.perm), h0s.shape[1]
+    dtype = x.dtype
+    outputs, hs, h_rows, scatter, after = _forward_only_outputs(cupy, plan, d, state, dtype)
+    h_sorted, c_sorted = h0s.copy(), c0s.copy()
+    if not plan.rows:
+        return outputs, h_sorted, c_sorted
+    widest = max(offsets[b] - offsets[a] for a, b in blocks)
+    gates = cupy.empty((widest, 3 * state), dtype)
+    cells = cupy.empty((2, batch, state), dtype)
+    c0_c = cupy.ascontiguousarray(c0s)
+    g_at, h_at, c_at, b_ptr = (a.data.ptr for a in (gates, hs, cells, bias))
+    hn_at, cn_at = h_sorted.data.ptr, c_sorted.data.ptr
+    row, g_row, c_step = hs.strides[0], gates.strides[0], cells.strides[0]    # bytes
+    copy, d2d = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToDevice
+    stream = cupy.cuda.get_current_stream().ptr
+    taus, c_in = len(sizes), c0_c.data.ptr
+    with row_steps(gemm, hs, w_h_t, gates, accumulate=True) as recurrent:
+        for tau0, tau1 in blocks:
+            r0, r1 = offsets[tau0], offsets[tau1]
+            gemm(x[r0:r1], w_x_t, gates[: r1 - r0])     # the block's input projection
+            for tau in range(tau0, tau1):
+                n, j = sizes[tau], offsets[tau] - r0    # j: the step's first row of gates
+                if tau:
+                    recurrent(h_rows[tau - 1], j, n)    # gates[j:] += h of the previous step
+                else:
+                    gemm(h0s[:n], w_h_t, gates[:n], accumulate=True)
+                h_out, c_out = h_at + h_rows[tau] * row, c_at + (tau & 1) * c_step
+                run = launch(dtype, n * state, state)
+                run.kernels.fwd(run.grid, run.block, (
+                    g_at + j * g_row, b_ptr, c_in, h_out, c_out, run.n, run.state))
+                c_in = c_out
+                nxt = sizes[tau + 1] if tau + 1 < taus else 0
+                if nxt < n:                    # sequences ending at this step
+                    copy(hn_at + nxt * row, h_out + nxt * row, (n - nxt) * row, d2d, stream)
+                    copy(cn_at + nxt * row, c_out + nxt * row, (n - nxt) * row, d2d, stream)
+                if tau in after:               # where the outputs need a scatter
+                    scatter(*after[tau])
+    return outputs, h_sorted, c_sorted
 
 
 def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
@@ -93,51 +166,20 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
         index = (d.t_index, d.b_index, d.data_index)
         x = cupy.ascontiguousarray(pack_rows(inputs, plan, *index))      # (N, F)
         blocks = step_blocks(plan.offsets, block_rows)
-        # keep: every packed row's gate pre-activations, hidden state and cell (the backward
-        # reads them); forward only: one block's gates, each step's hidden state written where
-        # the outputs want it (_forward_only_outputs), and two (batch, state) cell buffers taken
-        # in turn (the kernel's old_cell and new_cell may not alias)
-        widest = max((plan.offsets[b] - plan.offsets[a] for a, b in blocks), default=0)
-        gates = cupy.empty((rows if keep else widest, 3 * state), dtype)
         h0s, c0s = _permuted(h0, d.perm), _permuted(c0, d.perm)
         w_x_t, w_h_t = weights[:, state:].T, weights[:, :state].T
         bias_c = cupy.ascontiguousarray(bias.reshape(-1))
-        sizes = plan.batch_sizes
-        if keep:
+        if not keep:
+            outputs, h_sorted, c_sorted = _forward_only_steps(
+                cupy, plan, d, blocks, x, w_x_t, w_h_t, bias_c, h0s, c0s, gemm)
+        else:
+            # every packed row's gate pre-activations, hidden state and cell (the backward reads
+            # them)
+            gates = cupy.empty((rows, 3 * state), dtype)
             out = cupy.empty((rows, state), dtype)
             cells = cupy.empty((rows, state), dtype)
             _forward_steps(cupy, plan, blocks, x, w_x_t, w_h_t, bias_c, h0s, c0s, gates, out,
                            cells, gemm)
-        else:
-            outputs, h_at, scatter = _forward_only_outputs(cupy, plan, d, state, dtype)
-            # each sequence's state after its last step (h0, c0 for length 0)
-            h_sorted, c_sorted = h0s.copy(), c0s.copy()
-            cells = cupy.empty((2, batch, state), dtype)
-            for tau0, tau1 in blocks:
-                base_row = plan.offsets[tau0]
-                # the input projection of a block of steps in one GEMM
-                g = gates[: plan.offsets[tau1] - base_row]
-                gemm(x[base_row: plan.offsets[tau1]], w_x_t, g)
-                for tau in range(tau0, tau1):
-                    n = sizes[tau]
-                    rows_t = plan.step(tau)
-                    g_t = g[rows_t.start - base_row: rows_t.stop - base_row]
-                    if tau:
-                        h_in, c_in = h_at(tau - 1)[:n], cells[(tau - 1) % 2, :n]
-                    else:
-                        h_in, c_in = h0s[:n], c0s[:n]
-                    h_out, c_out = h_at(tau), cells[tau % 2, :n]
-                    gemm(h_in, w_h_t, g_t, accumulate=True)
-                    run = launch(dtype, n * state, state)
-                    run.kernels.fwd(run.grid, run.block, (
-                        g_t, bias_c, c_in, h_out, c_out, run.n, run.state))
-                    if scatter is not None:
-                        scatter(tau, h_out)
-                    nxt = sizes[tau + 1] if tau + 1 < len(sizes) else 0
-                    if nxt < n:                    # sequences ending at this step
-                        h_sorted[nxt:n] = h_out[nxt:n]
-                        c_sorted[nxt:n] = c_out[nxt:n]
-        if keep:
             outputs = unpack_rows(out, plan, cupy, *index)
             ended = plan.ended  # the sequences with a last step: a prefix of the sorted order
             if rows and ended == batch:

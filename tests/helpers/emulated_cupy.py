@@ -19,6 +19,8 @@ It is strict where CuPy and cuBLAS are:
   stored rows, mixed or unsupported data types, a compute type that does not fit them), reads
   alpha and beta from host pointers, computes float16 in float32, and raises as CuPy does when
   called while a stream is being captured (``capturing`` below);
+- ``cuda.runtime.memcpyAsync`` copies device to device only, between integer pointers into
+  live emulated memory, ranges disjoint, on CuPy's current stream (given as its handle);
 - every allocation goes through the current allocator: ``cuda.using_allocator`` as in CuPy,
   else "CuPy's pool" (counted in ``pool_allocations``).
 
@@ -544,7 +546,8 @@ class CUBLASError(RuntimeError):
 
 _CUBLAS_CONSTANTS = dict(CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_GEMM_DEFAULT=-1,
                          CUBLAS_COMPUTE_32F=68, CUBLAS_COMPUTE_64F=70)
-_RUNTIME_CONSTANTS = dict(CUDA_R_32F=0, CUDA_R_64F=1, CUDA_R_16F=2, CUDA_R_16BF=14)
+_RUNTIME_CONSTANTS = dict(CUDA_R_32F=0, CUDA_R_64F=1, CUDA_R_16F=2, CUDA_R_16BF=14,
+                          memcpyDeviceToDevice=3)
 #: cuBLAS data type -> the storage dtype here; bfloat16 (CUDA_R_16BF) is stored as uint16 bits
 _DATA_TYPES = {0: np.float32, 1: np.float64, 2: np.float16, 14: np.uint16}
 _COMPUTE_OF = {np.float32: (68, np.float32), np.float16: (68, np.float32),
@@ -620,6 +623,23 @@ def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ld
 _DISALLOW_REDUCED_PRECISION = 16   # CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION
 
 
+def _memcpy_async(dst, src, size, kind, stream):
+    """cudaMemcpyAsync (``cuda.runtime.memcpyAsync``) from device to device, on raw pointers:
+    both ranges in live emulated memory and disjoint, on CuPy's current stream (logged as a
+    "copy"). Other kinds are host-device transfers, which nothing here makes this way."""
+    assert kind == _RUNTIME_CONSTANTS["memcpyDeviceToDevice"], f"memcpyAsync of kind {kind}"
+    assert stream == _current_stream().ptr, \
+        f"memcpyAsync on stream {stream:#x}, CuPy's current stream is {_current_stream().ptr:#x}"
+    assert type(dst) is int and type(src) is int and type(size) is int and size >= 0
+    for name, address in (("destination", dst), ("source", src)):
+        assert size == 0 or _in_live_memory(address, size), \
+            f"memcpyAsync {name} {address:#x} (+{size} bytes) is in no live device memory"
+    assert dst + size <= src or src + size <= dst, "memcpyAsync ranges overlap"
+    _state.log.append("copy")
+    if size and not _state.noop:
+        ctypes.memmove(dst, src, size)
+
+
 def _set_math_mode(handle, mode):
     _state.math_mode = int(mode)
 
@@ -666,7 +686,8 @@ def make_module() -> types.ModuleType:
         get_current_stream=lambda device_id=-1: _current_stream(),
         runtime_error=CUDARuntimeError,
         runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceProperties=lambda device_id: {
-            "name": b"emulated CuPy (host memory)"}, **_RUNTIME_CONSTANTS),
+            "name": b"emulated CuPy (host memory)"}, memcpyAsync=_memcpy_async,
+            **_RUNTIME_CONSTANTS),
         Event=Event, get_elapsed_time=_elapsed_time,
         device=types.SimpleNamespace(get_cublas_handle=lambda: 1),
         using_allocator=using_allocator, UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
