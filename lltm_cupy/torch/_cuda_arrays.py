@@ -85,13 +85,13 @@ def to_tensor(a) -> Tensor:
             return torch.empty(a.shape, dtype=dtype, device=owner.device)
         return torch.empty(0, dtype=dtype, device=owner.device).set_(
             storage, (data.ptr - storage.data_ptr()) // item, a.shape,
-            tuple(s // item for s in a.strides))
+            [s // item for s in a.strides])
     imported = getattr(_local, "imported", None)
     found = None if imported is None else imported.get(id(mem))
     if (found is not None and found[0] is mem and found[1].dtype == dtype and a.size
             and min(a.strides) >= 0):
         t = found[1]
-        return t.as_strided(a.shape, tuple(s // item for s in a.strides),
+        return t.as_strided(a.shape, [s // item for s in a.strides],
                             t.storage_offset() + (data.ptr - t.data_ptr()) // item)
     t = torch.from_dlpack(a.__dlpack__(stream=-1))
     # CuPy exports its uint16 storage of bfloat16 as unsigned integers, which torch imports as

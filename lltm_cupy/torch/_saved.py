@@ -128,6 +128,20 @@ def _root(a):
     return a
 
 
+def _identical(value, arrays, outputs, out_tensors):
+    """The source of a non-empty saved array that *is* one of the arguments or (not yet taken)
+    outputs, else None: what the comparison of memory below would find, without it."""
+    if value.size == 0:
+        return None
+    for i, a in enumerate(arrays):
+        if a is value:
+            return "input", i, value.shape
+    for j, o in enumerate(outputs):
+        if o is value and out_tensors[j] is None:
+            return "output", j
+    return None
+
+
 def stash(call, saved, arrays, outputs):
     """After a backend's forward: ``(output tensors, layout, extra tensors)``. ``arrays``: the
     arrays the forward was given (in argument order), ``outputs``: the arrays it returned.
@@ -135,8 +149,7 @@ def stash(call, saved, arrays, outputs):
     out_tensors = [None] * len(outputs)
     extras, fields, constants = [], [], {}
     unread = UNREAD.get((saved.backend, type(saved).__name__), ())
-    in_roots = [_root(a) for a in arrays]
-    out_roots = [_root(o) for o in outputs]
+    in_roots = out_roots = None
     for name in _field_names(type(saved)):
         value = getattr(saved, name)
         if not _is_array(value):
@@ -145,6 +158,16 @@ def stash(call, saved, arrays, outputs):
         if name in unread:
             fields.append((name, ("unread", value.shape, value.dtype)))
             continue
+        # the common cases first, by identity: an argument or an output array itself
+        source = _identical(value, arrays, outputs, out_tensors)
+        if source is not None:
+            if source[0] == "output":
+                out_tensors[source[1]] = call.tensor(value)
+            fields.append((name, source))
+            continue
+        if in_roots is None:
+            in_roots = [_root(a) for a in arrays]
+            out_roots = [_root(o) for o in outputs]
         root = _root(value)
         source = next((("input", i, value.shape) for i, a in enumerate(arrays)
                        if in_roots[i] is root and _same_memory(value, a)), None)
