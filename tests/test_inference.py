@@ -99,6 +99,27 @@ def test_lengths_same_bits(xp, small_blocks, dtype, lengths, reverse):
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("lengths", [LENGTHS["sorted with 0, 1, T and ties"], LENGTHS["all full"],
+                                     LENGTHS["unsorted with 0, 1, T and ties"]],
+                         ids=["sorted", "full", "unsorted"])
+def test_lengths_with_strided_states_same_bits(xp, small_blocks, lengths, reverse):
+    """h0 and c0 as strided views (every other column of a wider array): with lengths already
+    sorted no permutation copies them, and the forward only must still read them by their
+    strides, as the training forward does (the states' rows are the kernel's old_cell at
+    step 0)."""
+    case = _sequence_case(9, 6, 4, 5, np.float64, seed=7)
+    wide = {n: np.repeat(case[n], 2, axis=1) for n in ("h0", "c0")}
+    wide["h0"][:, 1::2], wide["c0"][:, 1::2] = 99.0, -99.0
+    args = {n: xp.asarray(case[n]) for n in ("inputs", "weights", "bias")}
+    args["h0"], args["c0"] = (xp.asarray(wide[n])[:, ::2] for n in ("h0", "c0"))
+    want = lltm_cupy.forward_sequence(*(xp.asarray(case[n]) for n in SEQ), lengths=lengths,
+                                      reverse=reverse)
+    got = lltm_cupy.forward_sequence(*(args[n] for n in SEQ), lengths=lengths, reverse=reverse,
+                                     return_saved=False)
+    _same_bits(got[:3], want[:3], ("outputs", "h_n", "c_n"))
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 def test_packed_layout_same_bits(xp, small_blocks, reverse):
     """The torch layer's PackedSequence path: data (N, F) in and out, through the backends."""
     backend = _numpy if xp is np else _cuda
