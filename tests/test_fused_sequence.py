@@ -476,15 +476,18 @@ def _ptxas_report(arch: int) -> tuple:
     return _run_ptxas(nvcc, arch)
 
 
-def _run_ptxas(nvcc, arch):
+def _run_ptxas(nvcc, arch, source=None, names=None):
+    """ptxas -v of the kernels ``names`` of ``source`` (default: every fused kernel)."""
     import tempfile
     from pathlib import Path
 
-    keep = ", ".join(f"(void*)&{_kernels.fused_name_expression(k, d)}"
-                     for d in DTYPES.values() for k in _kernels.FUSED_KERNEL_NAMES)
+    names = names or [_kernels.fused_name_expression(k, d)
+                      for d in DTYPES.values() for k in _kernels.FUSED_KERNEL_NAMES]
+    keep = ", ".join(f"(void*)&{n}" for n in names)
     with tempfile.TemporaryDirectory() as folder:
         src, out = Path(folder) / "fused.cu", Path(folder) / "fused.cubin"
-        src.write_text(_kernels.fused_source() + f"\nvoid* lltm_instances[] = {{{keep}}};\n")
+        src.write_text((source or _kernels.fused_source())
+                       + f"\nvoid* lltm_instances[] = {{{keep}}};\n")
         proc = subprocess.run([nvcc, "--cubin", f"-arch=sm_{arch}", "-Xptxas", "-v",
                                "-ftz=true", "-std=c++17", str(src), "-o", str(out)],
                               capture_output=True, text=True)

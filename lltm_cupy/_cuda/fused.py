@@ -27,6 +27,10 @@ batch spread over the SMs, as many rows as fit. Largest accepted S (:func:`max_s
     sm_80  (A100)              166,912                  165            117        82
     sm_90  (H100, H200)        232,448                  195            138        97
     sm_100 (B200)              232,448                  195            138        97
+
+Above it, on sm_90 and newer, the same calls launch the cluster variant instead
+(``cuda_src/lltm_fused_cluster.cu``, sized by :mod:`.fused_cluster`: W_h split over the blocks
+of a thread-block cluster), with the same arguments.
 """
 from __future__ import annotations
 
@@ -86,8 +90,37 @@ def max_state(limit: int, dtype) -> int:
 
 
 def usable(state: int, dtype) -> bool:
-    """True when the fused kernels run this state size in this dtype on the current device."""
-    return 0 < state <= max_state(kernels.shared_memory_limit(kernels.current_device()), dtype)
+    """True when the fused kernels run this state size in this dtype on the current device: in
+    one block per tile, or (sm_90 and newer) in a cluster of blocks (:mod:`.fused_cluster`)."""
+    from . import fused_cluster
+
+    return (0 < state <= max_state(kernels.shared_memory_limit(kernels.current_device()), dtype)
+            or fused_cluster.usable(state, dtype))
+
+
+def _cluster(state: int, dtype):
+    """None where the one-block kernels run ``state`` (and no cluster size is forced), else the
+    cluster size of the cluster kernels."""
+    from . import fused_cluster
+
+    if fused_cluster.FORCED_SIZE is None and \
+            state <= max_state(kernels.shared_memory_limit(kernels.current_device()), dtype):
+        return None
+    return fused_cluster.chosen_size(state, dtype)
+
+
+def _kernel_and_geometry(batch: int, state: int, dtype, backward: bool):
+    """(kernel, blocks, threads, tile, shared bytes) of the variant that runs ``state``."""
+    from . import fused_cluster
+
+    size = _cluster(state, dtype)
+    if size is None:
+        fns = kernels.get_fused_kernels(dtype)
+        geometry = _geometry(None, batch, state, dtype, backward)
+    else:
+        fns = kernels.get_cluster_kernels(dtype, size)
+        geometry = fused_cluster.geometry(batch, state, dtype, backward, size)
+    return (fns.bwd if backward else fns.fwd, *geometry)
 
 
 def _geometry(cupy, batch: int, state: int, dtype, backward: bool):
@@ -140,8 +173,8 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
                   for _ in range(min(len(spans), 2))]
         w_x_t = weights[:, state:].T
         if batch and spans:
-            kernel = kernels.get_fused_kernels(dtype).fwd
-            blocks, threads, tile, smem = _geometry(cupy, batch, state, dtype, backward=False)
+            kernel, blocks, threads, tile, smem = _kernel_and_geometry(batch, state, dtype,
+                                                                       backward=False)
             w = cupy.ascontiguousarray(weights)
             bias_c = cupy.ascontiguousarray(bias.reshape(-1))
         for i, (t0, t1) in enumerate(spans):
@@ -197,12 +230,13 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
         if batch:
             offsets, packed = ((cupy.zeros(1, np.int64), np.int32(0)) if plan is None else
                                (d.offsets, np.int32(1)))
-            blocks, threads, tile, smem = _geometry(cupy, batch, state, dtype, backward=True)
+            kernel, blocks, threads, tile, smem = _kernel_and_geometry(batch, state, dtype,
+                                                                       backward=True)
             gates = saved.gates.reshape(rows, 3 * state)
             cells = saved.cells.reshape(rows, state)
             present = [a for a in (grad_out, ghn, gcn) if a is not None]
             placeholder = cells if not present else present[0]   # read only where flagged
-            kernels.get_fused_kernels(dtype).bwd((blocks,), (threads,), (
+            kernel((blocks,), (threads,), (
                 cupy.ascontiguousarray(weights), np.int64(weights.shape[1]), gates, cells,
                 placeholder if grad_out is None else grad_out,
                 placeholder if ghn is None else cupy.ascontiguousarray(ghn),

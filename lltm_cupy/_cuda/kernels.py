@@ -26,7 +26,10 @@ __all__ = ["cupy_module", "current_device", "on_device", "Launch", "launch", "FL
            "source_path", "source", "name_expression", "get_kernels", "launch_config",
            "needs_wide_index", "compile_offline",
            "ARCHITECTURES", "FUSED_SOURCE_NAME", "FUSED_KERNEL_NAMES", "FusedKernels",
-           "fused_source", "fused_name_expression", "get_fused_kernels", "compile_offline_fused"]
+           "fused_source", "fused_name_expression", "get_fused_kernels", "compile_offline_fused",
+           "CLUSTER_SOURCE_NAME", "CLUSTER_KERNEL_NAMES", "CLUSTER_SIZES", "cluster_source",
+           "cluster_name_expression", "get_cluster_kernels", "compile_offline_cluster",
+           "compute_capability"]
 
 SOURCE_NAME = "lltm.cu"
 KERNEL_NAMES = ("lltm_fwd_kernel", "lltm_bwd_kernel", "lltm_concat_kernel", "lltm_add_kernel")
@@ -267,21 +270,33 @@ def get_fused_kernels(dtype):
     import cupy
 
     dtype = np.dtype(dtype)
-    key = ("fused", cupy.cuda.Device().id, dtype.str)
-    kernels = _cache.get(key)
-    if kernels is None:
+    names = [fused_name_expression(k, dtype) for k in FUSED_KERNEL_NAMES]
+    return _cached(("fused", cupy.cuda.Device().id, dtype.str),
+                   lambda: FusedKernels(*_whole_shared_memory(fused_source(), names)))
+
+
+def _cached(key, build):
+    """``_cache[key]``, made by ``build()`` under the lock at the first call."""
+    found = _cache.get(key)
+    if found is None:
         with _lock:
-            kernels = _cache.get(key)
-            if kernels is None:
-                names = [fused_name_expression(k, dtype) for k in FUSED_KERNEL_NAMES]
-                module = cupy.RawModule(code=fused_source(), options=RAWMODULE_OPTIONS,
-                                        name_expressions=names)
-                fns = [module.get_function(n) for n in names]
-                limit = shared_memory_limit(cupy.cuda.Device().id)
-                for fn in fns:
-                    fn.max_dynamic_shared_size_bytes = limit - fn.shared_size_bytes
-                kernels = _cache[key] = FusedKernels(*fns)
-    return kernels
+            found = _cache.get(key)
+            if found is None:
+                found = _cache[key] = build()
+    return found
+
+
+def _whole_shared_memory(code: str, names) -> list:
+    """The functions ``names`` of a module compiled from ``code`` on the current device, each
+    allowed the device's whole opt-in shared memory per block."""
+    import cupy
+
+    module = cupy.RawModule(code=code, options=RAWMODULE_OPTIONS, name_expressions=names)
+    fns = [module.get_function(n) for n in names]
+    limit = shared_memory_limit(cupy.cuda.Device().id)
+    for fn in fns:
+        fn.max_dynamic_shared_size_bytes = limit - fn.shared_size_bytes
+    return fns
 
 
 @functools.lru_cache(maxsize=None)
@@ -296,3 +311,58 @@ def compile_offline_fused(dtype, arch: int, output: str = "cubin") -> bytes:
     """As :func:`compile_offline`, for the fused sequence kernels (``lltm_fused.cu``)."""
     return _nvrtc(fused_source(), FUSED_SOURCE_NAME,
                   [fused_name_expression(k, dtype) for k in FUSED_KERNEL_NAMES], arch, output)
+
+
+# ------------------------------------------------- fused sequence kernels across a block cluster
+
+CLUSTER_SOURCE_NAME = "lltm_fused_cluster.cu"
+CLUSTER_KERNEL_NAMES = ("lltm_seq_fwd_cluster_kernel", "lltm_seq_bwd_cluster_kernel")
+#: Blocks per cluster of the cluster kernels (one instantiation each: ``__cluster_dims__``); at
+#: most 8, the portable cluster size (more needs an attribute CuPy's launch cannot set).
+CLUSTER_SIZES = (1, 2, 4, 8)
+
+
+@functools.lru_cache(maxsize=None)
+def cluster_source() -> str:
+    """lltm.cu followed by lltm_fused_cluster.cu (as :func:`fused_source`)."""
+    return (source() + f'\n#line 1 "{CLUSTER_SOURCE_NAME}"\n'
+            + source_path(CLUSTER_SOURCE_NAME).read_text(encoding="utf-8"))
+
+
+def cluster_name_expression(kernel: str, dtype, size: int) -> str:
+    return f"{kernel}<{CUDA_TYPE[np.dtype(dtype)]}, {size}>"
+
+
+def _cluster_names(dtype):
+    return [cluster_name_expression(k, dtype, p) for p in CLUSTER_SIZES
+            for k in CLUSTER_KERNEL_NAMES]
+
+
+def get_cluster_kernels(dtype, size: int):
+    """The :class:`FusedKernels` (forward, backward) for ``dtype`` in clusters of ``size``
+    blocks on the current device (sm_90 or newer); every size's kernels compiled at the first
+    call for the dtype, each allowed the device's whole opt-in shared memory per block."""
+    import cupy
+
+    def build():
+        fns = _whole_shared_memory(cluster_source(), _cluster_names(dtype))
+        count = len(CLUSTER_KERNEL_NAMES)
+        return {p: FusedKernels(*fns[i * count:(i + 1) * count])
+                for i, p in enumerate(CLUSTER_SIZES)}
+
+    dtype = np.dtype(dtype)
+    return _cached(("cluster", cupy.cuda.Device().id, dtype.str), build)[size]
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability(device_id: int) -> int:
+    """The device's compute capability as an int (90 for sm_90)."""
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).compute_capability)
+
+
+def compile_offline_cluster(dtype, arch: int, output: str = "cubin") -> bytes:
+    """As :func:`compile_offline`, for the cluster kernels (``lltm_fused_cluster.cu``, every
+    cluster size; sm_90 and newer)."""
+    return _nvrtc(cluster_source(), CLUSTER_SOURCE_NAME, _cluster_names(dtype), arch, output)

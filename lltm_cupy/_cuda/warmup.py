@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels
+from .fused_cluster import MIN_ARCH
 from .kernels import BFLOAT16, cupy_module
 from .sequence import backward_sequence, forward_sequence
 from .step import backward, cell_backward, cell_forward, forward
@@ -39,7 +40,9 @@ def warmup(dtypes, device_id=None, fused=False) -> None:
     of forward, backward, forward_sequence and backward_sequence once on tiny arrays (batch 1
     and 2, steps 0, 1 and 2, each gradient given and None, fixed and variable lengths); then
     synchronises the device. ``fused``: the same calls with ``fused=True`` too (the module of
-    ``cuda_src/lltm_fused.cu``).
+    ``cuda_src/lltm_fused.cu``), and on sm_90 and newer the module of the cluster variant
+    (``cuda_src/lltm_fused_cluster.cu``, every cluster size), which the calls launch with the
+    same CuPy kernels around it.
     """
     cupy = cupy_module()
     with cupy.cuda.Device(device_id):
@@ -50,6 +53,8 @@ def warmup(dtypes, device_id=None, fused=False) -> None:
                 _exercise(cupy, dtype, batch, features=3, state=4)
                 if fused:
                     _exercise_fused(cupy, dtype, batch, features=3, state=4)
+            if fused and kernels.compute_capability(cupy.cuda.Device().id) >= MIN_ARCH:
+                kernels.get_cluster_kernels(dtype, 1)   # one module holds every cluster size
         cupy.cuda.Device().synchronize()
 
 

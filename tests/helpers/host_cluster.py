@@ -9,6 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
+
 from lltm_cupy._cuda import kernels as _kernels
 from .host_kernels import SHIM
 from .host_fused import SCHEDULES
@@ -40,3 +42,38 @@ def set_schedule(lib, name: str, seed: int = 1) -> None:
 def last_error(lib) -> str | None:
     error = lib.lltm_host_last_error()
     return None if error is None else error.decode()
+
+
+def host_get_cluster_kernels(lib, limit: int):
+    """A replacement for lltm_cupy._cuda.kernels.get_cluster_kernels launching the host build,
+    as strict as host_fused.host_get_fused_kernels (and the grid a whole number of clusters)."""
+    from helpers import emulated_cupy as emu
+    from helpers.host_fused import _BWD, _BWD_OUTPUTS, _FWD, _FWD_OUTPUTS
+    from helpers.host_kernels import SUFFIX
+
+    convert = emu.convert_kernel_args
+
+    def kernel(fn, name, kinds, outputs, dtype, size):
+        def launch(grid, block, args, shared_mem=0):
+            assert grid[0] > 0 and block[0] > 0, "a launch with an empty grid is an error"
+            assert block[0] <= 1024, "more than 1024 threads per block"
+            assert grid[0] % size == 0, "the grid is not a whole number of clusters"
+            assert 0 <= shared_mem <= limit, f"{shared_mem} bytes of shared memory > {limit}"
+            emu._state.log.append(f"kernel:{name}")
+            fn(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), ctypes.c_uint(size),
+               ctypes.c_ulonglong(shared_mem), *convert(args, dtype, kinds, outputs))
+            error = lib.lltm_host_last_error()
+            assert error is None, f"{name}: {error.decode()}"
+        return launch
+
+    def get_cluster_kernels(dtype, size):
+        dtype = np.dtype(dtype)
+        emu._state.compile("lltm_fused_cluster.cu", dtype.str)
+        suffix = SUFFIX[dtype]
+        return _kernels.FusedKernels(
+            kernel(getattr(lib, f"lltm_seq_fwd_cluster_{suffix}"), f"seq_fwd_cluster{size}",
+                   _FWD, _FWD_OUTPUTS, dtype, size),
+            kernel(getattr(lib, f"lltm_seq_bwd_cluster_{suffix}"), f"seq_bwd_cluster{size}",
+                   _BWD, _BWD_OUTPUTS, dtype, size))
+
+    return get_cluster_kernels

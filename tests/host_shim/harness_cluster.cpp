@@ -1,8 +1,85 @@
-// C entry points that run thread-block clusters on the CPU (shim_launch_cluster of shim.h): a
-// small kernel that checks the shim's cluster semantics themselves. Built by
+// C entry points that run thread-block clusters on the CPU (shim_launch_cluster of shim.h): the
+// cluster variant of the fused sequence kernels (cuda_src/lltm_fused_cluster.cu), and a small
+// kernel that checks the shim's cluster semantics themselves. Built by
 // tests/helpers/host_cluster.py with:
 //   g++ -O2 -std=c++17 -shared -fPIC -I<cuda_src> -I<this folder> harness_cluster.cpp
 #include "shim.h"
+#include "lltm.cu"
+#include "lltm_fused_cluster.cu"
+
+// The kernels' __cluster_dims__(P) is a template argument; the entry points take it at run time.
+template <typename T, int P>
+static void lltm_fwd_cluster(unsigned grid, unsigned block, unsigned long long shared,
+                             const T* w, long long w_stride, const T* bias, T* gates,
+                             const T* h0, const T* c0, T* out, T* cells, T* h_last, T* c_last,
+                             const long long* offsets, int packed, int steps, int batch,
+                             int state, int tile) {
+  shim_launch_cluster(grid, block, P, shared, [&] {
+    lltm_seq_fwd_cluster_kernel<T, P>(w, w_stride, bias, gates, h0, c0, out, cells, h_last,
+                                      c_last, offsets, packed, steps, batch, state, tile);
+  });
+}
+
+template <typename T, int P>
+static void lltm_bwd_cluster(unsigned grid, unsigned block, unsigned long long shared,
+                             const T* w, long long w_stride, const T* gates, const T* cells,
+                             const T* grad_out, const T* grad_h_n, const T* grad_c_n,
+                             T* d_gates, T* d_h0, T* d_c0, const long long* offsets, int packed,
+                             int has_grad_out, int has_grad_h_n, int has_grad_c_n, int steps,
+                             int batch, int state, int tile) {
+  shim_launch_cluster(grid, block, P, shared, [&] {
+    lltm_seq_bwd_cluster_kernel<T, P>(w, w_stride, gates, cells, grad_out, grad_h_n, grad_c_n,
+                                      d_gates, d_h0, d_c0, offsets, packed, has_grad_out,
+                                      has_grad_h_n, has_grad_c_n, steps, batch, state, tile);
+  });
+}
+
+#define LLTM_CLUSTER_SWITCH(FN, T, ...)                                                        \
+  switch (cluster) {                                                                           \
+    case 1: FN<T, 1>(__VA_ARGS__); break;                                                      \
+    case 2: FN<T, 2>(__VA_ARGS__); break;                                                      \
+    case 4: FN<T, 4>(__VA_ARGS__); break;                                                      \
+    case 8: FN<T, 8>(__VA_ARGS__); break;                                                      \
+    default: shim_error = "no kernel for this cluster size";                                   \
+  }
+
+#define LLTM_CLUSTER_ENTRY_POINTS(T, SUFFIX)                                                   \
+  extern "C" void lltm_seq_fwd_cluster_##SUFFIX(                                               \
+      unsigned grid, unsigned block, unsigned cluster, unsigned long long shared, const T* w,  \
+      long long w_stride, const T* bias, T* gates, const T* h0, const T* c0, T* out,           \
+      T* cells, T* h_last, T* c_last, const long long* offsets, int packed, int steps,         \
+      int batch, int state, int tile) {                                                        \
+    shim_error = nullptr;                                                                      \
+    LLTM_CLUSTER_SWITCH(lltm_fwd_cluster, T, grid, block, shared, w, w_stride, bias, gates,    \
+                        h0, c0, out, cells, h_last, c_last, offsets, packed, steps, batch,     \
+                        state, tile)                                                           \
+  }                                                                                            \
+  extern "C" void lltm_seq_bwd_cluster_##SUFFIX(                                               \
+      unsigned grid, unsigned block, unsigned cluster, unsigned long long shared, const T* w,  \
+      long long w_stride, const T* gates, const T* cells, const T* grad_out,                   \
+      const T* grad_h_n, const T* grad_c_n, T* d_gates, T* d_h0, T* d_c0,                      \
+      const long long* offsets, int packed, int has_grad_out, int has_grad_h_n,                \
+      int has_grad_c_n, int steps, int batch, int state, int tile) {                           \
+    shim_error = nullptr;                                                                      \
+    LLTM_CLUSTER_SWITCH(lltm_bwd_cluster, T, grid, block, shared, w, w_stride, gates, cells,   \
+                        grad_out, grad_h_n, grad_c_n, d_gates, d_h0, d_c0, offsets, packed,    \
+                        has_grad_out, has_grad_h_n, has_grad_c_n, steps, batch, state, tile)   \
+  }
+
+LLTM_CLUSTER_ENTRY_POINTS(double, f64)
+LLTM_CLUSTER_ENTRY_POINTS(float, f32)
+LLTM_CLUSTER_ENTRY_POINTS(lltm_half, f16)
+LLTM_CLUSTER_ENTRY_POINTS(lltm_bf16, bf16)
+
+// The kernels' own shared-memory layout functions, for the tests to hold the launcher's
+// (lltm_cupy/_cuda/fused_cluster.py) against: the forward's row stride and the weights' regions.
+extern "C" int lltm_host_cluster_wt_stride(int most, int item) {
+  return lltm_cluster_wt_stride(most, item);
+}
+extern "C" long long lltm_host_cluster_w_bytes(int state, int most, int item, int backward) {
+  return backward ? lltm_cluster_w_bytes(state, most, item)
+                  : lltm_cluster_wt_bytes(state, most, item);
+}
 
 // Every thread of block r stores its global index into block r + 1's (cyclically) shared memory
 // through lltm_cluster_map, then reads its own block's word. mode: bit 0 a cluster barrier before
@@ -43,3 +120,4 @@ extern "C" void lltm_host_set_schedule(int order, unsigned long long seed) {
 extern "C" const char* lltm_host_last_error(void) { return shim_error; }
 extern "C" long long lltm_host_barriers(void) { return shim_barriers; }
 extern "C" long long lltm_host_cluster_barriers(void) { return shim_cluster_barriers; }
+

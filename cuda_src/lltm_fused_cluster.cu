@@ -1,0 +1,391 @@
+// Fused whole-sequence kernels of the LLTM cell across a thread-block cluster (sm_90 and newer):
+// the kernels of lltm_fused.cu for state sizes whose W_h does not fit one block's shared memory.
+//
+// This file is compiled after cuda_src/lltm.cu, in the same translation unit (lltm_cupy/_cuda/
+// kernels.py joins the two texts for NVRTC; the host build of the tests includes both), and uses
+// its scalar types (lltm_traits) and the cell's numerics (lltm_cell_forward /
+// lltm_cell_backward). It does not include lltm_fused.cu: the few lines of it that these kernels
+// also need (the walk over a tile's elements, a step's first row, the padded row stride) are
+// repeated here under their own names.
+//
+// Work split: one cluster of P blocks (P in 1, 2, 4, 8: the portable cluster sizes; the kernels'
+// __cluster_dims__, one instantiation per P) per tile of `tile` batch rows; cluster c is blocks
+// c * P .. c * P + P - 1, and block `rank` of it owns the states lo = rank * S / P up to
+// (rank + 1) * S / P (L of them, at most LM = ceil(S / P)) and W_h's rows of those states' three
+// gates, in its shared memory for all steps. Every step:
+//   forward:  each block computes its states' gates from the whole previous h (its own copy,
+//             in shared memory), the cell, and stores its slice of the new h into the next-h
+//             buffer of every block of the cluster (distributed shared memory: mapa +
+//             st.shared::cluster); h is double-buffered, so one cluster barrier per step orders
+//             both the stores before the next step's reads and this step's reads before the
+//             stores of the step after;
+//   backward: each block computes its states' d_gates by the cell's backward, then (after a
+//             block barrier: the product reads every thread's d_gates) its partial d_h_{t-1} =
+//             d_gates[its gates] @ W_h[its gates] for every state, and stores the part of it
+//             that block q owns into q's receive buffer, slot `rank` (a reduce-scatter); after
+//             the step's cluster barrier each block adds the P partial sums of its states in the
+//             fixed order of the slots, 0 .. P - 1. The receive buffer is double-buffered, so one
+//             cluster barrier per step suffices here too.
+// A barrier at the start (every block of the cluster running, before any store into a peer);
+// none at the end: after a step's barrier no block stores into another, so a block may leave.
+//
+// Numerics: as lltm_fused.cu. The forward's dot products run in LLTM_CLUSTER_LANES partial sums
+// (term k in sum k mod 4) added in a fixed tree order, the order of lltm_fused.cu's forward: the
+// forward's results do not depend on P. The backward's sums are the 4-lane tree over each block's
+// 3L terms, then the blocks' partial sums in rank order: fixed for a given P (deterministic), not
+// the one-block kernel's order. Rounding points, packed layout, inactive rows: as lltm_fused.cu.
+//
+// Shared memory (dynamic, bytes, the same layout in every block of the cluster, so that an offset
+// in one block is the same buffer in another; A = arithmetic type, T = storage type;
+// lltm_cupy/_cuda/fused_cluster.py computes the same sizes):
+//   forward:  S * Q sizeof(T)  (W_h's rows of the block's gates, transposed: (S, 3L) in rows of
+//             Q = lltm_cluster_wt_stride(LM) elements, row k holding gate g's state j at g L + j)
+//             + tile * (2 S + LM) sizeof(A)  (whole h of the step and of the next; c of the
+//             block's states)
+//   backward: 3 LM S sizeof(T)  (W_h's rows of the block's gates, (3L, S))
+//             + tile * (3 LM + 2 P LM + 2 LM) sizeof(A)  (the block's d_gates; the receive
+//             buffers (2, P, tile, LM); carried d_h (before a row's first step) and d_c)
+// The weights' region is padded to 16 bytes so that the A arrays are aligned.
+
+#ifndef LLTM_HOST_SHIM
+extern __shared__ __align__(16) unsigned char lltm_dynamic_smem[];
+#define LLTM_CLUSTER_FITS(bytes) true
+#define LLTM_CLUSTER_UNROLL _Pragma("unroll")
+#define LLTM_CLUSTER_DIMS(P) __cluster_dims__(P, 1, 1)
+
+// The cluster primitives, header-free inline PTX (sm_90). The host shim (tests/host_shim/shim.h)
+// gives the same functions cluster semantics on the CPU.
+typedef unsigned lltm_dsmem;   // an address in the cluster's shared window (shared::cluster)
+
+// Every thread of every block of the cluster arrives, then waits for all (release / acquire at
+// cluster scope: the stores into peers before it are seen by their reads after it).
+__device__ __forceinline__ void lltm_cluster_sync() {
+  asm volatile("barrier.cluster.arrive;\n\tbarrier.cluster.wait;" ::: "memory");
+}
+
+__device__ __forceinline__ unsigned lltm_cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ unsigned lltm_cluster_size() {
+  unsigned n;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return n;
+}
+
+// The address of the word at p's offset (p in this block's shared memory) in block `rank`'s.
+__device__ __forceinline__ lltm_dsmem lltm_cluster_map(const void* p, unsigned rank) {
+  unsigned local, remote;
+  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+               : "=r"(local) : "l"(p));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+
+__device__ __forceinline__ void lltm_cluster_store(lltm_dsmem a, float v) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(a), "f"(v) : "memory");
+}
+__device__ __forceinline__ void lltm_cluster_store(lltm_dsmem a, double v) {
+  asm volatile("st.shared::cluster.f64 [%0], %1;" :: "r"(a), "d"(v) : "memory");
+}
+#else
+#define LLTM_CLUSTER_FITS(bytes) shim_shared_fits(bytes)
+#define LLTM_CLUSTER_UNROLL _Pragma("GCC unroll 4")
+#define LLTM_CLUSTER_DIMS(P)
+#endif
+
+// The partial sums of a dot product (the tree below adds four).
+#define LLTM_CLUSTER_LANES 4
+
+// Row stride (elements) of the forward's transposed weights: at least 3 LM, and such that 32
+// consecutive rows start in 32 different banks (lltm_fused.cu's lltm_fused_wt_stride with 3 LM
+// for 3 S): odd in 4-byte words for 2-byte types, odd for 4- and 8-byte types.
+__device__ __forceinline__ int lltm_cluster_wt_stride(int most, int item) {
+  const int s3 = 3 * most;
+  return item == 2 ? s3 + (6 - s3 % 4) % 4 : (s3 | 1);
+}
+
+__device__ __forceinline__ long long lltm_cluster_wt_bytes(int state, int most, int item) {
+  return ((long long)state * lltm_cluster_wt_stride(most, item) * item + 15) / 16 * 16;
+}
+
+__device__ __forceinline__ long long lltm_cluster_w_bytes(int state, int most, int item) {
+  return (3LL * most * state * item + 15) / 16 * 16;
+}
+
+// The (row, column) pair of a thread's elements i = threadIdx.x, threadIdx.x + blockDim.x, ...
+// of a (rows, width) array, stepped without a division.
+struct lltm_cluster_walk {
+  int r0, s0, dr, ds;
+  __device__ __forceinline__ lltm_cluster_walk(int width) {
+    r0 = threadIdx.x / width;
+    s0 = threadIdx.x - r0 * width;
+    dr = blockDim.x / width;
+    ds = blockDim.x - dr * width;
+  }
+  __device__ __forceinline__ void next(int width, int* r, int* s) const {
+    *r += dr;
+    *s += ds;
+    if (*s >= width) {
+      *s -= width;
+      *r += 1;
+    }
+  }
+};
+
+// The first row of step t (lltm_fused.cu's lltm_fused_offset).
+__device__ __forceinline__ long long lltm_cluster_offset(const long long* __restrict__ offsets,
+                                                         int packed, int t, int batch) {
+  return packed ? offsets[t] - offsets[0] : (long long)t * batch;
+}
+
+// Arguments as lltm_seq_fwd_kernel's (lltm_fused.cu); the grid is P blocks per tile.
+template <typename T, int P>
+__global__ void LLTM_CLUSTER_DIMS(P)
+lltm_seq_fwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
+                            const T* __restrict__ bias, T* __restrict__ gates,
+                            const T* __restrict__ h0, const T* __restrict__ c0,
+                            T* __restrict__ out, T* __restrict__ cells, T* __restrict__ h_last,
+                            T* __restrict__ c_last, const long long* __restrict__ offsets,
+                            int packed, int steps, int batch, int state, int tile) {
+  typedef lltm_traits<T> tr;
+  typedef typename tr::acc A;
+  const int S = state;
+  const int S3 = 3 * state;
+  const int rank = (int)lltm_cluster_rank();
+  const int lo = rank * S / P;                   // this block's states: lo .. lo + L - 1
+  const int L = (rank + 1) * S / P - lo;
+  const int LM = (S + P - 1) / P;
+  const int Q = lltm_cluster_wt_stride(LM, sizeof(T));
+  const long long w_bytes = lltm_cluster_wt_bytes(S, LM, sizeof(T));
+  if (!LLTM_CLUSTER_FITS(w_bytes + (2LL * S + LM) * tile * sizeof(A))) return;
+  T* w_t = (T*)lltm_dynamic_smem;                                   // (S, Q)
+  A* h_buf = (A*)(lltm_dynamic_smem + w_bytes);                     // (2, tile, S)
+  A* c_buf = h_buf + 2 * tile * S;                                  // (tile, L)
+  const int row0 = (blockIdx.x / P) * tile;
+  const int rows = min(tile, batch - row0);
+  const int n = rows * L;
+  const lltm_cluster_walk walk(L);
+
+  for (int i = threadIdx.x; i < 3 * L * S; i += blockDim.x) {
+    const int gl = i / S;
+    const int k = i - gl * S;
+    const int g = gl / L;
+    w_t[k * Q + gl] = w[(g * S + lo + gl - g * L) * w_stride + k];
+  }
+  for (int i = threadIdx.x; i < rows * S; i += blockDim.x) {
+    h_buf[i] = tr::load(h0[(long long)row0 * S + i]);
+  }
+  {
+    int r = walk.r0, j = walk.s0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x, walk.next(L, &r, &j)) {
+      c_buf[i] = tr::load(c0[(long long)(row0 + r) * S + lo + j]);
+    }
+  }
+  lltm_cluster_sync();    // the block's loads done, every block of the cluster running
+
+  long long first = lltm_cluster_offset(offsets, packed, 0, batch);
+  int t = 0;
+  for (; t < steps; ++t) {
+    const long long edge = lltm_cluster_offset(offsets, packed, t + 1, batch);
+    const int active = min(rows, (int)(edge - first) - row0);   // the same for the cluster
+    if (active <= 0) break;
+    const A* h_cur = h_buf + (t & 1) * tile * S;
+    A* h_next = h_buf + ((t + 1) & 1) * tile * S;
+    lltm_dsmem peer[P];
+LLTM_CLUSTER_UNROLL
+    for (int q = 0; q < P; ++q) peer[q] = lltm_cluster_map(h_next, q);
+    int r = walk.r0, j = walk.s0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x, walk.next(L, &r, &j)) {
+      const int s = lo + j;
+      A h_new;
+      if (r >= active) {             // finished: its state moves along unchanged
+        h_new = h_cur[r * S + s];
+      } else {
+        const long long row = first + row0 + r;
+        T* g = gates + row * S3 + s;
+        const T p_i = g[0], p_o = g[S], p_c = g[2 * S];
+        const T b_i = bias[s], b_o = bias[S + s], b_c = bias[2 * S + s];
+        const A* h = h_cur + r * S;
+        A ai[LLTM_CLUSTER_LANES], ao[LLTM_CLUSTER_LANES], ac[LLTM_CLUSTER_LANES];
+LLTM_CLUSTER_UNROLL
+        for (int l = 0; l < LLTM_CLUSTER_LANES; ++l) ai[l] = ao[l] = ac[l] = A(0);
+        int k = 0;
+        for (; k + LLTM_CLUSTER_LANES <= S; k += LLTM_CLUSTER_LANES) {
+LLTM_CLUSTER_UNROLL
+          for (int l = 0; l < LLTM_CLUSTER_LANES; ++l) {
+            const T* wk = w_t + (k + l) * Q + j;
+            const A hk = h[k + l];
+            ai[l] += tr::load(wk[0]) * hk;
+            ao[l] += tr::load(wk[L]) * hk;
+            ac[l] += tr::load(wk[2 * L]) * hk;
+          }
+        }
+LLTM_CLUSTER_UNROLL
+        for (int l = 0; l < LLTM_CLUSTER_LANES - 1; ++l) {     // the last S mod LANES terms
+          if (k + l < S) {
+            const T* wk = w_t + (k + l) * Q + j;
+            const A hk = h[k + l];
+            ai[l] += tr::load(wk[0]) * hk;
+            ao[l] += tr::load(wk[L]) * hk;
+            ac[l] += tr::load(wk[2 * L]) * hk;
+          }
+        }
+        const A acc_i = (ai[0] + ai[1]) + (ai[2] + ai[3]);
+        const A acc_o = (ao[0] + ao[1]) + (ao[2] + ao[3]);
+        const A acc_c = (ac[0] + ac[1]) + (ac[2] + ac[3]);
+        const T gi = tr::store(acc_i + tr::load(p_i));
+        const T go = tr::store(acc_o + tr::load(p_o));
+        const T gc = tr::store(acc_c + tr::load(p_c));
+        T c_t, h_t;
+        lltm_cell_forward<T>(gi, go, gc, b_i, b_o, b_c, c_buf[i], g, g + S, g + 2 * S, &c_t,
+                             &h_t);
+        out[row * S + s] = h_t;
+        cells[row * S + s] = c_t;
+        c_buf[i] = tr::load(c_t);
+        h_new = tr::load(h_t);
+      }
+      const unsigned at = (unsigned)((r * S + s) * sizeof(A));
+LLTM_CLUSTER_UNROLL
+      for (int q = 0; q < P; ++q) lltm_cluster_store(peer[q] + at, h_new);
+    }
+    first = edge;
+    lltm_cluster_sync();    // the next h complete in every block; this step's reads of h done
+  }
+  const A* h_fin = h_buf + (t & 1) * tile * S;
+  int r = walk.r0, j = walk.s0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x, walk.next(L, &r, &j)) {
+    const long long dst = (long long)(row0 + r) * S + lo + j;
+    h_last[dst] = tr::store(h_fin[r * S + lo + j]);
+    c_last[dst] = tr::store(c_buf[i]);
+  }
+}
+
+// Arguments as lltm_seq_bwd_kernel's (lltm_fused.cu); the grid is P blocks per tile.
+template <typename T, int P>
+__global__ void LLTM_CLUSTER_DIMS(P)
+lltm_seq_bwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
+                            const T* __restrict__ gates, const T* __restrict__ cells,
+                            const T* __restrict__ grad_out, const T* __restrict__ grad_h_n,
+                            const T* __restrict__ grad_c_n, T* __restrict__ d_gates,
+                            T* __restrict__ d_h0, T* __restrict__ d_c0,
+                            const long long* __restrict__ offsets, int packed, int has_grad_out,
+                            int has_grad_h_n, int has_grad_c_n, int steps, int batch, int state,
+                            int tile) {
+  typedef lltm_traits<T> tr;
+  typedef typename tr::acc A;
+  const int S = state;
+  const int S3 = 3 * state;
+  const int rank = (int)lltm_cluster_rank();
+  const int lo = rank * S / P;
+  const int L = (rank + 1) * S / P - lo;
+  const int LM = (S + P - 1) / P;
+  const long long w_bytes = lltm_cluster_w_bytes(S, LM, sizeof(T));
+  if (!LLTM_CLUSTER_FITS(w_bytes + (5LL + 2 * P) * LM * tile * sizeof(A))) return;
+  T* w_s = (T*)lltm_dynamic_smem;                                   // (3L, S)
+  A* dg_buf = (A*)(lltm_dynamic_smem + w_bytes);                    // (tile, 3L)
+  A* recv = dg_buf + 3 * tile * LM;                                 // (2, P, tile, LM)
+  A* dh_buf = recv + 2 * P * tile * LM;                             // (tile, L)
+  A* dc_buf = dh_buf + tile * LM;                                   // (tile, L)
+  const int slot = tile * LM;                                       // one block's partial sums
+  const int row0 = (blockIdx.x / P) * tile;
+  const int rows = min(tile, batch - row0);
+  const int n = rows * L;
+  const lltm_cluster_walk walk(L);      // the block's states of a tile
+  const lltm_cluster_walk all(S);       // every state of a tile
+
+  for (int i = threadIdx.x; i < 3 * L * S; i += blockDim.x) {
+    const int gl = i / S;
+    const int k = i - gl * S;
+    const int g = gl / L;
+    w_s[i] = w[(g * S + lo + gl - g * L) * w_stride + k];
+  }
+  {
+    int r = walk.r0, j = walk.s0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x, walk.next(L, &r, &j)) {
+      const long long src = (long long)(row0 + r) * S + lo + j;
+      dh_buf[i] = has_grad_h_n ? tr::load(grad_h_n[src]) : A(0);
+      dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : A(0);
+    }
+  }
+  lltm_cluster_sync();    // the block's loads done, every block of the cluster running
+
+  int done = 0;           // steps run so far (their products stored in recv, alternately)
+  int before = 0;         // rows active at the last step run: their d_h is in recv
+  long long edge = lltm_cluster_offset(offsets, packed, steps, batch);
+  for (int t = steps - 1; t >= 0; --t) {
+    const long long first = lltm_cluster_offset(offsets, packed, t, batch);
+    const int active = min(rows, (int)(edge - first) - row0);      // the same for the cluster
+    edge = first;
+    if (active <= 0) continue;
+    const A* in = recv + ((done + 1) & 1) * P * slot;
+    int r = walk.r0, j = walk.s0;
+    for (int i = threadIdx.x; i < active * L; i += blockDim.x, walk.next(L, &r, &j)) {
+      const int s = lo + j;
+      const long long row = first + row0 + r;
+      const T* z = gates + row * S3 + s;
+      const T z_i = z[0], z_o = z[S], z_c = z[2 * S], c_t = cells[row * S + s];
+      const A go = has_grad_out ? tr::load(grad_out[row * S + s]) : A(0);
+      A dh = dh_buf[i];
+      if (r < before) {             // the blocks' partial sums, in rank order
+        dh = in[r * LM + j];
+LLTM_CLUSTER_UNROLL
+        for (int q = 1; q < P; ++q) dh += in[q * slot + r * LM + j];
+      }
+      const A gh = tr::load(tr::store(dh + go));
+      T d_i, d_o, d_c, d_c_t;
+      lltm_cell_backward<T>(z_i, z_o, z_c, c_t, gh, dc_buf[i], &d_i, &d_o, &d_c, &d_c_t);
+      T* dg = d_gates + row * S3 + s;
+      dg[0] = d_i;
+      dg[S] = d_o;
+      dg[2 * S] = d_c;
+      A* dgs = dg_buf + r * 3 * L + j;      // the product's operand: the stored values
+      dgs[0] = tr::load(d_i);
+      dgs[L] = tr::load(d_o);
+      dgs[2 * L] = tr::load(d_c);
+      dc_buf[i] = tr::load(d_c_t);
+    }
+    __syncthreads();        // every d_gates of the block's states written
+    A* dst = recv + (done & 1) * P * slot + rank * slot;
+    r = all.r0;
+    int k = all.s0;
+    for (int i = threadIdx.x; i < active * S; i += blockDim.x, all.next(S, &r, &k)) {
+      const A* dgr = dg_buf + r * 3 * L;
+      A acc[LLTM_CLUSTER_LANES];
+LLTM_CLUSTER_UNROLL
+      for (int l = 0; l < LLTM_CLUSTER_LANES; ++l) acc[l] = A(0);
+      int g = 0;
+      for (; g + LLTM_CLUSTER_LANES <= 3 * L; g += LLTM_CLUSTER_LANES) {
+LLTM_CLUSTER_UNROLL
+        for (int l = 0; l < LLTM_CLUSTER_LANES; ++l) {
+          acc[l] += dgr[g + l] * tr::load(w_s[(g + l) * S + k]);
+        }
+      }
+LLTM_CLUSTER_UNROLL
+      for (int l = 0; l < LLTM_CLUSTER_LANES - 1; ++l) {     // the last 3L mod LANES terms
+        if (g + l < 3 * L) acc[l] += dgr[g + l] * tr::load(w_s[(g + l) * S + k]);
+      }
+      const int q = ((k + 1) * P - 1) / S;                       // the block owning state k
+      const unsigned at = (unsigned)((r * LM + k - q * S / P) * sizeof(A));
+      lltm_cluster_store(lltm_cluster_map(dst, q) + at, (acc[0] + acc[1]) + (acc[2] + acc[3]));
+    }
+    lltm_cluster_sync();    // every block's partial sums in place; the step's reads of recv done
+    before = active;
+    ++done;
+  }
+  const A* in = recv + ((done + 1) & 1) * P * slot;
+  int r = walk.r0, j = walk.s0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x, walk.next(L, &r, &j)) {
+    A dh = dh_buf[i];
+    if (r < before) {
+      dh = in[r * LM + j];
+LLTM_CLUSTER_UNROLL
+      for (int q = 1; q < P; ++q) dh += in[q * slot + r * LM + j];
+    }
+    const long long dst = (long long)(row0 + r) * S + lo + j;
+    d_h0[dst] = tr::store(dh);
+    d_c0[dst] = tr::store(dc_buf[i]);
+  }
+}

@@ -1,0 +1,110 @@
+"""GPU backend, fused sequences across a thread-block cluster (``cuda_src/lltm_fused_cluster.cu``):
+sizes and geometry of the cluster variant that :mod:`.fused` runs, on sm_90 and newer, for the
+state sizes whose W_h does not fit one block's shared memory.
+
+A cluster of P blocks (P in 1, 2, 4, 8; 8 is the portable limit) runs each tile of batch rows;
+block r holds W_h's rows of its states r S / P .. (r + 1) S / P - 1 (at most LM = ceil(S / P)) and
+the blocks exchange each step's h (forward) or partial d_h (backward) through distributed shared
+memory. Shared memory per block (bytes; T the storage type, A the arithmetic type, float32 for
+the 16-bit types; the layout is the same in every block):
+
+    forward:  S * Q sizeof(T), Q = 3 LM rounded up as wt_stride (.fused) does for 3S, to 16,
+              plus per row of the tile (2 S + LM) sizeof(A)
+    backward: 3 LM S sizeof(T), rounded up to 16, plus per row (5 + 2 P) LM sizeof(A)
+
+The cluster size is the smallest that runs a one-row tile both ways; the tile, as in .fused, the
+batch spread over the device's clusters, as many rows as fit. Largest state size of an 8-block
+cluster (:func:`max_state`) on sm_90 and sm_100 (232,448 bytes per block):
+
+    float16 / bfloat16   float32   float64
+           544             388       272
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from . import kernels
+from .fused import THREADS, _acc_size, wt_stride
+
+__all__ = ["FORCED_SIZE", "MIN_ARCH", "shared_bytes", "cluster_size", "max_state", "usable",
+           "geometry"]
+
+#: The cluster size to run whatever the state size (tests; None: chosen by :func:`cluster_size`
+#: where the one-block kernels cannot hold W_h).
+FORCED_SIZE = None
+#: Thread-block clusters need compute capability 9.0.
+MIN_ARCH = 90
+
+
+def shared_bytes(state: int, dtype, tile: int, backward: bool, size: int) -> int:
+    """Dynamic shared memory of one block of the cluster kernels (see the module docstring)."""
+    item = np.dtype(dtype).itemsize
+    most = -(-state // size)
+    elements = 3 * most * state if backward else state * wt_stride(most, item)
+    weights = -(-elements * item // 16) * 16
+    per_row = (5 + 2 * size) * most if backward else 2 * state + most
+    return weights + tile * per_row * _acc_size(dtype)
+
+
+def _fits(state: int, dtype, size: int, limit: int) -> bool:
+    return size <= state and all(shared_bytes(state, dtype, 1, b, size) <= limit
+                                 for b in (False, True))
+
+
+def cluster_size(state: int, dtype, limit: int):
+    """The smallest cluster size of kernels.CLUSTER_SIZES that runs ``state`` in ``dtype`` with
+    ``limit`` bytes of shared memory per block (a one-row tile both ways); None if none does."""
+    return next((p for p in kernels.CLUSTER_SIZES if _fits(state, dtype, p, limit)), None)
+
+
+@functools.lru_cache(maxsize=None)
+def max_state(limit: int, dtype, size: int = max(kernels.CLUSTER_SIZES)) -> int:
+    """The largest state size a cluster of ``size`` blocks runs with ``limit`` bytes per block."""
+    state = 0
+    while shared_bytes(state + 1, dtype, 1, True, size) <= limit and \
+            shared_bytes(state + 1, dtype, 1, False, size) <= limit:
+        state += 1
+    return state
+
+
+def usable(state: int, dtype) -> bool:
+    """True when the current device (sm_90 or newer) runs ``state`` in a cluster."""
+    device = kernels.current_device()
+    return (kernels.compute_capability(device) >= MIN_ARCH
+            and cluster_size(state, dtype, kernels.shared_memory_limit(device)) is not None)
+
+
+def chosen_size(state: int, dtype) -> int:
+    """The cluster size the launcher runs: FORCED_SIZE if set (RuntimeError, naming the largest
+    state sizes each cluster size runs, if that size cannot run ``state``), else
+    :func:`cluster_size`."""
+    limit = kernels.shared_memory_limit(kernels.current_device())
+    if FORCED_SIZE is None:
+        return cluster_size(state, dtype, limit)
+    if not _fits(state, dtype, FORCED_SIZE, limit):
+        sizes = ", ".join(f"{p} blocks: S <= {max_state(limit, dtype, p)}"
+                          for p in kernels.CLUSTER_SIZES)
+        raise RuntimeError(f"lltm_cupy: the fused kernels cannot run state size {state} in "
+                           f"{np.dtype(dtype).name} in clusters of {FORCED_SIZE} blocks with "
+                           f"{limit} bytes of shared memory per block ({sizes}; at least as "
+                           f"many states as blocks)")
+    return FORCED_SIZE
+
+
+def geometry(batch: int, state: int, dtype, backward: bool, size: int):
+    """(blocks, threads, tile, shared bytes) of a cluster launch: the batch spread over the
+    device's clusters (SMs / size), one tile per cluster, as many rows as shared memory holds;
+    blocks = tiles * size."""
+    device = kernels.current_device()
+    limit = kernels.shared_memory_limit(device)
+    empty = shared_bytes(state, dtype, 0, backward, size)
+    per_row = shared_bytes(state, dtype, 1, backward, size) - empty
+    fits = (limit - empty) // per_row
+    clusters = max(1, kernels._sm_count(device) // size)
+    tile = max(1, min(-(-batch // clusters), fits))
+    width = state if backward else -(-state // size)    # the widest phase's elements per row
+    threads = min(THREADS, -(-tile * width // 32) * 32)
+    return -(-batch // tile) * size, threads, tile, shared_bytes(state, dtype, tile, backward,
+                                                                 size)

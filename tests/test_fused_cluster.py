@@ -1,0 +1,375 @@
+"""The fused sequence kernels across a thread-block cluster (cuda_src/lltm_fused_cluster.cu,
+lltm_cupy/_cuda/fused_cluster.py), without a GPU: the CUDA source built as host C++ with cluster
+semantics (tests/host_shim/shim.h's shim_launch_cluster: every thread of a cluster's blocks a
+context, __syncthreads() per block, the cluster barrier, distributed shared memory as pointers into
+the peer's buffer) and launched from the GPU backend on the emulated CuPy (an sm_90 device); against
+the stepped path and the float64 reference, forward and every gradient, at 1, 2, 4 and 8 blocks per
+cluster. Also: deleting any barrier is caught, NVRTC compiles every cluster size for sm_90 and
+sm_100, ptxas reports no spill, the launcher's sizes agree with the kernels' layout.
+
+Runs everywhere (g++, the NVRTC wheel and nvcc, no GPU).
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lltm_cupy._cuda import fused as _fused, fused_cluster as _cluster, kernels as _kernels
+from conftest import max_error
+from helpers import host_cluster, host_fused
+from test_fused_sequence import DTYPES, LIMIT, OUT, _run_ptxas, compare, make, run
+from test_lengths import _reference
+
+SIZES = _kernels.CLUSTER_SIZES
+
+
+@pytest.fixture(scope="session")
+def cluster_lib(tmp_path_factory):
+    return host_cluster.build(tmp_path_factory.mktemp("cluster_host"))
+
+
+@pytest.fixture(scope="session")
+def one_block_lib(tmp_path_factory):
+    return host_fused.build(tmp_path_factory.mktemp("fused_host_for_clusters"))
+
+
+def _use(monkeypatch, lib, one_block_lib):
+    monkeypatch.setattr(_kernels, "get_cluster_kernels",
+                        host_cluster.host_get_cluster_kernels(lib, LIMIT))
+    monkeypatch.setattr(_kernels, "get_fused_kernels",
+                        host_fused.host_get_fused_kernels(one_block_lib, LIMIT))
+    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 90)
+
+
+@pytest.fixture
+def cluster_cupy(emulated_cupy, monkeypatch, cluster_lib, one_block_lib):
+    """The emulated CuPy as an sm_90 device of LIMIT bytes of shared memory per block, with the
+    cluster kernels' and the one-block kernels' host builds; ``monkeypatch`` _cluster.FORCED_SIZE
+    to run the cluster kernels where one block would do."""
+    _use(monkeypatch, cluster_lib, one_block_lib)
+    host_cluster.set_schedule(cluster_lib, "ascending")
+    yield emulated_cupy
+    host_cluster.set_schedule(cluster_lib, "ascending")
+
+
+def _want(case, lengths, reverse, T, B):
+    full = [T] * B if lengths is None else lengths
+    return _reference(case, full, reverse, (case["grad_outputs"], case["grad_h_n"],
+                                            case["grad_c_n"]))
+
+
+LENGTHS = {"full": None, "zeros and ties": [3, 0, 5, 1, 5, 0, 2]}
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_cluster_equals_stepped_and_reference(cluster_cupy, monkeypatch, dtype, size, lengths,
+                                              reverse):
+    """7 rows over 3 clusters (tiles of 3, 3 and 1 rows: a tile that does not divide the batch),
+    S = 13 (blocks of 1 to 13 states, unequal where P does not divide S), lengths with zeros,
+    both directions, all dtypes, each cluster size forced."""
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", size)
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 3 * size)
+    emu = cluster_cupy.emulator
+    stored, case = make(5, 7, 4, 13, dtype, seed=3 + reverse)
+    emu.reset()
+    fused = run(cluster_cupy, stored, lengths, reverse, True)
+    assert emu.log.count(f"kernel:seq_fwd_cluster{size}") == 1
+    assert emu.log.count(f"kernel:seq_bwd_cluster{size}") == 1
+    assert "kernel:seq_fwd" not in emu.log and "kernel:seq_bwd" not in emu.log
+    stepped = run(cluster_cupy, stored, lengths, reverse, False)
+    compare(fused, stepped, _want(case, lengths, reverse, 5, 7), dtype, f"P={size}")
+
+
+def _large_sizes():
+    """Above the one-block bound on sm_90: where the launcher itself picks a cluster."""
+    cases = []
+    for name, dtype in DTYPES.items():
+        top = _fused.max_state(LIMIT, dtype)
+        states = {"float16": (top + 1, 512), "bfloat16": (300, 512), "float32": (top + 1, 388),
+                  "float64": (top + 1, 272)}[name]
+        cases += [pytest.param(dtype, s, id=f"{name}-S{s}") for s in states]
+    return cases
+
+
+@pytest.mark.parametrize("dtype,state", _large_sizes())
+def test_state_sizes_beyond_one_block_run_in_a_cluster(cluster_cupy, monkeypatch, dtype, state):
+    """Past the one-block kernels' bound (S = 138 float32, 195 16-bit, 97 float64 on sm_90) the
+    launcher picks the smallest cluster that holds W_h, up to S = 512 in the 16-bit types and the
+    largest an 8-block cluster holds in float32 and float64 (388, 272); packed
+    lengths that end at different steps, 3 rows in tiles that do not divide them."""
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 16)
+    size = _cluster.cluster_size(state, dtype, LIMIT)
+    assert size is not None and size > 1
+    emu = cluster_cupy.emulator
+    stored, case = make(3, 3, 3, state, dtype, seed=state)
+    lengths = [3, 1, 2]
+    emu.reset()
+    fused = run(cluster_cupy, stored, lengths, False, True)
+    assert emu.log.count(f"kernel:seq_fwd_cluster{size}") == 1
+    assert emu.log.count(f"kernel:seq_bwd_cluster{size}") == 1
+    stepped = run(cluster_cupy, stored, lengths, False, False)
+    compare(fused, stepped, _want(case, lengths, False, 3, 3), dtype, f"S={state} P={size}")
+
+
+def test_the_launcher_picks_the_smallest_cluster_that_fits():
+    f32 = np.dtype(np.float32)
+    assert _cluster.cluster_size(139, f32, LIMIT) == 2
+    assert _cluster.cluster_size(_cluster.max_state(LIMIT, f32, 2), f32, LIMIT) == 2
+    assert _cluster.cluster_size(_cluster.max_state(LIMIT, f32, 2) + 1, f32, LIMIT) == 4
+    assert _cluster.cluster_size(_cluster.max_state(LIMIT, f32) + 1, f32, LIMIT) is None
+    for dtype in DTYPES.values():
+        assert _cluster.max_state(LIMIT, dtype) > _fused.max_state(LIMIT, dtype)
+    assert _cluster.max_state(LIMIT, DTYPES["bfloat16"]) >= 512
+
+
+def test_no_cluster_before_sm_90(cluster_cupy, monkeypatch):
+    """On sm_80 the state sizes past the one-block bound run the stepped path, as before."""
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 80)
+    dtype = np.dtype(np.float32)
+    state = _fused.max_state(LIMIT, dtype) + 1
+    assert not _fused.usable(state, dtype)
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 90)
+    assert _fused.usable(state, dtype)
+    assert not _fused.usable(_cluster.max_state(LIMIT, dtype) + 1, dtype)
+
+
+def test_a_forced_size_that_cannot_run_says_which_sizes_can(cluster_cupy, monkeypatch):
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
+    dtype = np.dtype(np.float32)
+    stored, _ = make(2, 1, 2, 300, dtype, seed=1)
+    with pytest.raises(RuntimeError, match=r"state size 300 in float32 in clusters of 2 blocks"
+                                           r".*8 blocks: S <= \d+"):
+        run(cluster_cupy, stored, None, False, True)
+
+
+def test_cluster_results_do_not_depend_on_the_thread_order(cluster_cupy, cluster_lib,
+                                                           monkeypatch):
+    """Bit-identical results whether the cluster's threads run ascending, descending or in a
+    random order (no data race between threads or blocks)."""
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", 4)
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 8)
+    stored, _ = make(6, 5, 3, 11, np.dtype(np.float32), seed=5)
+    results = {}
+    for order, seed in (("ascending", 1), ("descending", 1), ("random", 7), ("random", 8)):
+        host_cluster.set_schedule(cluster_lib, order, seed=seed)
+        results[(order, seed)] = run(cluster_cupy, stored, [6, 2, 0, 6, 3], True, True)
+    for key, got in results.items():
+        for name, a, b in zip(OUT, got, results[("ascending", 1)]):
+            assert np.array_equal(a, b), f"{name} differs between ascending and {key}"
+
+
+def test_cluster_forward_has_the_one_block_kernels_bits(cluster_cupy, monkeypatch):
+    """The forward's sums are in the one-block kernel's order: the same bits at every cluster
+    size (the backward's partial sums go by block, so it differs in the last bits)."""
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 2)
+    stored, _ = make(4, 3, 3, 10, np.dtype(np.float32), seed=2)
+    one = run(cluster_cupy, stored, [4, 3, 1], False, True)
+    for size in SIZES:
+        monkeypatch.setattr(_cluster, "FORCED_SIZE", size)
+        got = run(cluster_cupy, stored, [4, 3, 1], False, True)
+        for name, a, b in zip(OUT[:3], got[:3], one[:3]):
+            assert np.array_equal(a, b), f"P={size} {name}"
+
+
+# ------------------------------------------------------------------------ a missing barrier
+
+_CLUSTER_TEXT = _kernels.source_path(_kernels.CLUSTER_SOURCE_NAME).read_text()
+_BARRIER = re.compile(r"(lltm_cluster_sync|__syncthreads)\(\);")
+
+
+def _barriers(text: str) -> list:
+    return [(m.start(), m.end()) for m in _BARRIER.finditer(text)]
+
+
+def test_the_kernels_have_the_barriers_the_mutation_test_deletes():
+    """One cluster barrier at the start and one per step each way, one block barrier per
+    backward step: five in all."""
+    found = [m.group(1) for m in _BARRIER.finditer(_CLUSTER_TEXT)]
+    assert found == ["lltm_cluster_sync"] * 3 + ["__syncthreads", "lltm_cluster_sync"], found
+
+
+@pytest.mark.parametrize("which", range(len(_barriers(_CLUSTER_TEXT))))
+def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatch,
+                                      one_block_lib):
+    """Each barrier of lltm_fused_cluster.cu deleted in turn (a mutation of the source): the host
+    run with cluster semantics gives wrong numbers or stops with an error, at 2 and 4 blocks per
+    cluster, in the ascending and the descending order."""
+    start, end = _barriers(_CLUSTER_TEXT)[which]
+    (tmp_path / _kernels.CLUSTER_SOURCE_NAME).write_text(_CLUSTER_TEXT[:start]
+                                                         + _CLUSTER_TEXT[end:])
+    lib = host_cluster.build(tmp_path, source_dir=tmp_path)
+    _use(monkeypatch, lib, one_block_lib)
+    for label, got, errors in _mutation_runs(emulated_cupy, lib, monkeypatch):
+        if got is None:
+            assert "seq_" in errors, errors     # the shim's report
+            continue
+        assert max(e if np.isfinite(e) else np.inf for e in errors.values()) > 1e-6, \
+            f"barrier {which} deleted, {label}: every result matches: {errors}"
+
+
+def _mutation_runs(xp, lib, monkeypatch):
+    """(label, results or None, {name: error against the reference} or the launch's error) of
+    the mutation check's runs: 2 and 4 blocks per cluster, ascending and descending order."""
+    stored, case = make(4, 3, 3, 8, np.dtype(np.float64), seed=1)
+    want = _want(case, None, False, 4, 3)
+    for size in (2, 4):
+        for order in ("ascending", "descending"):
+            monkeypatch.setattr(_cluster, "FORCED_SIZE", size)
+            host_cluster.set_schedule(lib, order)
+            try:
+                got = run(xp, stored, None, False, True)
+            except AssertionError as exc:
+                yield f"P={size} {order}", None, str(exc)
+                continue
+            yield f"P={size} {order}", got, {name: max_error(g, w)
+                                              for name, g, w in zip(OUT, got, want)}
+
+
+def test_unmutated_source_passes_the_mutation_check(cluster_cupy, cluster_lib, monkeypatch):
+    """The control of the test above: the same runs with every barrier in place are exact."""
+    for label, got, errors in _mutation_runs(cluster_cupy, cluster_lib, monkeypatch):
+        assert got is not None, f"{label}: {errors}"
+        assert max(errors.values()) <= 1e-12, (label, errors)
+
+
+# -------------------------------------------------------------- compilers and the sizes
+
+@pytest.mark.parametrize("arch", [90, 100])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
+    """Every cluster size, header-free inline PTX (mapa, st.shared::cluster, barrier.cluster)."""
+    ptx = _kernels.compile_offline_cluster(dtype, arch, output="ptx").decode()
+    for size in SIZES:
+        assert f".reqnctapercluster {size}, 1, 1" in ptx, size
+    for instruction in ("mapa.shared::cluster", "st.shared::cluster", "barrier.cluster.arrive",
+                        "barrier.cluster.wait", "%cluster_ctarank"):
+        assert instruction in ptx, instruction
+    cubin = _kernels.compile_offline_cluster(dtype, arch, output="cubin")
+    assert cubin[:4] == b"\x7fELF", "NVRTC did not return an ELF cubin"
+
+
+def test_ptxas_reports_no_spill_for_the_cluster_kernels():
+    """Every cluster kernel for sm_90: no spill or stack frame, registers for 256 threads, no
+    static shared memory."""
+    import shutil
+
+    nvcc = shutil.which("nvcc")
+    assert nvcc, "nvcc (CUDA toolkit) is required for the ptxas check"
+    report, _ = _run_ptxas(nvcc, 90, _kernels.cluster_source(),
+                           [_kernels.cluster_name_expression(k, d, p) for d in DTYPES.values()
+                            for p in SIZES for k in _kernels.CLUSTER_KERNEL_NAMES])
+    assert len(report) == len(DTYPES) * len(SIZES) * 2, sorted(report)
+    for name, r in report.items():
+        assert r["spills"] == (0, 0) and r["frame"] == 0, f"{name}: spills {r}"
+        assert r["registers"] * _fused.THREADS <= 65536, f"{name}: registers"
+        assert r["smem"] == 0, f"{name}: static shared memory {r['smem']}"
+
+
+def test_launcher_sizes_shared_memory_as_the_kernels_lay_it_out(cluster_lib):
+    cluster_lib.lltm_host_cluster_w_bytes.restype = ctypes.c_longlong
+    for state in range(1, 120):
+        for size in SIZES:
+            most = -(-state // size)
+            for dtype in DTYPES.values():
+                item = dtype.itemsize
+                assert cluster_lib.lltm_host_cluster_wt_stride(most, item) == \
+                    _fused.wt_stride(most, item)
+                for backward in (False, True):
+                    weights = cluster_lib.lltm_host_cluster_w_bytes(state, most, item,
+                                                                    int(backward))
+                    assert weights == _cluster.shared_bytes(state, dtype, 0, backward, size), \
+                        (state, size, dtype, backward)
+
+
+def test_a_launch_with_too_little_shared_memory_is_reported(cluster_cupy, monkeypatch):
+    """The host build checks the launch's shared memory against the kernels' layout."""
+    real = _cluster.shared_bytes
+    monkeypatch.setattr(_cluster, "shared_bytes",
+                        lambda state, dtype, tile, backward, size:
+                        real(state, dtype, tile, backward, size) - 8)
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
+    stored, _ = make(3, 2, 2, 6, np.dtype(np.float32), seed=3)
+    with pytest.raises(AssertionError, match="more dynamic shared memory than the launch"):
+        run(cluster_cupy, stored, None, False, True)
+
+
+def test_cluster_size_table():
+    """The largest state sizes documented in lltm_cupy/_cuda/fused_cluster.py, docs/api.md and
+    forward_sequence's docstring."""
+    import lltm_cupy
+
+    tops = [_cluster.max_state(LIMIT, d) for d in DTYPES.values()]
+    assert tops[0] == tops[1]
+    doc = _cluster.__doc__
+    assert re.search(rf"\n\s+{tops[0]}\s+{tops[2]}\s+{tops[3]}\n", doc), (tops, doc)
+    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    assert f"| sm_90, sm_100 | {tops[0]} | {tops[2]} | {tops[3]} |" in api
+    text = " ".join(lltm_cupy.forward_sequence.__doc__.split())
+    assert f"(up to {tops[0]}, {tops[2]}, {tops[3]};" in text
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_warmup_with_fused_compiles_the_cluster_kernels_from_sm_90(cluster_cupy, monkeypatch,
+                                                                   arch):
+    """lltm_cupy.warmup(fused=True) compiles the cluster module where the device can run it,
+    after which a call that runs a cluster compiles nothing."""
+    import lltm_cupy
+
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: arch)
+    emu = cluster_cupy.emulator
+    lltm_cupy.warmup(["float32"], fused=True)
+    assert (("lltm_fused_cluster.cu", "<f4") in emu.compiles) == (arch >= 90)
+    if arch >= 90:
+        emu.reset()
+        monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
+        stored, _ = make(3, 2, 2, 5, np.dtype(np.float32), seed=0)
+        run(cluster_cupy, stored, [3, 1], False, True)
+        assert emu.compiles == [], f"compiled after warmup: {emu.compiles}"
+
+
+def test_cluster_kernels_compile_once_per_dtype_with_the_whole_shared_memory(emulated_cupy,
+                                                                            monkeypatch):
+    """kernels.get_cluster_kernels (and get_fused_kernels, which shares its loading) on a CuPy
+    whose RawModule records what it is asked: one module per device and dtype holding every
+    cluster size, each function allowed the device's opt-in shared memory less its static."""
+    modules = []
+
+    class Function:
+        shared_size_bytes = 16
+        max_dynamic_shared_size_bytes = 0
+
+        def __init__(self, name):
+            self.name = name
+
+    class RawModule:
+        def __init__(self, code, options, name_expressions):
+            modules.append((code, tuple(name_expressions)))
+
+        def get_function(self, name):
+            return Function(name)
+
+    monkeypatch.setattr(emulated_cupy, "RawModule", RawModule, raising=False)
+    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
+    monkeypatch.setattr(_kernels, "_cache", {})
+    f32 = np.dtype(np.float32)
+    got = {p: _kernels.get_cluster_kernels(f32, p) for p in SIZES}
+    assert len(modules) == 1 and modules[0][0] == _kernels.cluster_source()
+    for p, fns in got.items():
+        assert fns.fwd.name == f"lltm_seq_fwd_cluster_kernel<float, {p}>"
+        assert fns.bwd.name == f"lltm_seq_bwd_cluster_kernel<float, {p}>"
+        assert fns.fwd.max_dynamic_shared_size_bytes == LIMIT - 16
+    one = _kernels.get_fused_kernels(f32)
+    assert len(modules) == 2 and modules[1][0] == _kernels.fused_source()
+    assert one.fwd.name == "lltm_seq_fwd_kernel<float>" and one.bwd.name.startswith("lltm_seq_bwd")
+    assert one.bwd.max_dynamic_shared_size_bytes == LIMIT - 16
+    _kernels.get_cluster_kernels(f32, 8)
+    _kernels.get_fused_kernels(f32)
+    assert len(modules) == 2
