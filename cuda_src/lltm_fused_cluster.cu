@@ -29,11 +29,11 @@
 // A barrier at the start (every block of the cluster running, before any store into a peer);
 // none at the end: after a step's barrier no block stores into another, so a block may leave.
 //
-// Numerics: as lltm_fused.cu. The forward's dot products run in LLTM_CLUSTER_LANES partial sums
-// (term k in sum k mod 4) added in a fixed tree order, the order of lltm_fused.cu's forward: the
+// Numerics: as lltm_fused.cu. The forward's dot products run over all S terms in
+// LLTM_CLUSTER_LANES partial sums (term k in sum k mod 4) added in a fixed tree order: the
 // forward's results do not depend on P. The backward's sums are the 4-lane tree over each block's
-// 3L terms, then the blocks' partial sums in rank order: fixed for a given P (deterministic), not
-// the one-block kernel's order. Rounding points, packed layout, inactive rows: as lltm_fused.cu.
+// 3L terms, then the blocks' partial sums in rank order: fixed for a given P (deterministic).
+// Rounding points, packed layout, inactive rows: as lltm_fused.cu.
 //
 // Shared memory (dynamic, bytes, the same layout in every block of the cluster, so that an offset
 // in one block is the same buffer in another; A = arithmetic type, T = storage type;
