@@ -383,6 +383,8 @@ class _Device:
     def __init__(self, device_id=0):
         self.id = device_id
         self.attributes = {"MultiProcessorCount": 1}
+        # no thread-block clusters (sm_90) unless a test patches kernels.compute_capability
+        self.compute_capability = "80"
 
     def __enter__(self):
         return self
