@@ -20,8 +20,9 @@ import pytest
 
 from lltm_cupy._cuda import fused as _fused, fused_cluster as _cluster, kernels as _kernels
 from conftest import max_error
-from helpers import host_cluster, host_fused
-from test_fused_sequence import DTYPES, LIMIT, OUT, _run_ptxas, compare, make, run
+from helpers import cubin as _cubin, host_cluster, host_fused
+from test_fused_sequence import (DTYPES, LIMIT, OUT, REGISTER_MARGIN, _run_ptxas, compare,
+                                 make, run)
 from test_lengths import _reference
 
 SIZES = _kernels.CLUSTER_SIZES
@@ -244,10 +245,26 @@ def test_unmutated_source_passes_the_mutation_check(cluster_cupy, cluster_lib, m
 
 # -------------------------------------------------------------- compilers and the sizes
 
+#: Registers per thread of the cluster kernels as NVRTC (13.x) compiles them, the most over the
+#: cluster sizes 1, 2, 4 and 8 (the figures per size differ by up to 20), and no local memory in
+#: any; no static shared memory either (tested with ptxas below).
+#:                 float16  bfloat16  float32  float64
+#:   sm_90  fwd       72       64        79       96
+#:          bwd       56       63        56       92
+#:   sm_100 fwd       71       71        72       80
+#:          bwd       48       48        48       75
+CLUSTER_REGISTERS = {
+    (90, "fwd"): (72, 64, 79, 96), (90, "bwd"): (56, 63, 56, 92),
+    (100, "fwd"): (71, 71, 72, 80), (100, "bwd"): (48, 48, 48, 75),
+}
+
+
 @pytest.mark.parametrize("arch", [90, 100])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
-    """Every cluster size, header-free inline PTX (mapa, st.shared::cluster, barrier.cluster)."""
+    """Every cluster size, header-free inline PTX (mapa, st.shared::cluster, barrier.cluster);
+    the cubin records no local memory and registers within the pins (CLUSTER_REGISTERS, with
+    test_fused_sequence's margin)."""
     ptx = _kernels.compile_offline_cluster(dtype, arch, output="ptx").decode()
     for size in SIZES:
         assert f".reqnctapercluster {size}, 1, 1" in ptx, size
@@ -256,6 +273,14 @@ def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
         assert instruction in ptx, instruction
     cubin = _kernels.compile_offline_cluster(dtype, arch, output="cubin")
     assert cubin[:4] == b"\x7fELF", "NVRTC did not return an ELF cubin"
+    resources = _cubin.kernel_resources(cubin)
+    assert len(resources) == 2 * len(SIZES), sorted(resources)
+    column = list(DTYPES.values()).index(dtype)
+    for name, r in resources.items():
+        kernel = re.match(r"_Z\d+lltm_seq_(fwd|bwd)_cluster_kernel", name).group(1)
+        assert r.get("frame") == 0 and r.get("stack") == 0, f"sm_{arch} {name}: local memory {r}"
+        ceiling = CLUSTER_REGISTERS[arch, kernel][column] + REGISTER_MARGIN
+        assert 0 < r["registers"] <= ceiling, f"sm_{arch} {name}: {r['registers']} > {ceiling}"
 
 
 def test_ptxas_reports_no_spill_for_the_cluster_kernels():
