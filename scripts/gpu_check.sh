@@ -32,6 +32,8 @@
 # CuPy's own small kernels ~0.5 s each, about 30 cold) and torch/CUDA start-up (~5 s a process):
 #   tests (no compile)   120 s  [38 s for 130 tests] + the variable-length tests (8 dtype cases,
 #                               capture, sync debug, two fresh processes of ~10 s each): ~75 s
+#                               + the cluster kernels' 4 tests (sm_90+; not run on a GPU yet:
+#                               two NVRTC modules of 8 kernels, ~6 s each on a development CPU)
 #   tests (compiled)      65 s  [42 s]; torch.compile's Inductor compiles dominate
 #   bench tutorial        45 s  start-up 5 + torch.compile 10 + reduce-overhead 15 + 8 x 200 runs
 #   bench bf16            25 s  [10 s before its cut]; two sizes x 30 runs

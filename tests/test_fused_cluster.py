@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from lltm_cupy._cuda import fused as _fused, fused_cluster as _cluster, kernels as _kernels
-from conftest import max_error
+from conftest import gpu_unavailable_reason, max_error
 from helpers import cubin as _cubin, host_cluster, host_fused
 from test_fused_sequence import (DTYPES, LIMIT, OUT, REGISTER_MARGIN, _run_ptxas, compare,
                                  make, run)
@@ -400,3 +400,33 @@ def test_cluster_kernels_compile_once_per_dtype_with_the_whole_shared_memory(emu
     _kernels.get_cluster_kernels(f32, 8)
     _kernels.get_fused_kernels(f32)
     assert len(modules) == 2
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+_GPU_REASON = gpu_unavailable_reason()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_GPU_REASON is not None, reason=f"GPU test: {_GPU_REASON}")
+@pytest.mark.parametrize("dtype,state,size", [
+    ("float32", 13, 2), ("float32", 13, 8), ("float32", 256, None), ("bfloat16", 512, None)],
+    ids=["float32-S13-P2", "float32-S13-P8", "float32-S256", "bfloat16-S512"])
+def test_gpu_cluster_equals_the_stepped_path(monkeypatch, dtype, state, size):
+    """The cluster kernels on a real GPU (sm_90 or newer: NVRTC, __cluster_dims__, distributed
+    shared memory): forced cluster sizes at a small S, and the launcher's own choice past one
+    block's bound (float32 S = 256: 2 blocks; bfloat16 S = 512: 8 blocks of about 200 KB of
+    shared memory each), packed lengths, against the stepped path and the float64 reference."""
+    import cupy
+
+    if _kernels.compute_capability(cupy.cuda.Device().id) < _cluster.MIN_ARCH:
+        pytest.skip("GPU test: the cluster kernels need sm_90 or newer")
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", size)
+    dtype = DTYPES[dtype]
+    if size is None:
+        assert _fused._cluster(state, dtype) is not None, "the one-block kernels would run"
+    lengths = [7, 0, 3, 7, 1]
+    stored, case = make(7, 5, 6, state, dtype, seed=state)
+    fused = run(cupy, stored, lengths, False, True)
+    stepped = run(cupy, stored, lengths, False, False)
+    compare(fused, stepped, _want(case, lengths, False, 7, 5), dtype, "gpu cluster")
