@@ -10,6 +10,8 @@ every gradient) are checked against a float64 run on the GPU: they must be withi
 default (stepped) path's error, or within the dtype's floor, whichever is larger (both paths
 drift from float64 over long sequences, in orders of their own); a size that fails posts no time
 and the run exits with status 1. Then ``--warmup`` untimed calls and the median of ``--runs``.
+The last column says which kernels ran: 1 block per tile of batch rows, or the cluster variant's
+blocks per tile (hidden sizes one block cannot hold, sm_90 and newer).
 
 Without a usable GPU it says so and exits with status 1: there is nothing to measure on a CPU.
 
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from lltm_cupy import _cuda  # noqa: E402
 from lltm_cupy.benchmark._common import cupy_gpu, parse_sequence_sizes  # noqa: E402
-from lltm_cupy._cuda import kernels as _kernels  # noqa: E402
+from lltm_cupy._cuda import fused as _fused, kernels as _kernels  # noqa: E402
 
 DEFAULT_SIZES = "64x16x32x128,512x16x32x128"
 DEFAULT_DTYPES = "float32,bfloat16"
@@ -89,14 +91,15 @@ def _error(got, want):
 
 
 class _Timed:
-    """A stand-in for ``_kernels.get_fused_kernels`` that records a CUDA event pair around every
-    launch of the fused kernels: ``events`` holds (kernel, start, end)."""
+    """A stand-in for ``_kernels.get_fused_kernels`` (or ``get_cluster_kernels``) that records a
+    CUDA event pair around every launch of the fused kernels: ``events`` holds (kernel, start,
+    end), a list of its own or the one given."""
 
-    def __init__(self, cupy, real):
-        self.cupy, self.real, self.events = cupy, real, []
+    def __init__(self, cupy, real, events=None):
+        self.cupy, self.real, self.events = cupy, real, [] if events is None else events
 
-    def __call__(self, dtype):
-        kernels = self.real(dtype)
+    def __call__(self, dtype, *size):
+        kernels = self.real(dtype, *size)
         return _kernels.FusedKernels(self._wrap(kernels.fwd, "fwd"),
                                      self._wrap(kernels.bwd, "bwd"))
 
@@ -125,11 +128,12 @@ def measure(cupy, T, B, F, S, dtype, runs, warmup):
         f"(normalised), the default path's {default_error:.3g}; more than {allowed:.3g}")
     for _ in range(warmup):
         _run(cupy, arrays, True)
-    real = _kernels.get_fused_kernels
+    real, real_cluster = _kernels.get_fused_kernels, _kernels.get_cluster_kernels
     timed = _Timed(cupy, real)
     fwd, bwd, whole, launched = [], [], [], set()
     try:
         _kernels.get_fused_kernels = timed
+        _kernels.get_cluster_kernels = _Timed(cupy, real_cluster, timed.events)
         for _ in range(runs):
             timed.events.clear()
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
@@ -143,10 +147,11 @@ def measure(cupy, T, B, F, S, dtype, runs, warmup):
                 times.append(sum(cupy.cuda.get_elapsed_time(s, e)
                                  for name, s, e in timed.events if name == kind))
     finally:
-        _kernels.get_fused_kernels = real
+        _kernels.get_fused_kernels, _kernels.get_cluster_kernels = real, real_cluster
     assert launched == {"fwd", "bwd"}, (
         f"{T}x{B}x{F}x{S} {dtype}: the fused kernels did not run (a state size whose weights do "
-        f"not fit a block's shared memory runs the default path)")
+        f"not fit a block's shared memory, or on sm_90 and newer an 8-block cluster's, runs the "
+        f"default path)")
     per_step = 1000 / T      # ms per call -> us per step
     return (statistics.median(fwd) * per_step, statistics.median(bwd) * per_step,
             statistics.median(whole) * per_step, fused_error, default_error)
@@ -173,7 +178,7 @@ def main(argv=None):
           f"{np.__version__}; median of {args.runs} forward + backward calls after "
           f"{args.warmup} warm-up, CUDA events; us per step")
     print(f"{'T':>5} {'B':>4} {'F':>4} {'S':>4} {'dtype':>9} {'fwd kernel':>11} "
-          f"{'bwd kernel':>11} {'whole call':>11} {'error':>9} {'default':>9}")
+          f"{'bwd kernel':>11} {'whole call':>11} {'error':>9} {'default':>9} {'blocks':>6}")
     status = 0
     for T, B, F, S in args.sizes:
         for dtype in args.dtypes:
@@ -184,8 +189,9 @@ def main(argv=None):
                 print(f"FAIL: {exc}")
                 status = 1
                 continue
+            blocks = _fused._cluster(S, np.dtype(STORAGE[dtype])) or 1
             print(f"{T:>5} {B:>4} {F:>4} {S:>4} {dtype:>9} {fwd:>11.2f} {bwd:>11.2f} "
-                  f"{whole:>11.2f} {err:>9.2g} {default:>9.2g}")
+                  f"{whole:>11.2f} {err:>9.2g} {default:>9.2g} {blocks:>6}")
     return status
 
 

@@ -402,6 +402,26 @@ def test_cluster_kernels_compile_once_per_dtype_with_the_whole_shared_memory(emu
     assert len(modules) == 2
 
 
+def test_the_kernel_time_script_times_the_cluster_kernels(cluster_cupy, capsys):
+    """scripts/fused_kernel_time.py on the emulated sm_90 device: past one block's bound it
+    checks and times the cluster kernels (their launches alone) and says how many blocks ran;
+    the kernels' getters are restored after."""
+    from helpers import gpu_scripts
+
+    script = gpu_scripts.load("fused_kernel_time")
+    real = (_kernels.get_fused_kernels, _kernels.get_cluster_kernels)
+    status = script.main(["--sizes", "3x2x2x150,3x2x2x5", "--dtypes", "float32", "--runs", "2",
+                          "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert (_kernels.get_fused_kernels, _kernels.get_cluster_kernels) == real
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["3"]]
+    assert [(r[3], r[-1]) for r in rows] == [("150", "2"), ("5", "1")], out
+    for r in rows:
+        fwd, bwd, whole = map(float, r[5:8])
+        assert 0 < fwd and 0 < bwd and fwd + bwd <= whole, r
+
+
 # ---------------------------------------------------------------------------- on a GPU
 
 _GPU_REASON = gpu_unavailable_reason()
