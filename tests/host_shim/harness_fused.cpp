@@ -34,6 +34,33 @@ LLTM_FUSED_ENTRY_POINTS(float, f32)
 LLTM_FUSED_ENTRY_POINTS(lltm_half, f16)
 LLTM_FUSED_ENTRY_POINTS(lltm_bf16, bf16)
 
+// The shim's warp-level product itself: one block of 32 * warps threads; lane l of warp w passes
+// a[w][l][0..3], b[w][l][0..1] and c[w][l][0..3] (the fragments' registers) to
+// lltm_mma_16816_{f16,bf16} and writes its result registers to d[w][l][0..3]. skip >= 0: that
+// thread returns without the call (a lane missing from the collective); barrier_lane >= 0: that
+// thread waits at __syncthreads() instead (and every other thread after the product).
+extern "C" void lltm_host_mma_selftest(unsigned warps, int bf16, const unsigned* a,
+                                       const unsigned* b, const float* c, float* d, int skip,
+                                       int barrier_lane) {
+  shim_launch_block(1, 32 * warps, 0, [&] {
+    const unsigned t = threadIdx.x;
+    if ((int)t == skip) return;
+    if ((int)t == barrier_lane) {
+      __syncthreads();
+      return;
+    }
+    float out[4];
+    const float* ct = c + 4 * t;
+    if (bf16) {
+      lltm_mma_16816_bf16(out, a + 4 * t, b + 2 * t, ct);
+    } else {
+      lltm_mma_16816_f16(out, a + 4 * t, b + 2 * t, ct);
+    }
+    for (int i = 0; i < 4; ++i) d[4 * t + i] = out[i];
+    if (barrier_lane >= 0) __syncthreads();
+  });
+}
+
 // The shim's scheduling order (0 ascending, 1 descending, 2 random with the seed), the error of
 // the last launch (NULL if none) and the barriers it passed.
 extern "C" void lltm_host_set_schedule(int order, unsigned long long seed) {

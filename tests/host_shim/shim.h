@@ -40,7 +40,18 @@
 //     that has not started (a thread of it has not run yet: on a GPU a block must not be written
 //     before a cluster barrier shows it running) or has finished (all its threads returned), stops
 //     the launch with an error.
-// No warp intrinsics are emulated (the kernels use none); a kernel that uses one fails to build.
+//
+// Warp-level matrix products (cuda_src/lltm_fused_mma.cu gives their GPU bodies, inline PTX):
+// lltm_mma_16816_f16 / lltm_mma_16816_bf16 are mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.
+// {f16,bf16}.f32, a collective of the 32 lanes of a warp (threads 32w .. 32w + 31 of a block),
+// under shim_launch_block. A lane that calls one waits there; when the warp's last lane arrives,
+// the product is computed from every lane's fragments (shim_mma_execute) and the warp's lanes go
+// on at once, in the schedule's order, until each stops at something else: a warp runs ahead of
+// the block's other warps between two block barriers, as it may on a GPU, so that a block barrier
+// the kernel lacks shows up. A warp whose lanes do not all reach the collective (some wait at a
+// block barrier or have returned), a block whose size is not a whole number of warps, or lanes
+// of one warp at products of different types stop the launch with an error. No other warp
+// intrinsic is emulated; a kernel that uses one fails to build.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -115,10 +126,20 @@ static inline bool shim_shared_fits(long long bytes) {
   return false;
 }
 
+// One lane's operands of a warp-level product (the addresses of its registers).
+struct shim_mma_call {
+  int bf16;                  // 1: bfloat16 operands, 0: float16
+  float* d;
+  const unsigned* a;
+  const unsigned* b;
+  const float* c;
+};
+
 struct shim_block {
   ucontext_t scheduler;
   std::vector<ucontext_t> threads;
-  std::vector<int> state;    // 0 runnable, 1 waiting at a barrier, 2 returned
+  std::vector<int> state;    // 0 runnable, 1 waiting at a barrier, 2 returned, 4 at a warp product
+  std::vector<shim_mma_call> mma;   // per thread, while it waits at a warp product
   unsigned int current = 0;
   void (*body)(void*) = nullptr;
   void* arg = nullptr;
@@ -141,6 +162,27 @@ static inline void __syncthreads() {
   swapcontext(&shim_active->threads[shim_active->current], &shim_active->scheduler);
 }
 
+// A lane's call of a warp-level product (see the top of this file): it waits until the whole
+// warp is there; its d is written when the product runs.
+static inline void shim_mma_16816(int bf16, float d[4], const unsigned a[4], const unsigned b[2],
+                                  const float c[4]) {
+  if (shim_active == nullptr || shim_in_cluster()) {
+    shim_error = "a warp-level product outside shim_launch_block";
+    return;
+  }
+  shim_active->mma[shim_active->current] = shim_mma_call{bf16, d, a, b, c};
+  shim_active->state[shim_active->current] = 4;
+  swapcontext(&shim_active->threads[shim_active->current], &shim_active->scheduler);
+}
+static inline void lltm_mma_16816_f16(float d[4], const unsigned a[4], const unsigned b[2],
+                                      const float c[4]) {
+  shim_mma_16816(0, d, a, b, c);
+}
+static inline void lltm_mma_16816_bf16(float d[4], const unsigned a[4], const unsigned b[2],
+                                       const float c[4]) {
+  shim_mma_16816(1, d, a, b, c);
+}
+
 static void shim_thread_main() {
   shim_active->body(shim_active->arg);
   shim_active->state[shim_active->current] = 2;
@@ -154,7 +196,108 @@ static inline unsigned long long shim_next_random() {   // splitmix64
   return z ^ (z >> 31);
 }
 
-// Runs the threads of one block (their contexts made) to their end; false on divergence.
+static inline void shim_run_thread(shim_block& state, unsigned int t) {
+  state.current = t;
+  threadIdx.x = t;
+  swapcontext(&state.scheduler, &state.threads[t]);
+}
+
+// IEEE binary16 or bfloat16 bits as a float (exact).
+static inline float shim_mma_value(unsigned bits, int bf16) {
+  if (bf16) {
+    const unsigned u = bits << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  return lltm_host_half_bits_to_float((unsigned short)bits);
+}
+
+// The product of warp lo .. lo + 31, D = A B + C (A 16 x 16, B 16 x 8, C and D 16 x 8), from the
+// lanes' fragments as the PTX ISA lays them out for mma.m16n8k16 with .f16 / .bf16 operands
+// ("Matrix Fragments for mma.m16n8k16 with floating point type"):
+//   groupID = %laneid >> 2, threadID_in_group = %laneid % 4;
+//   A: four .b32 registers holding a0 .. a7 (low half first: register r holds a_2r, a_2r+1),
+//      row = groupID for a_i with 0 <= i < 2 || 4 <= i < 6, groupID + 8 otherwise;
+//      col = threadID_in_group * 2 + (i & 1) for i < 4, + 8 for i >= 4;
+//   B: two .b32 registers holding b0 .. b3,
+//      row = threadID_in_group * 2 + (i & 1) for i < 2, + 8 for i >= 2; col = groupID;
+//   C, D: four .f32 registers c0 .. c3,
+//      row = groupID for i < 2, groupID + 8 for i >= 2; col = threadID_in_group * 2 + (i & 1).
+// Arithmetic in float32: each product of two 16-bit values is exact in float32 (11 x 11 or 8 x 8
+// significand bits; a bfloat16 product can underflow or overflow float32, float16 ones cannot),
+// the 16 products of an element are added in a pairwise tree over k ((p0 + p1) + (p2 + p3)) + ...,
+// then C's element is added: D = C + sum, each addition rounded to nearest. The PTX ISA leaves
+// the order and the intermediate rounding of a product's sum to the hardware, so a GPU's bits may
+// differ from these in the last places.
+static void shim_mma_execute(shim_block& state, unsigned lo) {
+  float A[16][16], B[16][8], C[16][8];
+  const int bf16 = state.mma[lo].bf16;
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    const shim_mma_call& m = state.mma[lo + lane];
+    const unsigned g = lane >> 2, t = lane & 3;
+    for (unsigned i = 0; i < 8; ++i) {
+      const unsigned row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+      const unsigned col = t * 2 + (i & 1) + (i >= 4 ? 8 : 0);
+      A[row][col] = shim_mma_value((m.a[i / 2] >> (16 * (i & 1))) & 0xFFFF, bf16);
+    }
+    for (unsigned i = 0; i < 4; ++i) {
+      const unsigned row = t * 2 + (i & 1) + (i >= 2 ? 8 : 0);
+      B[row][g] = shim_mma_value((m.b[i / 2] >> (16 * (i & 1))) & 0xFFFF, bf16);
+    }
+    for (unsigned i = 0; i < 4; ++i) C[i < 2 ? g : g + 8][t * 2 + (i & 1)] = m.c[i];
+  }
+  float D[16][8];
+  for (unsigned row = 0; row < 16; ++row) {
+    for (unsigned col = 0; col < 8; ++col) {
+      float p[16];
+      for (unsigned k = 0; k < 16; ++k) p[k] = A[row][k] * B[k][col];
+      for (unsigned width = 1; width < 16; width *= 2) {
+        for (unsigned k = 0; k < 16; k += 2 * width) p[k] = p[k] + p[k + width];
+      }
+      D[row][col] = C[row][col] + p[0];
+    }
+  }
+  for (unsigned lane = 0; lane < 32; ++lane) {   // every lane's C was read before any D is written
+    const unsigned g = lane >> 2, t = lane & 3;
+    for (unsigned i = 0; i < 4; ++i) state.mma[lo + lane].d[i] = D[i < 2 ? g : g + 8][t * 2 + (i & 1)];
+  }
+}
+
+// Thread t has just stopped: while every lane of its warp waits at a warp product, computes it
+// and runs the warp's lanes on (in the schedule's order) until each stops again.
+static void shim_warp_advance(shim_block& state, unsigned int block, unsigned int t) {
+  const unsigned lo = t & ~31u, hi = std::min(lo + 32, block);
+  for (;;) {
+    for (unsigned u = lo; u < hi; ++u) {
+      if (state.state[u] != 4) return;
+    }
+    if (hi - lo != 32) {
+      shim_error = "a warp-level product in a block that is not a whole number of warps";
+      return;
+    }
+    for (unsigned u = lo; u < hi; ++u) {
+      if (state.mma[u].bf16 != state.mma[lo].bf16) {
+        shim_error = "the lanes of a warp at warp-level products of different types";
+        return;
+      }
+    }
+    shim_mma_execute(state, lo);
+    unsigned order[32];
+    for (unsigned k = 0; k < 32; ++k) order[k] = shim_schedule == 1 ? 31 - k : k;
+    if (shim_schedule == 2) {
+      for (unsigned k = 32; k > 1; --k) std::swap(order[k - 1], order[shim_next_random() % k]);
+    }
+    for (unsigned u = lo; u < hi; ++u) state.state[u] = 0;
+    for (unsigned k : order) {
+      if (state.state[lo + k] == 0) shim_run_thread(state, lo + k);
+      if (shim_error != nullptr) return;
+    }
+  }
+}
+
+// Runs the threads of one block (their contexts made) to their end; false on divergence (with
+// shim_error set where a warp product is the cause).
 static __attribute__((noinline)) bool shim_run_block(shim_block& state, unsigned int block) {
   std::vector<unsigned int> order(block);
   for (;;) {
@@ -164,9 +307,16 @@ static __attribute__((noinline)) bool shim_run_block(shim_block& state, unsigned
     }
     for (unsigned int t : order) {
       if (state.state[t] != 0) continue;
-      state.current = t;
-      threadIdx.x = t;
-      swapcontext(&state.scheduler, &state.threads[t]);
+      shim_run_thread(state, t);
+      if (state.state[t] == 4) shim_warp_advance(state, block, t);
+      if (shim_error != nullptr) return false;
+    }
+    for (int st : state.state) {
+      if (st == 4) {
+        shim_error = "a warp-level product that some lanes of the warp never reach (they wait "
+                     "at a block barrier or have returned)";
+        return false;
+      }
     }
     unsigned int returned = 0;
     for (int st : state.state) returned += st == 2;
@@ -211,8 +361,9 @@ static void shim_launch_block(unsigned int grid, unsigned int block, size_t shar
     memset(shared.data(), 0xFF, shared.size());
     lltm_dynamic_smem = shared.data();
     shim_make_threads(state, block, stacks.get(), stack_bytes);
+    state.mma.assign(block, shim_mma_call());
     shim_active = &state;
-    if (!shim_run_block(state, block)) {
+    if (!shim_run_block(state, block) && shim_error == nullptr) {
       shim_error = "divergent __syncthreads(): some threads of a block wait at a barrier "
                    "that others, already returned, never reach";
     }
