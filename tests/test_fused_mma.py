@@ -1,5 +1,6 @@
-"""The host shim's warp-level mma.sync.m16n8k16 (tests/host_shim/shim.h), which the fused
-forward on tensor cores (cuda_src/lltm_fused_mma.cu) runs on, without a GPU.
+"""The fused forward on tensor cores (cuda_src/lltm_fused_mma.cu) without a GPU: first the host
+shim's warp-level mma.sync.m16n8k16 itself (tests/host_shim/shim.h), then the kernel built as
+host C++ against the float64 reference, a missing barrier caught, NVRTC builds and register pins.
 
 Runs everywhere (g++ and the NVRTC wheel, no GPU).
 """
@@ -132,3 +133,203 @@ def test_a_lane_missing_from_the_warp_product_is_an_error(fused_lib, case):
     assert error is not None and "warp-level product" in error, error
     _, error = run_mma(fused_lib, "float16", mats)        # the same launch with every lane
     assert error is None
+
+
+# ------------------------------------------------------------------ the forward on tensor cores
+
+from lltm_cupy._cuda import fused as _fused, fused_mma as _mma, kernels as _kernels  # noqa: E402
+from conftest import max_error  # noqa: E402
+from test_fused_sequence import LIMIT, OUT, compare, make, run, _reference  # noqa: E402
+
+DTYPES16 = {"float16": np.dtype(np.float16), "bfloat16": _kernels.BFLOAT16}
+
+
+@pytest.fixture
+def mma_cupy(emulated_cupy, monkeypatch, fused_lib):
+    """The emulated CuPy on an sm_90 device (LIMIT bytes of shared memory per block, one SM
+    unless a test patches _kernels._sm_count): the 16-bit forward runs the host build of
+    lltm_fused_mma.cu, the backward lltm_fused.cu's."""
+    monkeypatch.setattr(_kernels, "get_fused_kernels",
+                        host_fused.host_get_fused_kernels(fused_lib, LIMIT))
+    monkeypatch.setattr(_mma, "get_kernel", host_fused.host_get_mma_kernel(fused_lib, LIMIT))
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 90)
+    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
+    host_fused.set_schedule(fused_lib, "ascending")
+    yield emulated_cupy
+    host_fused.set_schedule(fused_lib, "ascending")
+
+
+def check(xp, T, B, F, S, dtype, lengths, reverse, seed):
+    """The fused path (mma forward, FMA backward) against the stepped path and the float64
+    reference (test_fused_sequence.compare: the suite's 16-bit tolerances), forward and every
+    gradient; the forward ran on tensor cores, once."""
+    stored, case = make(T, B, F, S, dtype, seed=seed)
+    emu = xp.emulator
+    emu.reset()
+    fused = run(xp, stored, lengths, reverse, True)
+    assert emu.log.count("variant:mma") == 1 and emu.log.count("kernel:seq_fwd") == 1
+    stepped = run(xp, stored, lengths, reverse, False)
+    full = [T] * B if lengths is None else lengths
+    want = _reference(case, full, reverse, (case["grad_outputs"], case["grad_h_n"],
+                                            case["grad_c_n"]))
+    compare(fused, stepped, want, dtype, f"{np.dtype(dtype)} S={S}")
+    return fused
+
+
+LENGTHS = {"full": None, "zeros and ties": [3, 0, 5, 1, 5, 0, 2]}
+
+
+@pytest.mark.parametrize("state", [8, 20, 64])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
+@pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
+def test_mma_forward_equals_stepped_and_reference(mma_cupy, monkeypatch, dtype, lengths, reverse,
+                                                  state):
+    """7 rows over 3 "SMs": tiles of 3 rows, the last block with 1 (a tile that does not divide
+    the batch), lengths with zeros, both directions; S = 8 and 20 padded to whole k-tiles of 16,
+    S = 64 four s-tiles (four warps)."""
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 3)
+    check(mma_cupy, 5, 7, 4, state, dtype, lengths, reverse, seed=state + reverse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
+def test_mma_forward_at_128_and_the_largest_state(mma_cupy, dtype):
+    """S = 128 (eight warps, one per s-tile) and the largest S whose fragments one block holds
+    on sm_90 (192 = 12 s-tiles over eight warps), which the FMA forward would run past."""
+    top = max(s for s in range(1, 400) if _mma.shared_bytes(s, 1) <= LIMIT)
+    assert top == 192 and _mma.usable(top, dtype) and not _mma.usable(top + 1, dtype)
+    for state in (128, top):
+        check(mma_cupy, 3, 2, 3, state, dtype, [3, 2], False, seed=state)
+
+
+@pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
+def test_mma_forward_with_tiles_of_several_n_tiles_and_warps_with_several_jobs(
+        mma_cupy, monkeypatch, dtype):
+    """20 rows on one SM: one tile of 20 rows, three n-tiles of 8 (the last with 4), rows ending
+    at different steps in every n-tile; two warps for 2 s-tiles x 3 n-tiles of jobs."""
+    monkeypatch.setattr(_mma, "WARPS", 2)
+    lengths = [(7 * b) % 6 for b in range(20)]
+    check(mma_cupy, 5, 20, 3, 24, dtype, lengths, True, seed=2)
+
+
+def test_mma_forward_does_not_depend_on_the_thread_order(mma_cupy, fused_lib, monkeypatch):
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 2)
+    stored, _ = make(6, 5, 3, 40, np.dtype(np.float16), seed=5)
+    results = {}
+    for order in host_fused.SCHEDULES:
+        host_fused.set_schedule(fused_lib, order, seed=7)
+        results[order] = run(mma_cupy, stored, [6, 2, 0, 6, 3], True, True)
+    for order, got in results.items():
+        for name, a, b in zip(OUT, got, results["ascending"]):
+            assert np.array_equal(a, b), f"{name} differs between ascending and {order} order"
+
+
+@pytest.mark.parametrize("lengths", [None, [9, 0, 4]], ids=["full", "ragged"])
+def test_mma_forward_only_in_blocks_of_steps_gives_the_same_bits(mma_cupy, monkeypatch, lengths):
+    import lltm_cupy
+    from lltm_cupy._cuda import sequence as _sequence
+
+    monkeypatch.setattr(_sequence, "_BLOCK_ROWS", 6)        # 2 steps of 3 rows per block
+    emu = mma_cupy.emulator
+    stored, _ = make(9, 3, 2, 18, np.dtype(np.float16), seed=4)
+    a = {k: mma_cupy.asarray(v) for k, v in stored.items()}
+    args = [a[n] for n in ("inputs", "weights", "bias", "h0", "c0")]
+    kept = lltm_cupy.forward_sequence(*args, lengths=lengths, fused=True)
+    emu.reset()
+    only = lltm_cupy.forward_sequence(*args, lengths=lengths, fused=True, return_saved=False)
+    assert only[3] is None
+    assert emu.log.count("variant:mma") == 5 and emu.log.count("kernel:seq_fwd") == 5
+    for name, x, y in zip(OUT, only[:3], kept[:3]):
+        assert np.array_equal(np.asarray(x), np.asarray(y)), name
+
+
+def test_float32_float64_and_old_architectures_keep_the_fma_forward(mma_cupy, monkeypatch):
+    for dtype in (np.float32, np.float64):
+        assert not _mma.usable(16, dtype)
+    assert _mma.usable(16, np.float16)
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 75)
+    assert not _mma.usable(16, np.float16)
+    emu = mma_cupy.emulator
+    stored, _ = make(3, 2, 2, 8, np.dtype(np.float16), seed=1)
+    emu.reset()
+    run(mma_cupy, stored, None, False, True)
+    assert "variant:mma" not in emu.log and emu.log.count("kernel:seq_fwd") == 1
+
+
+def test_launcher_shared_memory_is_the_kernels(fused_lib):
+    """fused_mma.shared_bytes is the kernel's own lltm_mma_fwd_bytes."""
+    fused_lib.lltm_host_mma_fwd_bytes.restype = ctypes.c_longlong
+    for state in (1, 8, 15, 16, 17, 100, 128, 192):
+        for tile in (1, 3, 8, 9, 20):
+            assert fused_lib.lltm_host_mma_fwd_bytes(state, tile) == _mma.shared_bytes(state, tile)
+
+
+# ------------------------------------------------------------------------ a missing barrier
+
+_MMA_TEXT = _kernels.source_path(_mma.SOURCE_NAME).read_text()
+
+
+def _barriers(text):
+    import re
+    return [m.start() for m in re.finditer(r"__syncthreads\(\);", text)]
+
+
+@pytest.mark.parametrize("which", range(len(_barriers(_MMA_TEXT))))
+def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatch):
+    """Each __syncthreads() of lltm_fused_mma.cu deleted in turn: the host run gives results off
+    the reference (the control: test_mma_forward_equals_stepped_and_reference)."""
+    assert len(_barriers(_MMA_TEXT)) == 2
+    at = _barriers(_MMA_TEXT)[which]
+    (tmp_path / _mma.SOURCE_NAME).write_text(
+        _MMA_TEXT[:at] + _MMA_TEXT[at + len("__syncthreads();"):])
+    lib = host_fused.build(tmp_path, source_dir=tmp_path)
+    monkeypatch.setattr(_kernels, "get_fused_kernels", host_fused.host_get_fused_kernels(lib, LIMIT))
+    monkeypatch.setattr(_mma, "get_kernel", host_fused.host_get_mma_kernel(lib, LIMIT))
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 90)
+    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
+    stored, case = make(4, 3, 3, 40, np.dtype(np.float16), seed=1)
+    want = _reference(case, [4, 4, 4], False, (case["grad_outputs"], case["grad_h_n"],
+                                               case["grad_c_n"]))
+    try:
+        got = run(emulated_cupy, stored, None, False, True)
+    except AssertionError as exc:       # the shim's report
+        assert "warp-level product" in str(exc) or "__syncthreads" in str(exc)
+        return
+    errors = {name: max_error(g, w) for name, g, w in zip(OUT, got, want)}
+    assert max(e if np.isfinite(e) else np.inf for e in errors.values()) > 0.1, \
+        f"barrier {which} deleted, yet every result is near the reference: {errors}"
+
+
+# -------------------------------------------------------------------------------- compilers
+
+#: Registers per thread of the mma forward as NVRTC 13.x compiles it (no local memory in any):
+#:             float16  bfloat16
+#:   sm_80        78       78
+#:   sm_90        95       96
+#:   sm_100       70       70
+MMA_REGISTERS = {80: (78, 78), 90: (95, 96), 100: (70, 70)}
+#: as test_fused_sequence.REGISTER_MARGIN: one allocation unit of 8
+MARGIN = 8
+
+
+@pytest.mark.parametrize("arch", sorted(MMA_REGISTERS))
+@pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
+def test_nvrtc_compiles_the_mma_forward(dtype, arch):
+    """NVRTC builds the kernel for sm_80, sm_90 and sm_100 with the tensor-core instruction of
+    the dtype in its PTX (header-free inline PTX), no local memory, registers within the pins."""
+    from helpers import cubin as _cubin
+
+    kind = "f16" if dtype == np.float16 else "bf16"
+    ptx = _mma.compile_offline(dtype, arch, output="ptx").decode()
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32" in ptx
+    assert "trap;" not in ptx
+    cubin = _mma.compile_offline(dtype, arch, output="cubin")
+    assert cubin[:4] == b"\x7fELF", "NVRTC did not return an ELF cubin"
+    resources = _cubin.kernel_resources(cubin)
+    assert len(resources) == 1, sorted(resources)
+    (name, r), = resources.items()
+    assert "lltm_seq_fwd_mma_kernel" in name
+    assert r.get("frame") == 0 and r.get("stack") == 0, f"sm_{arch} {name}: local memory {r}"
+    ceiling = MMA_REGISTERS[arch][list(DTYPES16.values()).index(dtype)] + MARGIN
+    assert 0 < r["registers"] <= ceiling, f"sm_{arch}: {r['registers']} registers > {ceiling}"
+    assert r["registers"] * 32 * _mma.WARPS <= 65536

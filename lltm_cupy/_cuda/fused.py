@@ -38,7 +38,7 @@ import functools
 
 import numpy as np
 
-from . import kernels
+from . import fused_mma, kernels
 from .gemm import parameter_grads
 from .kernels import cupy_module, on_device
 from .packed import _index, hidden_inputs
@@ -114,6 +114,8 @@ def _kernel_and_geometry(batch: int, state: int, dtype, backward: bool):
     from . import fused_cluster
 
     size = _cluster(state, dtype)
+    if size is None and not backward and fused_mma.usable(state, dtype):   # tensor cores
+        return (fused_mma.get_kernel(dtype), *fused_mma.geometry(batch, state))
     if size is None:
         fns = kernels.get_fused_kernels(dtype)
         geometry = _geometry(None, batch, state, dtype, backward)

@@ -48,24 +48,46 @@ _BWD = ["array", "int64"] + ["array"] * 8 + ["index"] + ["int32"] * 8
 _BWD_OUTPUTS = (7, 8, 9)
 
 
+def _host_kernel(lib, limit, fn, name, kinds, outputs, dtype, variant=None):
+    """A launch handle (as CuPy's) of the host build's entry point ``fn``, logged as
+    ``kernel:<name>`` in the emulated CuPy's log (after ``variant:<variant>`` if given)."""
+    from helpers import emulated_cupy as emu
+
+    def launch(grid, block, args, shared_mem=0):
+        assert grid[0] > 0 and block[0] > 0, "a launch with an empty grid is an error"
+        assert block[0] <= 1024, "more than 1024 threads per block"
+        assert 0 <= shared_mem <= limit, f"{shared_mem} bytes of shared memory > {limit}"
+        if variant:
+            emu._state.log.append(f"variant:{variant}")
+        emu._state.log.append(f"kernel:{name}")
+        fn(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), ctypes.c_ulonglong(shared_mem),
+           *emu.convert_kernel_args(args, dtype, kinds, outputs))
+        error = lib.lltm_host_last_error()
+        assert error is None, f"{name}: {error.decode()}"
+    return launch
+
+
+def host_get_mma_kernel(lib, limit: int):
+    """A replacement for lltm_cupy._cuda.fused_mma.get_kernel launching the host build (logged
+    as the forward, ``kernel:seq_fwd``, after ``variant:mma``)."""
+    from helpers import emulated_cupy as emu
+
+    def get_kernel(dtype):
+        dtype = np.dtype(dtype)
+        emu._state.compile("lltm_fused_mma.cu", dtype.str)
+        return _host_kernel(lib, limit, getattr(lib, f"lltm_seq_fwd_mma_{SUFFIX[dtype]}"),
+                            "seq_fwd", _FWD, _FWD_OUTPUTS, dtype, variant="mma")
+
+    return get_kernel
+
+
 def host_get_fused_kernels(lib, limit: int):
     """A replacement for lltm_cupy._cuda.kernels.get_fused_kernels launching the host build; a launch
     asking for more than ``limit`` bytes of shared memory fails as on a device with that limit."""
     from helpers import emulated_cupy as emu
 
-    convert = emu.convert_kernel_args
-
     def kernel(fn, name, kinds, outputs, dtype):
-        def launch(grid, block, args, shared_mem=0):
-            assert grid[0] > 0 and block[0] > 0, "a launch with an empty grid is an error"
-            assert block[0] <= 1024, "more than 1024 threads per block"
-            assert 0 <= shared_mem <= limit, f"{shared_mem} bytes of shared memory > {limit}"
-            emu._state.log.append(f"kernel:{name}")
-            fn(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), ctypes.c_ulonglong(shared_mem),
-               *convert(args, dtype, kinds, outputs))
-            error = lib.lltm_host_last_error()
-            assert error is None, f"{name}: {error.decode()}"
-        return launch
+        return _host_kernel(lib, limit, fn, name, kinds, outputs, dtype)
 
     def get_fused_kernels(dtype):
         dtype = np.dtype(dtype)

@@ -4,6 +4,7 @@
 #include "shim.h"
 #include "lltm.cu"
 #include "lltm_fused.cu"
+#include "lltm_fused_mma.cu"
 
 #define LLTM_FUSED_ENTRY_POINTS(T, SUFFIX)                                                     \
   extern "C" void lltm_seq_fwd_##SUFFIX(                                                       \
@@ -33,6 +34,22 @@ LLTM_FUSED_ENTRY_POINTS(double, f64)
 LLTM_FUSED_ENTRY_POINTS(float, f32)
 LLTM_FUSED_ENTRY_POINTS(lltm_half, f16)
 LLTM_FUSED_ENTRY_POINTS(lltm_bf16, bf16)
+
+// The tensor-core forward (cuda_src/lltm_fused_mma.cu), the 16-bit types only.
+#define LLTM_MMA_ENTRY_POINTS(T, SUFFIX)                                                       \
+  extern "C" void lltm_seq_fwd_mma_##SUFFIX(                                                   \
+      unsigned grid, unsigned block, unsigned long long shared, const T* w, long long w_stride,\
+      const T* bias, T* gates, const T* h0, const T* c0, T* out, T* cells, T* h_last,          \
+      T* c_last, const long long* offsets, int packed, int steps, int batch, int state,        \
+      int tile) {                                                                              \
+    shim_launch_block(grid, block, shared, [&] {                                               \
+      lltm_seq_fwd_mma_kernel<T>(w, w_stride, bias, gates, h0, c0, out, cells, h_last, c_last, \
+                                 offsets, packed, steps, batch, state, tile);                 \
+    });                                                                                        \
+  }
+
+LLTM_MMA_ENTRY_POINTS(lltm_half, f16)
+LLTM_MMA_ENTRY_POINTS(lltm_bf16, bf16)
 
 // The shim's warp-level product itself: one block of 32 * warps threads; lane l of warp w passes
 // a[w][l][0..3], b[w][l][0..1] and c[w][l][0..3] (the fragments' registers) to
@@ -75,4 +92,7 @@ extern "C" long long lltm_host_barriers(void) { return shim_barriers; }
 extern "C" int lltm_host_wt_stride(int state, int item) { return lltm_fused_wt_stride(state, item); }
 extern "C" long long lltm_host_w_bytes(int state, int item, int backward) {
   return backward ? lltm_fused_w_bytes(state, item) : lltm_fused_wt_bytes(state, item);
+}
+extern "C" long long lltm_host_mma_fwd_bytes(int state, int tile) {
+  return lltm_mma_fwd_bytes(state, tile);
 }

@@ -1,0 +1,247 @@
+// The fused forward of the LLTM cell on tensor cores, for float16 and bfloat16: the kernel of
+// lltm_fused.cu (same arguments, same results up to the order of the recurrent product's sums)
+// with the step's recurrent product h_{t-1} @ W_h.T computed by warp-level mma.sync.m16n8k16
+// (16-bit operands, float32 accumulation) instead of FMAs.
+//
+// This file is compiled after cuda_src/lltm.cu and cuda_src/lltm_fused.cu, in the same
+// translation unit (lltm_cupy/_cuda/kernels.py joins the texts for NVRTC; the host build of the
+// tests includes the three), and uses their scalar types, cell arithmetic and step offsets.
+// mma.sync with these shapes and types exists from sm_80 on; the launcher uses this kernel only
+// there (for an older architecture the product compiles to a trap).
+//
+// The product as an mma: M = the gates' rows of W_h (gate q, state s at m = q Sp + s, Sp = S
+// rounded up to 16), N = the block's batch rows (tiles of 8), K = S (Sp, in k-tiles of 16):
+//   D (3 Sp x 8) = W_h (3 Sp x Sp, the mma's row-major A) x h^T (Sp x 8, the col-major B: h's
+//   rows, k contiguous) + 0,
+// the padding (states S .. Sp - 1 of W_h's rows and columns, of h's columns, batch rows past the
+// tile) zero. A warp's job is one s-tile j (states 16 j .. 16 j + 15) of one n-tile: the three
+// m-tiles of j's i, o and c gates, so that each lane holds the three gates of the same four
+// (row, state) elements in its accumulators (the C/D fragment layout: states 16 j + groupID and
+// + 8, rows 8 nt + 2 threadID_in_group and + 1) and runs the cell on them directly. Jobs go to
+// warps round-robin, the same every step, so a lane's cells stay its own.
+//
+// Accumulation: per element and gate, float32, k-tile by k-tile in increasing k (each mma adds
+// its 16 products to the running sum), starting from zero; the sum is then added to the input
+// projection and rounded once to the storage type, then the bias is added (lltm_cell_forward),
+// as in lltm_fused.cu. How one mma sums its 16 products is the hardware's (the PTX ISA does not
+// fix it; tests/host_shim/shim.h documents the order the host build uses).
+//
+// Shared memory (dynamic, bytes, lltm_cupy/_cuda/fused.py computes the same):
+//   W_h in fragment order: 3 * (Sp/16)^2 fragments of 32 lanes x 16 bytes = 6 Sp^2, loaded once
+//   per launch and read by every step, one 16-byte load per lane and mma, a warp's 512
+//   consecutive bytes (no bank conflict);
+//   + h of the step and of the next, in the storage type (exact: h is the rounded output):
+//   2 R (Sp + 8) 2-byte elements, R = tile rounded up to 8; the row stride Sp + 8 puts the B
+//   fragment's 32 words of a load in 32 distinct banks;
+//   + c, tile S float32.
+// The weights stay in shared memory for the whole sequence (not in registers: a lane would need
+// 12 Sp / 16 registers per job at compile-time-known indices).
+
+#ifndef LLTM_HOST_SHIM
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32: D = A B + C, the fragments
+// laid out as the PTX ISA's "Matrix Fragments for mma.m16n8k16 with floating point type" (see
+// tests/host_shim/shim.h, which emulates it lane by lane).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define LLTM_MMA_16816_BODY(TYPE)                                                               \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0, %1, %2, %3}, " \
+               "{%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"                            \
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                 \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]),   \
+                 "f"(c[1]), "f"(c[2]), "f"(c[3]))
+#else
+#define LLTM_MMA_16816_BODY(TYPE) asm volatile("trap;")
+#endif
+__device__ __forceinline__ void lltm_mma_16816_f16(float d[4], const unsigned a[4],
+                                                   const unsigned b[2], const float c[4]) {
+  LLTM_MMA_16816_BODY("f16");
+}
+__device__ __forceinline__ void lltm_mma_16816_bf16(float d[4], const unsigned a[4],
+                                                    const unsigned b[2], const float c[4]) {
+  LLTM_MMA_16816_BODY("bf16");
+}
+
+// Two consecutive 16-bit elements (the first at an even index) as one 32-bit word, the first in
+// the low half.
+__device__ __forceinline__ unsigned lltm_mma_word(const unsigned short* p) {
+  return *(const unsigned*)p;
+}
+#else
+__device__ __forceinline__ unsigned lltm_mma_word(const unsigned short* p) {
+  unsigned w;
+  memcpy(&w, p, sizeof w);
+  return w;
+}
+#endif
+
+template <typename T>
+struct lltm_mma;
+template <>
+struct lltm_mma<lltm_half> {
+  static __device__ __forceinline__ void run(float d[4], const unsigned a[4], const unsigned b[2],
+                                             const float c[4]) {
+    lltm_mma_16816_f16(d, a, b, c);
+  }
+};
+template <>
+struct lltm_mma<lltm_bf16> {
+  static __device__ __forceinline__ void run(float d[4], const unsigned a[4], const unsigned b[2],
+                                             const float c[4]) {
+    lltm_mma_16816_bf16(d, a, b, c);
+  }
+};
+
+// One lane's A fragment of an m16n8k16 product: four 32-bit registers.
+struct alignas(16) lltm_mma_frag {
+  unsigned r[4];
+};
+
+__device__ __forceinline__ int lltm_mma_pad(int state) { return (state + 15) / 16 * 16; }
+
+// The dynamic shared memory of the kernel below (see the top of this file).
+__device__ __forceinline__ long long lltm_mma_fwd_bytes(int state, int tile) {
+  const long long sp = lltm_mma_pad(state), rows = (tile + 7) / 8 * 8;
+  return 6 * sp * sp + 4 * rows * (sp + 8) + 4LL * tile * state;
+}
+
+// W_h[row][k] and W_h[row][k + 1] as one fragment register (zero past the weights).
+template <typename T>
+__device__ __forceinline__ unsigned lltm_mma_w_pair(const T* __restrict__ w, long long w_stride,
+                                                    int row, bool in, int k, int S) {
+  const unsigned lo = in && k < S ? w[row * w_stride + k].bits : 0u;
+  const unsigned hi = in && k + 1 < S ? w[row * w_stride + k + 1].bits : 0u;
+  return lo | hi << 16;
+}
+
+// The forward of lltm_seq_fwd_kernel (lltm_fused.cu), with its arguments and results, for the
+// 16-bit types.
+template <typename T>
+__global__ void lltm_seq_fwd_mma_kernel(const T* __restrict__ w, long long w_stride,
+                                        const T* __restrict__ bias, T* __restrict__ gates,
+                                        const T* __restrict__ h0, const T* __restrict__ c0,
+                                        T* __restrict__ out, T* __restrict__ cells,
+                                        T* __restrict__ h_last, T* __restrict__ c_last,
+                                        const long long* __restrict__ offsets, int packed,
+                                        int steps, int batch, int state, int tile) {
+  typedef lltm_traits<T> tr;
+  const int S = state;
+  const int S3 = 3 * state;
+  const int Sp = lltm_mma_pad(S);
+  const int KT = Sp / 16;                     // k-tiles, and s-tiles per gate
+  const int HS = Sp + 8;                      // h's row stride (elements)
+  const int R = (tile + 7) / 8 * 8;           // h's rows: the tile in whole n-tiles
+  if (!LLTM_SHARED_FITS(lltm_mma_fwd_bytes(S, tile))) return;
+  lltm_mma_frag* w_f = (lltm_mma_frag*)lltm_dynamic_smem;          // (3, KT, KT, 32 lanes)
+  unsigned short* h_buf = (unsigned short*)(lltm_dynamic_smem + 6LL * Sp * Sp);   // (2, R, HS)
+  float* c_buf = (float*)(lltm_dynamic_smem + 6LL * Sp * Sp + 4LL * R * HS);     // (tile, S)
+  const int row0 = blockIdx.x * tile;
+  const int rows = min(tile, batch - row0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int group = lane >> 2, quad = lane & 3;   // groupID, threadID_in_group
+
+  // W_h's fragments: fragment f = ((q KT + j) KT + kt) 32 + lane holds, as the lane's four A
+  // registers of the m-tile of gate q's states 16 j .. 16 j + 15 and the k-tile kt, the pairs
+  // (row groupID, cols 2 tig, + 1), (row groupID + 8, same cols), (row groupID, cols 2 tig + 8,
+  // + 9), (row groupID + 8, cols 2 tig + 8, + 9) of that 16 x 16 tile.
+  for (int f = threadIdx.x; f < 3 * KT * KT * 32; f += blockDim.x) {
+    const int fl = f & 31;
+    const int kt = (f >> 5) % KT;
+    const int j = (f >> 5) / KT % KT;
+    const int q = (f >> 5) / KT / KT;
+    lltm_mma_frag a;
+LLTM_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int s = 16 * j + (fl >> 2) + (r & 1) * 8;
+      const int k = 16 * kt + 2 * (fl & 3) + (r >> 1) * 8;
+      a.r[r] = lltm_mma_w_pair(w, w_stride, q * S + s, s < S, k, S);
+    }
+    w_f[f] = a;
+  }
+  // h of step -1 in buffer 0; zero wherever no state is (both buffers' padding, read by the mma)
+  for (int i = threadIdx.x; i < 2 * R * HS; i += blockDim.x) {
+    const int r = i / HS % R, s = i % HS;
+    h_buf[i] = i < R * HS && r < rows && s < S ? h0[(long long)(row0 + r) * S + s].bits : 0;
+  }
+  for (int i = threadIdx.x; i < rows * S; i += blockDim.x) {
+    c_buf[i] = tr::load(c0[(long long)row0 * S + i]);
+  }
+  __syncthreads();
+
+  long long first = lltm_fused_offset(offsets, packed, 0, batch);
+  long long edge = steps > 0 ? lltm_fused_offset(offsets, packed, 1, batch) : first;
+  int active = min(rows, (int)(edge - first) - row0);             // the same for every thread
+  const int jobs = KT * (R / 8);
+  int cur = 0;                                                    // h_{t-1}'s buffer
+  for (int t = 0; t < steps; ++t) {
+    if (active <= 0) break;
+    const long long edge_next = t + 1 < steps ? lltm_fused_offset(offsets, packed, t + 2, batch)
+                                              : edge;
+    const unsigned short* hc = h_buf + cur * R * HS;
+    unsigned short* hn = h_buf + (cur ^ 1) * R * HS;
+    for (int job = warp; job < jobs; job += warps) {
+      const int j = job % KT, nt = job / KT;
+      float acc[3][4];
+LLTM_UNROLL
+      for (int q = 0; q < 3; ++q) {
+LLTM_UNROLL
+        for (int e = 0; e < 4; ++e) acc[q][e] = 0.0f;
+      }
+      // the lane's elements e: state 16 j + groupID (+ 8 for e >= 2), row 8 nt + 2 tig + (e & 1)
+      T p[3][4];
+LLTM_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int s = 16 * j + group + (e >> 1) * 8, n = 8 * nt + 2 * quad + (e & 1);
+        const bool live = s < S && n < active;
+        const T* g = gates + (first + row0 + n) * S3 + s;
+LLTM_UNROLL
+        for (int q = 0; q < 3; ++q) p[q][e] = live ? g[q * S] : T();
+      }
+      if (8 * nt < active) {                                      // the same for the warp
+        const unsigned short* hb = hc + (8 * nt + group) * HS + 2 * quad;
+        const lltm_mma_frag* wj = w_f + j * KT * 32 + lane;
+        for (int kt = 0; kt < KT; ++kt) {
+          const unsigned b[2] = {lltm_mma_word(hb + 16 * kt), lltm_mma_word(hb + 16 * kt + 8)};
+LLTM_UNROLL
+          for (int q = 0; q < 3; ++q) {
+            const lltm_mma_frag a = wj[(q * KT * KT + kt) * 32];
+            lltm_mma<T>::run(acc[q], a.r, b, acc[q]);
+          }
+        }
+      }
+LLTM_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int s = 16 * j + group + (e >> 1) * 8, n = 8 * nt + 2 * quad + (e & 1);
+        if (s >= S || n >= rows) continue;
+        if (n >= active) {           // finished: its state moves along unchanged
+          hn[n * HS + s] = hc[n * HS + s];
+          continue;
+        }
+        const long long row = first + row0 + n;
+        T* g = gates + row * S3 + s;
+        const T gi = tr::store(acc[0][e] + tr::load(p[0][e]));
+        const T go = tr::store(acc[1][e] + tr::load(p[1][e]));
+        const T gc = tr::store(acc[2][e] + tr::load(p[2][e]));
+        T c_t, h_t;
+        lltm_cell_forward<T>(gi, go, gc, bias[s], bias[S + s], bias[2 * S + s], c_buf[n * S + s],
+                             g, g + S, g + 2 * S, &c_t, &h_t);
+        out[row * S + s] = h_t;
+        cells[row * S + s] = c_t;
+        hn[n * HS + s] = h_t.bits;
+        c_buf[n * S + s] = tr::load(c_t);
+      }
+    }
+    first = edge;
+    edge = edge_next;
+    active = min(rows, (int)(edge - first) - row0);
+    cur ^= 1;
+    __syncthreads();
+  }
+  const unsigned short* h_fin = h_buf + cur * R * HS;
+  for (int i = threadIdx.x; i < rows * S; i += blockDim.x) {
+    const int r = i / S, s = i - r * S;
+    const long long dst = (long long)row0 * S + i;
+    T h;
+    h.bits = h_fin[r * HS + s];
+    h_last[dst] = h;
+    c_last[dst] = tr::store(c_buf[i]);
+  }
+}
