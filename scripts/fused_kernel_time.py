@@ -12,6 +12,8 @@ drift from float64 over long sequences, in orders of their own); a size that fai
 and the run exits with status 1. Then ``--warmup`` untimed calls and the median of ``--runs``.
 The last column says which kernels ran: 1 block per tile of batch rows, or the cluster variant's
 blocks per tile (hidden sizes one block cannot hold, sm_90 and newer).
+The forward kernel timed in float16 and bfloat16 on sm_80 and newer is the tensor-core one
+(``cuda_src/lltm_fused_mma.cu``) where it applies, as in the calls.
 
 Without a usable GPU it says so and exits with status 1: there is nothing to measure on a CPU.
 
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from lltm_cupy import _cuda  # noqa: E402
 from lltm_cupy.benchmark._common import cupy_gpu, parse_sequence_sizes  # noqa: E402
-from lltm_cupy._cuda import fused as _fused, kernels as _kernels  # noqa: E402
+from lltm_cupy._cuda import fused as _fused, fused_mma as _mma, kernels as _kernels  # noqa: E402
 
 DEFAULT_SIZES = "64x16x32x128,512x16x32x128"
 DEFAULT_DTYPES = "float32,bfloat16"
@@ -130,10 +132,12 @@ def measure(cupy, T, B, F, S, dtype, runs, warmup):
         _run(cupy, arrays, True)
     real, real_cluster = _kernels.get_fused_kernels, _kernels.get_cluster_kernels
     timed = _Timed(cupy, real)
+    real_mma = _mma.get_kernel          # the 16-bit forward on tensor cores (sm_80 and newer)
     fwd, bwd, whole, launched = [], [], [], set()
     try:
         _kernels.get_fused_kernels = timed
         _kernels.get_cluster_kernels = _Timed(cupy, real_cluster, timed.events)
+        _mma.get_kernel = lambda dtype: timed._wrap(real_mma(dtype), "fwd")
         for _ in range(runs):
             timed.events.clear()
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
@@ -148,6 +152,7 @@ def measure(cupy, T, B, F, S, dtype, runs, warmup):
                                  for name, s, e in timed.events if name == kind))
     finally:
         _kernels.get_fused_kernels, _kernels.get_cluster_kernels = real, real_cluster
+        _mma.get_kernel = real_mma
     assert launched == {"fwd", "bwd"}, (
         f"{T}x{B}x{F}x{S} {dtype}: the fused kernels did not run (a state size whose weights do "
         f"not fit a block's shared memory, or on sm_90 and newer an 8-block cluster's, runs the "

@@ -333,3 +333,67 @@ def test_nvrtc_compiles_the_mma_forward(dtype, arch):
     ceiling = MMA_REGISTERS[arch][list(DTYPES16.values()).index(dtype)] + MARGIN
     assert 0 < r["registers"] <= ceiling, f"sm_{arch}: {r['registers']} registers > {ceiling}"
     assert r["registers"] * 32 * _mma.WARPS <= 65536
+
+
+@pytest.mark.parametrize("arch", sorted(MMA_REGISTERS))
+def test_ptxas_reports_no_spill_for_the_mma_forward(arch):
+    """ptxas -v (nvcc) on both dtypes' kernels: no spill or stack frame, the registers NVRTC's
+    cubin records (the pins above), no static shared memory."""
+    import shutil
+    from helpers import cubin as _cubin
+    from test_fused_sequence import _run_ptxas
+
+    nvcc = shutil.which("nvcc")
+    assert nvcc, "nvcc (CUDA toolkit) is required for the ptxas check"
+    report, cubin = _run_ptxas(nvcc, arch, _mma.source(),
+                               [_mma.name_expression(d) for d in DTYPES16.values()])
+    assert len(report) == 2, sorted(report)
+    read = _cubin.kernel_resources(cubin)
+    for name, r in report.items():
+        assert r["spills"] == (0, 0) and r["frame"] == 0, f"sm_{arch} {name}: spills {r}"
+        assert r["registers"] == read[name]["registers"], (r, read[name])
+        column = 0 if "lltm_half" in name else 1
+        assert r["registers"] <= MMA_REGISTERS[arch][column] + MARGIN, f"sm_{arch} {name}: {r}"
+        assert r["smem"] == 0, f"sm_{arch} {name}: static shared memory {r['smem']}"
+
+
+def test_warmup_with_fused_compiles_the_mma_forward(mma_cupy, monkeypatch):
+    """lltm_cupy.warmup(..., fused=True) on an sm_80 device compiles the mma forward of each
+    16-bit dtype (its fused calls run it), so that the fused calls after it compile nothing."""
+    import lltm_cupy
+
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 80)   # no clusters
+    emu = mma_cupy.emulator
+    lltm_cupy.warmup(["float16", "bfloat16"])
+    assert not [c for c in emu.compiles if c[0] == "lltm_fused_mma.cu"]
+    lltm_cupy.warmup(["float16", "bfloat16"], fused=True)
+    for dtype in DTYPES16.values():
+        assert ("lltm_fused_mma.cu", dtype.str) in emu.compiles
+    emu.reset()
+    for dtype in DTYPES16.values():
+        stored, _ = make(3, 4, 2, 5, dtype, seed=0)
+        for lengths, reverse in ((None, False), ([3, 0, 2, 1], True)):
+            run(mma_cupy, stored, lengths, reverse, True)
+    assert emu.log.count("variant:mma") == 4
+    assert emu.compiles == [], f"compiled after warmup: {emu.compiles}"
+
+
+def test_fused_kernel_time_script_times_the_mma_forward(mma_cupy, capsys):
+    """scripts/fused_kernel_time.py on an sm_90 device: in bfloat16 the forward it times is the
+    tensor-core kernel's launch (the calls run it), the backward lltm_fused.cu's."""
+    from helpers import gpu_scripts
+
+    script = gpu_scripts.load("fused_kernel_time")
+    real = _mma.get_kernel
+    emu = mma_cupy.emulator
+    emu.reset()
+    status = script.main(["--sizes", "5x3x2x20", "--dtypes", "bfloat16", "--runs", "2",
+                          "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert _mma.get_kernel is real                 # restored
+    assert emu.log.count("variant:mma") >= 3      # the check, then each timed run
+    row = [line.split() for line in out.splitlines() if line.split()[:1] == ["5"]]
+    assert len(row) == 1, out
+    fwd, bwd, whole = map(float, row[0][5:8])
+    assert 0 < fwd and 0 < bwd and fwd + bwd <= whole, row

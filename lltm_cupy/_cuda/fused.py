@@ -28,7 +28,9 @@ batch spread over the SMs, as many rows as fit. Largest accepted S (:func:`max_s
     sm_90  (H100, H200)        232,448                  195            138        97
     sm_100 (B200)              232,448                  195            138        97
 
-Above it, on sm_90 and newer, the same calls launch the cluster variant instead
+In float16 and bfloat16 on sm_80 and newer, the forward within that bound launches the
+tensor-core kernel of :mod:`.fused_mma` where its shared memory fits (the backward stays here).
+Above that bound, on sm_90 and newer, the same calls launch the cluster variant instead
 (``cuda_src/lltm_fused_cluster.cu``, sized by :mod:`.fused_cluster`: W_h split over the blocks
 of a thread-block cluster), with the same arguments.
 """
