@@ -179,6 +179,12 @@ step "bench fused bf16" 12 "$out/benchmark.txt" python3 scripts/benchmark.py --c
 # each checked against a float64 run first.
 step "fused kernel time" 20 "$out/benchmark.txt" python3 scripts/fused_kernel_time.py \
     --runs 5 --warmup 2
+# The cluster variant (hidden sizes past one block's shared memory, sm_90 and newer): kernel
+# and whole-call time per step at S = 256 (B = 16) and S = 388 (B = 33: more tiles than a
+# 132-SM device's 8-block clusters may hold at once), float32 and bfloat16, each checked
+# against a float64 run first; its "blocks" column says how many blocks per tile ran.
+step "fused cluster time" 15 "$out/benchmark.txt" python3 scripts/fused_kernel_time.py \
+    --sizes 64x16x32x256,64x33x32x388 --runs 3 --warmup 1
 # Forward only: time (CUDA events) and peak CuPy memory of a sequence's forward at
 # (500, 64, 16, 512) and (128, 32, 128, 256) for input-projection blocks of 512 ... 8192 rows
 # and one block for the whole sequence, float32, each checked against a float64 run first.

@@ -266,8 +266,12 @@ def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
     the cubin records no local memory and registers within the pins (CLUSTER_REGISTERS, with
     test_fused_sequence's margin)."""
     ptx = _kernels.compile_offline_cluster(dtype, arch, output="ptx").decode()
-    for size in SIZES:
-        assert f".reqnctapercluster {size}, 1, 1" in ptx, size
+    # each kernel (entry) its own cluster shape: both directions at every size (a kernel that
+    # lost __cluster_dims__ would launch without a cluster, and every block would be rank 0)
+    entries = ptx.split(".entry ")[1:]
+    shapes = [re.findall(r"\.reqnctapercluster (\d+), 1, 1", e.split("\n{", 1)[0]) for e in entries]
+    assert all(len(found) == 1 for found in shapes), shapes
+    assert sorted(int(found[0]) for found in shapes) == sorted(2 * list(SIZES)), shapes
     for instruction in ("mapa.shared::cluster", "st.shared::cluster", "barrier.cluster.arrive",
                         "barrier.cluster.wait", "%cluster_ctarank"):
         assert instruction in ptx, instruction
@@ -450,3 +454,28 @@ def test_gpu_cluster_equals_the_stepped_path(monkeypatch, dtype, state, size):
     fused = run(cupy, stored, lengths, False, True)
     stepped = run(cupy, stored, lengths, False, False)
     compare(fused, stepped, _want(case, lengths, False, 7, 5), dtype, "gpu cluster")
+
+
+def test_the_fused_choice_is_made_on_the_arrays_device(emulated_cupy, monkeypatch):
+    """Whether the fused kernels run a state size depends on the device (its shared memory, its
+    architecture): asked with the arrays' device current, not whichever device is current."""
+    from lltm_cupy._cuda import sequence as _sequence
+
+    entered, asked = [], []
+    real = _sequence.on_device
+
+    def on_device(device_id):
+        entered.append(device_id)
+        return real(device_id)
+
+    monkeypatch.setattr(_sequence, "on_device", on_device)
+    monkeypatch.setattr(_fused, "usable", lambda state, dtype: asked.append(list(entered)))
+    cupy = emulated_cupy
+    rng = np.random.default_rng(0)
+    T, B, F, S = 3, 2, 4, 5
+    args = [cupy.asarray(rng.standard_normal(shape).astype(np.float32))
+            for shape in ((T, B, F), (3 * S, S + F), (3 * S,), (B, S), (B, S))]
+    import lltm_cupy
+
+    lltm_cupy.forward_sequence(*args, fused=True)
+    assert asked == [[args[0].data.device_id]], (asked, entered)

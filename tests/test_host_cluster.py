@@ -1,9 +1,14 @@
 """The host shim's thread-block clusters (tests/host_shim/shim.h, shim_launch_cluster), on which
 the cluster variant of the fused sequence kernels is checked without a GPU: a small kernel that
 exchanges words between the blocks of a cluster through distributed shared memory must need its
-cluster barriers, every schedule must give the same right answer when they are there, and the
-misuses a GPU leaves undefined (a divergent or mismatched barrier, a store outside the cluster or
-into a block not started yet) stop the launch with an error."""
+cluster barriers, every schedule must give the same right answer when they are there, and what
+the shim refuses stops the launch with an error: a store outside the cluster, into a block not
+started yet or already finished (on a GPU undefined: a block's shared memory may be written only
+between a cluster barrier after every block started and one before it exits), a mismatched
+barrier, and a cluster barrier that some threads wait at after others returned. The last is
+stricter than a GPU, whose barrier.cluster.wait waits only for the threads that have not exited
+(PTX ISA, barrier.cluster); the kernels never return early, and a thread returning before its
+cluster's stores are done is the bug the check catches."""
 from __future__ import annotations
 
 import ctypes

@@ -77,12 +77,17 @@ def usable(state: int, dtype) -> bool:
 
 
 def chosen_size(state: int, dtype) -> int:
-    """The cluster size the launcher runs: FORCED_SIZE if set (RuntimeError, naming the largest
-    state sizes each cluster size runs, if that size cannot run ``state``), else
-    :func:`cluster_size`."""
-    limit = kernels.shared_memory_limit(kernels.current_device())
+    """The cluster size the launcher runs: FORCED_SIZE if set (RuntimeError on a device older
+    than sm_90, and, naming the largest state sizes each cluster size runs, if that size cannot
+    run ``state``), else :func:`cluster_size`."""
+    device = kernels.current_device()
+    limit = kernels.shared_memory_limit(device)
     if FORCED_SIZE is None:
         return cluster_size(state, dtype, limit)
+    if kernels.compute_capability(device) < MIN_ARCH:
+        raise RuntimeError(f"lltm_cupy: the fused kernels run in thread-block clusters only on "
+                           f"compute capability {MIN_ARCH // 10}.0 and newer; device {device} "
+                           f"has {kernels.compute_capability(device) / 10:.1f}")
     if not _fits(state, dtype, FORCED_SIZE, limit):
         sizes = ", ".join(f"{p} blocks: S <= {max_state(limit, dtype, p)}"
                           for p in kernels.CLUSTER_SIZES)

@@ -26,9 +26,16 @@ __all__ = ["forward_sequence", "backward_sequence"]
 _BLOCK_ROWS = 2048
 
 
+def _fused_usable(device_id: int, state: int, dtype) -> bool:
+    """Whether the fused kernels run ``state`` in ``dtype`` on device ``device_id`` (the arrays'
+    device, which need not be the current one)."""
+    with on_device(device_id):
+        return _fused.usable(state, dtype)
+
+
 def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=True,
                      fused=False):
-    if fused and _fused.usable(h0.shape[1], inputs.dtype):
+    if fused and _fused_usable(inputs.data.device_id, h0.shape[1], inputs.dtype):
         return _fused.forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep, _BLOCK_ROWS)
     cupy = cupy_module()
     if plan is not None:
