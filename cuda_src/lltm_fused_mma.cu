@@ -1,12 +1,13 @@
-// The fused forward of the LLTM cell on tensor cores, for float16 and bfloat16: the kernel of
-// lltm_fused.cu (same arguments, same results up to the order of the recurrent product's sums)
-// with the step's recurrent product h_{t-1} @ W_h.T computed by warp-level mma.sync.m16n8k16
-// (16-bit operands, float32 accumulation) instead of FMAs.
+// The fused sequence kernels of the LLTM cell on tensor cores, for float16 and bfloat16: the
+// kernels of lltm_fused.cu (same arguments, same results up to the order of the recurrent
+// products' sums) with each step's recurrent product (forward h_{t-1} @ W_h.T, backward
+// d_gates_t @ W_h, the latter further below) computed by warp-level mma.sync.m16n8k16 (16-bit
+// operands, float32 accumulation) instead of FMAs. The forward first:
 //
 // This file is compiled after cuda_src/lltm.cu and cuda_src/lltm_fused.cu, in the same
 // translation unit (lltm_cupy/_cuda/kernels.py joins the texts for NVRTC; the host build of the
 // tests includes the three), and uses their scalar types, cell arithmetic and step offsets.
-// mma.sync with these shapes and types exists from sm_80 on; the launcher uses this kernel only
+// mma.sync with these shapes and types exists from sm_80 on; the launcher uses these kernels only
 // there (for an older architecture the product compiles to a trap).
 //
 // The product as an mma: M = the gates' rows of W_h (gate q, state s at m = q Sp + s, Sp = S
@@ -243,5 +244,151 @@ LLTM_UNROLL
     h.bits = h_fin[r * HS + s];
     h_last[dst] = h;
     c_last[dst] = tr::store(c_buf[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The backward on tensor cores: lltm_seq_bwd_kernel (lltm_fused.cu), with its arguments and
+// results, for the 16-bit types, the step's d_h_{t-1} = d_gates_t @ W_h by mma.sync:
+//   D (Sp x 8) = W_h^T (Sp x 3 Sp, the row-major A: A[s][q Sp + s'] = W_h[q S + s'][s]) x
+//   d_gates^T (3 Sp x 8, the col-major B: d_gates' rows, gate-major, k contiguous),
+// K = the three gates' padded states in 3 KT k-tiles, accumulated in float32 in increasing k.
+// The operand d_gates is the stored (rounded) value, as in lltm_fused.cu, exact in 16 bits. A
+// warp's job is again states 16 j .. 16 j + 15 of an n-tile of 8 rows: each lane runs the cell's
+// backward for its four (row, state) elements (writing their three gates' d_gates) and receives
+// the same four elements of d_h, so the carried d_h and d_c stay its own.
+//
+// Shared memory (bytes): W_h^T's fragments, 3 KT^2 x 32 lanes x 16 = 6 Sp^2; d_gates of the step,
+// double-buffered in the storage type, 2 R (3 Sp + 8) 2-byte elements (a row stride of 4 mod 8
+// words: a fragment's loads in 32 distinct banks); the carried d_h and d_c, 2 tile S float32.
+// One __syncthreads() per step: the lanes write this step's d_gates into one buffer, read it
+// after the barrier, and write the next step's into the other.
+
+__device__ __forceinline__ long long lltm_mma_bwd_bytes(int state, int tile) {
+  const long long sp = lltm_mma_pad(state), rows = (tile + 7) / 8 * 8;
+  return 6 * sp * sp + 4 * rows * (3 * sp + 8) + 8LL * tile * state;
+}
+
+template <typename T>
+__global__ void lltm_seq_bwd_mma_kernel(const T* __restrict__ w, long long w_stride,
+                                        const T* __restrict__ gates, const T* __restrict__ cells,
+                                        const T* __restrict__ grad_out,
+                                        const T* __restrict__ grad_h_n,
+                                        const T* __restrict__ grad_c_n, T* __restrict__ d_gates,
+                                        T* __restrict__ d_h0, T* __restrict__ d_c0,
+                                        const long long* __restrict__ offsets, int packed,
+                                        int has_grad_out, int has_grad_h_n, int has_grad_c_n,
+                                        int steps, int batch, int state, int tile) {
+  typedef lltm_traits<T> tr;
+  const int S = state;
+  const int S3 = 3 * state;
+  const int Sp = lltm_mma_pad(S);
+  const int KT = Sp / 16;                     // s-tiles; the k-tiles are 3 KT
+  const int DS = 3 * Sp + 8;                  // d_gates' row stride (elements)
+  const int R = (tile + 7) / 8 * 8;
+  if (!LLTM_SHARED_FITS(lltm_mma_bwd_bytes(S, tile))) return;
+  lltm_mma_frag* w_f = (lltm_mma_frag*)lltm_dynamic_smem;           // (KT, 3 KT, 32 lanes)
+  unsigned short* dg_buf = (unsigned short*)(lltm_dynamic_smem + 6LL * Sp * Sp);  // (2, R, DS)
+  float* dh_buf = (float*)(lltm_dynamic_smem + 6LL * Sp * Sp + 4LL * R * DS);   // (tile, S)
+  float* dc_buf = dh_buf + tile * S;                                          // (tile, S)
+  const int row0 = blockIdx.x * tile;
+  const int rows = min(tile, batch - row0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int group = lane >> 2, quad = lane & 3;
+
+  // fragment f = (j 3 KT + kt) 32 + lane: the A registers of W_h^T's tile of states 16 j ..
+  // 16 j + 15 (rows) and padded gate columns 16 kt .. 16 kt + 15, laid out as in the forward
+  for (int f = threadIdx.x; f < 3 * KT * KT * 32; f += blockDim.x) {
+    const int fl = f & 31;
+    const int kt = (f >> 5) % (3 * KT);
+    const int j = (f >> 5) / (3 * KT);
+    lltm_mma_frag a;
+LLTM_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int s = 16 * j + (fl >> 2) + (r & 1) * 8;
+      const int gp = 16 * kt + 2 * (fl & 3) + (r >> 1) * 8;   // even: gp, gp + 1 in one gate
+      const int q = gp / Sp, sq = gp - q * Sp;
+      const unsigned lo = s < S && sq < S ? w[(q * S + sq) * w_stride + s].bits : 0u;
+      const unsigned hi = s < S && sq + 1 < S ? w[(q * S + sq + 1) * w_stride + s].bits : 0u;
+      a.r[r] = lo | hi << 16;
+    }
+    w_f[f] = a;
+  }
+  // d_gates' padding (states S .. Sp - 1 of each gate) is read by the mma: zero, never written
+  for (int i = threadIdx.x; i < 2 * R * DS; i += blockDim.x) dg_buf[i] = 0;
+  for (int i = threadIdx.x; i < rows * S; i += blockDim.x) {
+    const long long src = (long long)row0 * S + i;
+    dh_buf[i] = has_grad_h_n ? tr::load(grad_h_n[src]) : 0.0f;
+    dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : 0.0f;
+  }
+  __syncthreads();
+
+  // the last step with a row of this block (as lltm_seq_bwd_kernel)
+  long long edge = lltm_fused_offset(offsets, packed, steps, batch);
+  long long first = edge;
+  int active = 0;
+  int t = steps - 1;
+  for (; t >= 0; --t, edge = first) {
+    first = lltm_fused_offset(offsets, packed, t, batch);
+    active = min(rows, (int)(edge - first) - row0);
+    if (active > 0) break;
+  }
+  const int jobs = KT * (R / 8);
+  int cur = 0;
+  for (; t >= 0; --t) {
+    const long long prev = t > 0 ? lltm_fused_offset(offsets, packed, t - 1, batch) : first;
+    const int active_prev = min(rows, (int)(first - prev) - row0);   // <= 0 before step 0
+    unsigned short* dg = dg_buf + cur * R * DS;
+    for (int job = warp; job < jobs; job += warps) {
+      const int j = job % KT, nt = job / KT;
+LLTM_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int s = 16 * j + group + (e >> 1) * 8, n = 8 * nt + 2 * quad + (e & 1);
+        if (s >= S || n >= active) continue;
+        const long long row = first + row0 + n;
+        lltm_fused_saved<T> sv;
+        sv.load(gates, cells, grad_out, has_grad_out, row, s, S);
+        const float gh = tr::load(tr::store(dh_buf[n * S + s] + sv.go));
+        T d_i, d_o, d_c, d_c_t;
+        lltm_cell_backward<T>(sv.z_i, sv.z_o, sv.z_c, sv.c_t, gh, dc_buf[n * S + s], &d_i, &d_o,
+                              &d_c, &d_c_t);
+        T* dgo = d_gates + row * S3 + s;
+        dgo[0] = d_i;
+        dgo[S] = d_o;
+        dgo[2 * S] = d_c;
+        unsigned short* dgs = dg + n * DS + s;     // the product's operand: the stored values
+        dgs[0] = d_i.bits;
+        dgs[Sp] = d_o.bits;
+        dgs[2 * Sp] = d_c.bits;
+        dc_buf[n * S + s] = tr::load(d_c_t);
+      }
+    }
+    __syncthreads();
+    for (int job = warp; job < jobs; job += warps) {
+      const int j = job % KT, nt = job / KT;
+      if (8 * nt >= active) continue;                             // the same for the warp
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const unsigned short* db = dg + (8 * nt + group) * DS + 2 * quad;
+      const lltm_mma_frag* wj = w_f + j * 3 * KT * 32 + lane;
+      for (int kt = 0; kt < 3 * KT; ++kt) {
+        const unsigned b[2] = {lltm_mma_word(db + 16 * kt), lltm_mma_word(db + 16 * kt + 8)};
+        const lltm_mma_frag a = wj[kt * 32];
+        lltm_mma<T>::run(acc, a.r, b, acc);
+      }
+LLTM_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int s = 16 * j + group + (e >> 1) * 8, n = 8 * nt + 2 * quad + (e & 1);
+        if (s < S && n < active) dh_buf[n * S + s] = acc[e];
+      }
+    }
+    first = prev;
+    active = active_prev;
+    cur ^= 1;
+  }
+  __syncthreads();                 // d_h and d_c were written by their lanes, read by index here
+  for (int i = threadIdx.x; i < rows * S; i += blockDim.x) {
+    const long long dst = (long long)row0 * S + i;
+    d_h0[dst] = tr::store(dh_buf[i]);
+    d_c0[dst] = tr::store(dc_buf[i]);
   }
 }

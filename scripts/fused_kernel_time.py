@@ -12,8 +12,8 @@ drift from float64 over long sequences, in orders of their own); a size that fai
 and the run exits with status 1. Then ``--warmup`` untimed calls and the median of ``--runs``.
 The last column says which kernels ran: 1 block per tile of batch rows, or the cluster variant's
 blocks per tile (hidden sizes one block cannot hold, sm_90 and newer).
-The forward kernel timed in float16 and bfloat16 on sm_80 and newer is the tensor-core one
-(``cuda_src/lltm_fused_mma.cu``) where it applies, as in the calls.
+The kernels timed in float16 and bfloat16 on sm_80 and newer are the tensor-core ones
+(``cuda_src/lltm_fused_mma.cu``) where they apply, as in the calls.
 
 Without a usable GPU it says so and exits with status 1: there is nothing to measure on a CPU.
 
@@ -132,12 +132,12 @@ def measure(cupy, T, B, F, S, dtype, runs, warmup):
         _run(cupy, arrays, True)
     real, real_cluster = _kernels.get_fused_kernels, _kernels.get_cluster_kernels
     timed = _Timed(cupy, real)
-    real_mma = _mma.get_kernel          # the 16-bit forward on tensor cores (sm_80 and newer)
+    real_mma = _mma.get_kernels         # the 16-bit kernels on tensor cores (sm_80 and newer)
     fwd, bwd, whole, launched = [], [], [], set()
     try:
         _kernels.get_fused_kernels = timed
         _kernels.get_cluster_kernels = _Timed(cupy, real_cluster, timed.events)
-        _mma.get_kernel = lambda dtype: timed._wrap(real_mma(dtype), "fwd")
+        _mma.get_kernels = _Timed(cupy, real_mma, timed.events)
         for _ in range(runs):
             timed.events.clear()
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
@@ -152,7 +152,7 @@ def measure(cupy, T, B, F, S, dtype, runs, warmup):
                                  for name, s, e in timed.events if name == kind))
     finally:
         _kernels.get_fused_kernels, _kernels.get_cluster_kernels = real, real_cluster
-        _mma.get_kernel = real_mma
+        _mma.get_kernels = real_mma
     assert launched == {"fwd", "bwd"}, (
         f"{T}x{B}x{F}x{S} {dtype}: the fused kernels did not run (a state size whose weights do "
         f"not fit a block's shared memory, or on sm_90 and newer an 8-block cluster's, runs the "

@@ -1,6 +1,7 @@
-"""The fused forward on tensor cores (cuda_src/lltm_fused_mma.cu) without a GPU: first the host
-shim's warp-level mma.sync.m16n8k16 itself (tests/host_shim/shim.h), then the kernel built as
-host C++ against the float64 reference, a missing barrier caught, NVRTC builds and register pins.
+"""The fused kernels on tensor cores (cuda_src/lltm_fused_mma.cu) without a GPU: first the host
+shim's warp-level mma.sync.m16n8k16 itself (tests/host_shim/shim.h), then the kernels built as
+host C++ against the stepped path and the float64 reference, a missing barrier caught, NVRTC
+builds, register pins and ptxas.
 
 Runs everywhere (g++ and the NVRTC wheel, no GPU).
 """
@@ -135,7 +136,7 @@ def test_a_lane_missing_from_the_warp_product_is_an_error(fused_lib, case):
     assert error is None
 
 
-# ------------------------------------------------------------------ the forward on tensor cores
+# ------------------------------------------------------------------ the kernels on tensor cores
 
 from lltm_cupy._cuda import fused as _fused, fused_mma as _mma, kernels as _kernels  # noqa: E402
 from conftest import max_error  # noqa: E402
@@ -147,11 +148,11 @@ DTYPES16 = {"float16": np.dtype(np.float16), "bfloat16": _kernels.BFLOAT16}
 @pytest.fixture
 def mma_cupy(emulated_cupy, monkeypatch, fused_lib):
     """The emulated CuPy on an sm_90 device (LIMIT bytes of shared memory per block, one SM
-    unless a test patches _kernels._sm_count): the 16-bit forward runs the host build of
-    lltm_fused_mma.cu, the backward lltm_fused.cu's."""
+    unless a test patches _kernels._sm_count): the 16-bit kernels run the host build of
+    lltm_fused_mma.cu where it applies, else lltm_fused.cu's."""
     monkeypatch.setattr(_kernels, "get_fused_kernels",
                         host_fused.host_get_fused_kernels(fused_lib, LIMIT))
-    monkeypatch.setattr(_mma, "get_kernel", host_fused.host_get_mma_kernel(fused_lib, LIMIT))
+    monkeypatch.setattr(_mma, "get_kernels", host_fused.host_get_mma_kernels(fused_lib, LIMIT))
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 90)
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
     host_fused.set_schedule(fused_lib, "ascending")
@@ -160,14 +161,15 @@ def mma_cupy(emulated_cupy, monkeypatch, fused_lib):
 
 
 def check(xp, T, B, F, S, dtype, lengths, reverse, seed):
-    """The fused path (mma forward, FMA backward) against the stepped path and the float64
-    reference (test_fused_sequence.compare: the suite's 16-bit tolerances), forward and every
-    gradient; the forward ran on tensor cores, once."""
+    """The fused path against the stepped path and the float64 reference
+    (test_fused_sequence.compare: the suite's 16-bit tolerances), forward and every gradient; the
+    forward ran on tensor cores, and the backward too where its shared memory fits."""
     stored, case = make(T, B, F, S, dtype, seed=seed)
     emu = xp.emulator
     emu.reset()
     fused = run(xp, stored, lengths, reverse, True)
-    assert emu.log.count("variant:mma") == 1 and emu.log.count("kernel:seq_fwd") == 1
+    assert emu.log.count("kernel:seq_fwd") == 1 and emu.log.count("kernel:seq_bwd") == 1
+    assert emu.log.count("variant:mma") == 1 + _mma.usable(S, dtype, backward=True)
     stepped = run(xp, stored, lengths, reverse, False)
     full = [T] * B if lengths is None else lengths
     want = _reference(case, full, reverse, (case["grad_outputs"], case["grad_h_n"],
@@ -183,7 +185,7 @@ LENGTHS = {"full": None, "zeros and ties": [3, 0, 5, 1, 5, 0, 2]}
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS.keys())
 @pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
-def test_mma_forward_equals_stepped_and_reference(mma_cupy, monkeypatch, dtype, lengths, reverse,
+def test_mma_kernels_equal_stepped_and_reference(mma_cupy, monkeypatch, dtype, lengths, reverse,
                                                   state):
     """7 rows over 3 "SMs": tiles of 3 rows, the last block with 1 (a tile that does not divide
     the batch), lengths with zeros, both directions; S = 8 and 20 padded to whole k-tiles of 16,
@@ -193,17 +195,20 @@ def test_mma_forward_equals_stepped_and_reference(mma_cupy, monkeypatch, dtype, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
-def test_mma_forward_at_128_and_the_largest_state(mma_cupy, dtype):
-    """S = 128 (eight warps, one per s-tile) and the largest S whose fragments one block holds
-    on sm_90 (192 = 12 s-tiles over eight warps), which the FMA forward would run past."""
+def test_mma_kernels_at_128_and_the_largest_states(mma_cupy, dtype):
+    """S = 128 (eight warps, one per s-tile) and the largest S each kernel takes in one block on
+    sm_90: 176 backward (11 s-tiles over eight warps), 192 forward (with the FMA backward)."""
     top = max(s for s in range(1, 400) if _mma.shared_bytes(s, 1) <= LIMIT)
-    assert top == 192 and _mma.usable(top, dtype) and not _mma.usable(top + 1, dtype)
-    for state in (128, top):
+    top_bwd = max(s for s in range(1, 400) if _mma.shared_bytes(s, 1, True) <= LIMIT)
+    assert (top, top_bwd) == (192, 176)
+    assert _mma.usable(top, dtype) and not _mma.usable(top + 1, dtype)
+    assert _mma.usable(top_bwd, dtype, True) and not _mma.usable(top_bwd + 1, dtype, True)
+    for state in (128, top_bwd, top):
         check(mma_cupy, 3, 2, 3, state, dtype, [3, 2], False, seed=state)
 
 
 @pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
-def test_mma_forward_with_tiles_of_several_n_tiles_and_warps_with_several_jobs(
+def test_mma_kernels_with_tiles_of_several_n_tiles_and_warps_with_several_jobs(
         mma_cupy, monkeypatch, dtype):
     """20 rows on one SM: one tile of 20 rows, three n-tiles of 8 (the last with 4), rows ending
     at different steps in every n-tile; two warps for 2 s-tiles x 3 n-tiles of jobs."""
@@ -212,7 +217,7 @@ def test_mma_forward_with_tiles_of_several_n_tiles_and_warps_with_several_jobs(
     check(mma_cupy, 5, 20, 3, 24, dtype, lengths, True, seed=2)
 
 
-def test_mma_forward_does_not_depend_on_the_thread_order(mma_cupy, fused_lib, monkeypatch):
+def test_mma_kernels_do_not_depend_on_the_thread_order(mma_cupy, fused_lib, monkeypatch):
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 2)
     stored, _ = make(6, 5, 3, 40, np.dtype(np.float16), seed=5)
     results = {}
@@ -243,10 +248,10 @@ def test_mma_forward_only_in_blocks_of_steps_gives_the_same_bits(mma_cupy, monke
         assert np.array_equal(np.asarray(x), np.asarray(y)), name
 
 
-def test_float32_float64_and_old_architectures_keep_the_fma_forward(mma_cupy, monkeypatch):
+def test_float32_float64_and_old_architectures_keep_the_fma_kernels(mma_cupy, monkeypatch):
     for dtype in (np.float32, np.float64):
-        assert not _mma.usable(16, dtype)
-    assert _mma.usable(16, np.float16)
+        assert not _mma.usable(16, dtype) and not _mma.usable(16, dtype, True)
+    assert _mma.usable(16, np.float16) and _mma.usable(16, np.float16, True)
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 75)
     assert not _mma.usable(16, np.float16)
     emu = mma_cupy.emulator
@@ -254,14 +259,18 @@ def test_float32_float64_and_old_architectures_keep_the_fma_forward(mma_cupy, mo
     emu.reset()
     run(mma_cupy, stored, None, False, True)
     assert "variant:mma" not in emu.log and emu.log.count("kernel:seq_fwd") == 1
+    assert emu.log.count("kernel:seq_bwd") == 1
 
 
 def test_launcher_shared_memory_is_the_kernels(fused_lib):
-    """fused_mma.shared_bytes is the kernel's own lltm_mma_fwd_bytes."""
+    """fused_mma.shared_bytes is the kernels' own lltm_mma_fwd_bytes / lltm_mma_bwd_bytes."""
     fused_lib.lltm_host_mma_fwd_bytes.restype = ctypes.c_longlong
+    fused_lib.lltm_host_mma_bwd_bytes.restype = ctypes.c_longlong
     for state in (1, 8, 15, 16, 17, 100, 128, 192):
         for tile in (1, 3, 8, 9, 20):
             assert fused_lib.lltm_host_mma_fwd_bytes(state, tile) == _mma.shared_bytes(state, tile)
+            assert fused_lib.lltm_host_mma_bwd_bytes(state, tile) == \
+                _mma.shared_bytes(state, tile, True)
 
 
 # ------------------------------------------------------------------------ a missing barrier
@@ -277,14 +286,14 @@ def _barriers(text):
 @pytest.mark.parametrize("which", range(len(_barriers(_MMA_TEXT))))
 def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatch):
     """Each __syncthreads() of lltm_fused_mma.cu deleted in turn: the host run gives results off
-    the reference (the control: test_mma_forward_equals_stepped_and_reference)."""
-    assert len(_barriers(_MMA_TEXT)) == 2
+    the reference (the control: test_mma_kernels_equal_stepped_and_reference)."""
+    assert len(_barriers(_MMA_TEXT)) == 5
     at = _barriers(_MMA_TEXT)[which]
     (tmp_path / _mma.SOURCE_NAME).write_text(
         _MMA_TEXT[:at] + _MMA_TEXT[at + len("__syncthreads();"):])
     lib = host_fused.build(tmp_path, source_dir=tmp_path)
     monkeypatch.setattr(_kernels, "get_fused_kernels", host_fused.host_get_fused_kernels(lib, LIMIT))
-    monkeypatch.setattr(_mma, "get_kernel", host_fused.host_get_mma_kernel(lib, LIMIT))
+    monkeypatch.setattr(_mma, "get_kernels", host_fused.host_get_mma_kernels(lib, LIMIT))
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 90)
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
     stored, case = make(4, 3, 3, 40, np.dtype(np.float16), seed=1)
@@ -302,21 +311,32 @@ def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatc
 
 # -------------------------------------------------------------------------------- compilers
 
-#: Registers per thread of the mma forward as NVRTC 13.x compiles it (no local memory in any):
-#:             float16  bfloat16
-#:   sm_80        78       78
-#:   sm_90        95       96
-#:   sm_100       70       70
-MMA_REGISTERS = {80: (78, 78), 90: (95, 96), 100: (70, 70)}
+#: Registers per thread of the mma kernels as NVRTC 13.x compiles them (no local memory in any):
+#:                 float16  bfloat16
+#:   sm_80  fwd       78       78
+#:          bwd       52       52
+#:   sm_90  fwd       95       96
+#:          bwd       56       54
+#:   sm_100 fwd       70       70
+#:          bwd       51       51
+MMA_REGISTERS = {(80, "fwd"): (78, 78), (80, "bwd"): (52, 52), (90, "fwd"): (95, 96),
+                 (90, "bwd"): (56, 54), (100, "fwd"): (70, 70), (100, "bwd"): (51, 51)}
+ARCHS = (80, 90, 100)
 #: as test_fused_sequence.REGISTER_MARGIN: one allocation unit of 8
 MARGIN = 8
 
 
-@pytest.mark.parametrize("arch", sorted(MMA_REGISTERS))
+def _ceiling(arch, name):
+    kernel = "fwd" if "lltm_seq_fwd_mma_kernel" in name else "bwd"
+    assert f"lltm_seq_{kernel}_mma_kernel" in name, name
+    return MMA_REGISTERS[arch, kernel][0 if "lltm_half" in name else 1] + MARGIN
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
-def test_nvrtc_compiles_the_mma_forward(dtype, arch):
-    """NVRTC builds the kernel for sm_80, sm_90 and sm_100 with the tensor-core instruction of
-    the dtype in its PTX (header-free inline PTX), no local memory, registers within the pins."""
+def test_nvrtc_compiles_the_mma_kernels(dtype, arch):
+    """NVRTC builds both kernels for sm_80, sm_90 and sm_100 with the tensor-core instruction of
+    the dtype in the PTX (header-free inline PTX), no local memory, registers within the pins."""
     from helpers import cubin as _cubin
 
     kind = "f16" if dtype == np.float16 else "bf16"
@@ -326,18 +346,17 @@ def test_nvrtc_compiles_the_mma_forward(dtype, arch):
     cubin = _mma.compile_offline(dtype, arch, output="cubin")
     assert cubin[:4] == b"\x7fELF", "NVRTC did not return an ELF cubin"
     resources = _cubin.kernel_resources(cubin)
-    assert len(resources) == 1, sorted(resources)
-    (name, r), = resources.items()
-    assert "lltm_seq_fwd_mma_kernel" in name
-    assert r.get("frame") == 0 and r.get("stack") == 0, f"sm_{arch} {name}: local memory {r}"
-    ceiling = MMA_REGISTERS[arch][list(DTYPES16.values()).index(dtype)] + MARGIN
-    assert 0 < r["registers"] <= ceiling, f"sm_{arch}: {r['registers']} registers > {ceiling}"
-    assert r["registers"] * 32 * _mma.WARPS <= 65536
+    assert len(resources) == 2, sorted(resources)
+    for name, r in resources.items():
+        assert r.get("frame") == 0 and r.get("stack") == 0, f"sm_{arch} {name}: local memory {r}"
+        ceiling = _ceiling(arch, name)
+        assert 0 < r["registers"] <= ceiling, f"sm_{arch} {name}: {r['registers']} > {ceiling}"
+        assert r["registers"] * 32 * _mma.WARPS <= 65536
 
 
-@pytest.mark.parametrize("arch", sorted(MMA_REGISTERS))
-def test_ptxas_reports_no_spill_for_the_mma_forward(arch):
-    """ptxas -v (nvcc) on both dtypes' kernels: no spill or stack frame, the registers NVRTC's
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ptxas_reports_no_spill_for_the_mma_kernels(arch):
+    """ptxas -v (nvcc) on both kernels in both dtypes: no spill or stack frame, the registers NVRTC's
     cubin records (the pins above), no static shared memory."""
     import shutil
     from helpers import cubin as _cubin
@@ -346,20 +365,20 @@ def test_ptxas_reports_no_spill_for_the_mma_forward(arch):
     nvcc = shutil.which("nvcc")
     assert nvcc, "nvcc (CUDA toolkit) is required for the ptxas check"
     report, cubin = _run_ptxas(nvcc, arch, _mma.source(),
-                               [_mma.name_expression(d) for d in DTYPES16.values()])
-    assert len(report) == 2, sorted(report)
+                               [_mma.name_expression(k, d) for d in DTYPES16.values()
+                                for k in _mma.KERNEL_NAMES])
+    assert len(report) == 4, sorted(report)
     read = _cubin.kernel_resources(cubin)
     for name, r in report.items():
         assert r["spills"] == (0, 0) and r["frame"] == 0, f"sm_{arch} {name}: spills {r}"
         assert r["registers"] == read[name]["registers"], (r, read[name])
-        column = 0 if "lltm_half" in name else 1
-        assert r["registers"] <= MMA_REGISTERS[arch][column] + MARGIN, f"sm_{arch} {name}: {r}"
+        assert r["registers"] <= _ceiling(arch, name), f"sm_{arch} {name}: {r}"
         assert r["smem"] == 0, f"sm_{arch} {name}: static shared memory {r['smem']}"
 
 
-def test_warmup_with_fused_compiles_the_mma_forward(mma_cupy, monkeypatch):
-    """lltm_cupy.warmup(..., fused=True) on an sm_80 device compiles the mma forward of each
-    16-bit dtype (its fused calls run it), so that the fused calls after it compile nothing."""
+def test_warmup_with_fused_compiles_the_mma_kernels(mma_cupy, monkeypatch):
+    """lltm_cupy.warmup(..., fused=True) on an sm_80 device compiles the mma kernels of each
+    16-bit dtype (its fused calls run them), so that the fused calls after it compile nothing."""
     import lltm_cupy
 
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 80)   # no clusters
@@ -374,25 +393,25 @@ def test_warmup_with_fused_compiles_the_mma_forward(mma_cupy, monkeypatch):
         stored, _ = make(3, 4, 2, 5, dtype, seed=0)
         for lengths, reverse in ((None, False), ([3, 0, 2, 1], True)):
             run(mma_cupy, stored, lengths, reverse, True)
-    assert emu.log.count("variant:mma") == 4
+    assert emu.log.count("variant:mma") == 8       # each call's forward and backward
     assert emu.compiles == [], f"compiled after warmup: {emu.compiles}"
 
 
-def test_fused_kernel_time_script_times_the_mma_forward(mma_cupy, capsys):
-    """scripts/fused_kernel_time.py on an sm_90 device: in bfloat16 the forward it times is the
-    tensor-core kernel's launch (the calls run it), the backward lltm_fused.cu's."""
+def test_fused_kernel_time_script_times_the_mma_kernels(mma_cupy, capsys):
+    """scripts/fused_kernel_time.py on an sm_90 device: in bfloat16 the kernels it times are the
+    tensor-core ones (the calls run them)."""
     from helpers import gpu_scripts
 
     script = gpu_scripts.load("fused_kernel_time")
-    real = _mma.get_kernel
+    real = _mma.get_kernels
     emu = mma_cupy.emulator
     emu.reset()
     status = script.main(["--sizes", "5x3x2x20", "--dtypes", "bfloat16", "--runs", "2",
                           "--warmup", "0"])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert _mma.get_kernel is real                 # restored
-    assert emu.log.count("variant:mma") >= 3      # the check, then each timed run
+    assert _mma.get_kernels is real                # restored
+    assert emu.log.count("variant:mma") >= 6      # the check, then each timed run, both ways
     row = [line.split() for line in out.splitlines() if line.split()[:1] == ["5"]]
     assert len(row) == 1, out
     fwd, bwd, whole = map(float, row[0][5:8])

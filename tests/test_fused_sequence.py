@@ -47,11 +47,11 @@ def fused_lib(tmp_path_factory):
 def fused_cupy(emulated_cupy, monkeypatch, fused_lib):
     """The emulated CuPy with the fused kernels' host build, on a device of LIMIT bytes of shared
     memory per block and one SM (``monkeypatch`` _kernels._sm_count for more); the FMA kernels of
-    lltm_fused.cu in every dtype (tests/test_fused_mma.py runs the 16-bit forward on tensor
+    lltm_fused.cu in every dtype (tests/test_fused_mma.py runs the 16-bit kernels on tensor
     cores)."""
     monkeypatch.setattr(_kernels, "get_fused_kernels",
                         host_fused.host_get_fused_kernels(fused_lib, LIMIT))
-    monkeypatch.setattr(_fused.fused_mma, "usable", lambda state, dtype: False)
+    monkeypatch.setattr(_fused.fused_mma, "usable", lambda state, dtype, backward=False: False)
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
     host_fused.set_schedule(fused_lib, "ascending")
     yield emulated_cupy

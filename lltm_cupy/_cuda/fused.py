@@ -28,8 +28,8 @@ batch spread over the SMs, as many rows as fit. Largest accepted S (:func:`max_s
     sm_90  (H100, H200)        232,448                  195            138        97
     sm_100 (B200)              232,448                  195            138        97
 
-In float16 and bfloat16 on sm_80 and newer, the forward within that bound launches the
-tensor-core kernel of :mod:`.fused_mma` where its shared memory fits (the backward stays here).
+In float16 and bfloat16 on sm_80 and newer, the calls within that bound launch the tensor-core
+kernels of :mod:`.fused_mma` instead where their shared memory fits (each way on its own).
 Above that bound, on sm_90 and newer, the same calls launch the cluster variant instead
 (``cuda_src/lltm_fused_cluster.cu``, sized by :mod:`.fused_cluster`: W_h split over the blocks
 of a thread-block cluster), with the same arguments.
@@ -116,8 +116,9 @@ def _kernel_and_geometry(batch: int, state: int, dtype, backward: bool):
     from . import fused_cluster
 
     size = _cluster(state, dtype)
-    if size is None and not backward and fused_mma.usable(state, dtype):   # tensor cores
-        return (fused_mma.get_kernel(dtype), *fused_mma.geometry(batch, state))
+    if size is None and fused_mma.usable(state, dtype, backward):          # tensor cores
+        fns = fused_mma.get_kernels(dtype)
+        return (fns.bwd if backward else fns.fwd, *fused_mma.geometry(batch, state, backward))
     if size is None:
         fns = kernels.get_fused_kernels(dtype)
         geometry = _geometry(None, batch, state, dtype, backward)

@@ -40,8 +40,8 @@ def warmup(dtypes, device_id=None, fused=False) -> None:
     of forward, backward, forward_sequence and backward_sequence once on tiny arrays (batch 1
     and 2, steps 0, 1 and 2, each gradient given and None, fixed and variable lengths); then
     synchronises the device. ``fused``: the same calls with ``fused=True`` too (the module of
-    ``cuda_src/lltm_fused.cu``; for float16 and bfloat16 on sm_80 and newer, where the calls'
-    forward runs on tensor cores, ``cuda_src/lltm_fused_mma.cu``'s), and on sm_90 and newer the
+    ``cuda_src/lltm_fused.cu``; for float16 and bfloat16 on sm_80 and newer, where the calls run
+    on tensor cores, ``cuda_src/lltm_fused_mma.cu``'s), and on sm_90 and newer the
     module of the cluster variant
     (``cuda_src/lltm_fused_cluster.cu``, every cluster size), which the calls launch with the
     same CuPy kernels around it.

@@ -67,18 +67,23 @@ def _host_kernel(lib, limit, fn, name, kinds, outputs, dtype, variant=None):
     return launch
 
 
-def host_get_mma_kernel(lib, limit: int):
-    """A replacement for lltm_cupy._cuda.fused_mma.get_kernel launching the host build (logged
-    as the forward, ``kernel:seq_fwd``, after ``variant:mma``)."""
+def host_get_mma_kernels(lib, limit: int):
+    """A replacement for lltm_cupy._cuda.fused_mma.get_kernels launching the host build (each
+    kernel logged as the fused one of its direction, ``kernel:seq_fwd`` / ``kernel:seq_bwd``,
+    after ``variant:mma``)."""
     from helpers import emulated_cupy as emu
 
-    def get_kernel(dtype):
+    def get_kernels(dtype):
         dtype = np.dtype(dtype)
         emu._state.compile("lltm_fused_mma.cu", dtype.str)
-        return _host_kernel(lib, limit, getattr(lib, f"lltm_seq_fwd_mma_{SUFFIX[dtype]}"),
-                            "seq_fwd", _FWD, _FWD_OUTPUTS, dtype, variant="mma")
+        suffix = SUFFIX[dtype]
+        return _kernels.FusedKernels(
+            _host_kernel(lib, limit, getattr(lib, f"lltm_seq_fwd_mma_{suffix}"), "seq_fwd", _FWD,
+                         _FWD_OUTPUTS, dtype, variant="mma"),
+            _host_kernel(lib, limit, getattr(lib, f"lltm_seq_bwd_mma_{suffix}"), "seq_bwd", _BWD,
+                         _BWD_OUTPUTS, dtype, variant="mma"))
 
-    return get_kernel
+    return get_kernels
 
 
 def host_get_fused_kernels(lib, limit: int):

@@ -1,4 +1,5 @@
-// C entry points that launch the fused sequence kernels of cuda_src/lltm_fused.cu on the CPU
+// C entry points that launch the fused sequence kernels of cuda_src/lltm_fused.cu and
+// cuda_src/lltm_fused_mma.cu on the CPU
 // with real block semantics (shim_launch_block of shim.h). Built by tests/helpers/host_fused.py
 // with: g++ -O2 -std=c++17 -shared -fPIC -I<cuda_src> -I<this folder> harness_fused.cpp
 #include "shim.h"
@@ -6,15 +7,15 @@
 #include "lltm_fused.cu"
 #include "lltm_fused_mma.cu"
 
-#define LLTM_FUSED_ENTRY_POINTS(T, SUFFIX)                                                     \
+#define LLTM_FUSED_ENTRY_POINTS(T, SUFFIX, FWD, BWD)                                         \
   extern "C" void lltm_seq_fwd_##SUFFIX(                                                       \
       unsigned grid, unsigned block, unsigned long long shared, const T* w, long long w_stride,\
       const T* bias, T* gates, const T* h0, const T* c0, T* out, T* cells, T* h_last,          \
       T* c_last, const long long* offsets, int packed, int steps, int batch, int state,        \
       int tile) {                                                                              \
     shim_launch_block(grid, block, shared, [&] {                                               \
-      lltm_seq_fwd_kernel<T>(w, w_stride, bias, gates, h0, c0, out, cells, h_last, c_last,     \
-                             offsets, packed, steps, batch, state, tile);                     \
+      FWD<T>(w, w_stride, bias, gates, h0, c0, out, cells, h_last, c_last, offsets, packed,    \
+             steps, batch, state, tile);                                                     \
     });                                                                                        \
   }                                                                                            \
   extern "C" void lltm_seq_bwd_##SUFFIX(                                                       \
@@ -24,32 +25,20 @@
       int has_grad_out, int has_grad_h_n, int has_grad_c_n, int steps, int batch, int state,   \
       int tile) {                                                                              \
     shim_launch_block(grid, block, shared, [&] {                                               \
-      lltm_seq_bwd_kernel<T>(w, w_stride, gates, cells, grad_out, grad_h_n, grad_c_n, d_gates, \
-                             d_h0, d_c0, offsets, packed, has_grad_out, has_grad_h_n,          \
-                             has_grad_c_n, steps, batch, state, tile);                        \
+      BWD<T>(w, w_stride, gates, cells, grad_out, grad_h_n, grad_c_n, d_gates, d_h0, d_c0,     \
+             offsets, packed, has_grad_out, has_grad_h_n, has_grad_c_n, steps, batch, state,  \
+             tile);                                                                          \
     });                                                                                        \
   }
 
-LLTM_FUSED_ENTRY_POINTS(double, f64)
-LLTM_FUSED_ENTRY_POINTS(float, f32)
-LLTM_FUSED_ENTRY_POINTS(lltm_half, f16)
-LLTM_FUSED_ENTRY_POINTS(lltm_bf16, bf16)
+LLTM_FUSED_ENTRY_POINTS(double, f64, lltm_seq_fwd_kernel, lltm_seq_bwd_kernel)
+LLTM_FUSED_ENTRY_POINTS(float, f32, lltm_seq_fwd_kernel, lltm_seq_bwd_kernel)
+LLTM_FUSED_ENTRY_POINTS(lltm_half, f16, lltm_seq_fwd_kernel, lltm_seq_bwd_kernel)
+LLTM_FUSED_ENTRY_POINTS(lltm_bf16, bf16, lltm_seq_fwd_kernel, lltm_seq_bwd_kernel)
 
-// The tensor-core forward (cuda_src/lltm_fused_mma.cu), the 16-bit types only.
-#define LLTM_MMA_ENTRY_POINTS(T, SUFFIX)                                                       \
-  extern "C" void lltm_seq_fwd_mma_##SUFFIX(                                                   \
-      unsigned grid, unsigned block, unsigned long long shared, const T* w, long long w_stride,\
-      const T* bias, T* gates, const T* h0, const T* c0, T* out, T* cells, T* h_last,          \
-      T* c_last, const long long* offsets, int packed, int steps, int batch, int state,        \
-      int tile) {                                                                              \
-    shim_launch_block(grid, block, shared, [&] {                                               \
-      lltm_seq_fwd_mma_kernel<T>(w, w_stride, bias, gates, h0, c0, out, cells, h_last, c_last, \
-                                 offsets, packed, steps, batch, state, tile);                 \
-    });                                                                                        \
-  }
-
-LLTM_MMA_ENTRY_POINTS(lltm_half, f16)
-LLTM_MMA_ENTRY_POINTS(lltm_bf16, bf16)
+// The tensor-core kernels (cuda_src/lltm_fused_mma.cu), the 16-bit types only.
+LLTM_FUSED_ENTRY_POINTS(lltm_half, mma_f16, lltm_seq_fwd_mma_kernel, lltm_seq_bwd_mma_kernel)
+LLTM_FUSED_ENTRY_POINTS(lltm_bf16, mma_bf16, lltm_seq_fwd_mma_kernel, lltm_seq_bwd_mma_kernel)
 
 // The shim's warp-level product itself: one block of 32 * warps threads; lane l of warp w passes
 // a[w][l][0..3], b[w][l][0..1] and c[w][l][0..3] (the fragments' registers) to
@@ -95,4 +84,7 @@ extern "C" long long lltm_host_w_bytes(int state, int item, int backward) {
 }
 extern "C" long long lltm_host_mma_fwd_bytes(int state, int tile) {
   return lltm_mma_fwd_bytes(state, tile);
+}
+extern "C" long long lltm_host_mma_bwd_bytes(int state, int tile) {
+  return lltm_mma_bwd_bytes(state, tile);
 }
