@@ -34,6 +34,9 @@
 #                               capture, sync debug, two fresh processes of ~10 s each): ~75 s
 #                               + the cluster kernels' 4 tests (sm_90+; not run on a GPU yet:
 #                               two NVRTC modules of 8 kernels, ~6 s each on a development CPU)
+#                               + the tensor-core kernels' 10 tests (sm_80+; not run on a GPU
+#                               yet: two NVRTC modules of 2 kernels and one of the instruction
+#                               alone, under 1 s each on a development CPU)
 #   tests (compiled)      65 s  [42 s]; torch.compile's Inductor compiles dominate
 #   bench tutorial        45 s  start-up 5 + torch.compile 10 + reduce-overhead 15 + 8 x 200 runs
 #   bench bf16            25 s  [10 s before its cut]; two sizes x 30 runs

@@ -138,7 +138,7 @@ def test_a_lane_missing_from_the_warp_product_is_an_error(fused_lib, case):
 
 # ------------------------------------------------------------------ the kernels on tensor cores
 
-from lltm_cupy._cuda import fused as _fused, fused_mma as _mma, kernels as _kernels  # noqa: E402
+from lltm_cupy._cuda import fused_mma as _mma, kernels as _kernels  # noqa: E402
 from conftest import max_error  # noqa: E402
 from test_fused_sequence import LIMIT, OUT, compare, make, run, _reference  # noqa: E402
 
@@ -416,3 +416,81 @@ def test_fused_kernel_time_script_times_the_mma_kernels(mma_cupy, capsys):
     assert len(row) == 1, out
     fwd, bwd, whole = map(float, row[0][5:8])
     assert 0 < fwd and 0 < bwd and fwd + bwd <= whole, row
+
+
+# ---------------------------------------------------------------------------------- on a GPU
+
+from conftest import gpu_unavailable_reason  # noqa: E402
+
+_GPU_REASON = gpu_unavailable_reason()
+
+#: a kernel of one block of 32 * warps threads handing each lane's registers to the wrappers of
+#: lltm_fused_mma.cu (as lltm_host_mma_selftest does in the host build)
+_MMA_SELFTEST = r'''
+extern "C" __global__ void lltm_mma_selftest(int bf16, const unsigned* a, const unsigned* b,
+                                             const float* c, float* d) {
+  const unsigned t = threadIdx.x;
+  float out[4];
+  if (bf16) {
+    lltm_mma_16816_bf16(out, a + 4 * t, b + 2 * t, c + 4 * t);
+  } else {
+    lltm_mma_16816_f16(out, a + 4 * t, b + 2 * t, c + 4 * t);
+  }
+  for (int i = 0; i < 4; ++i) d[4 * t + i] = out[i];
+}
+'''
+
+
+def _sm80_or_skip(cupy):
+    arch = _kernels.compute_capability(cupy.cuda.Device().id)
+    if arch < _mma.MIN_ARCH:
+        pytest.skip(f"GPU test: sm_{arch} has no mma.sync.m16n8k16 (sm_80 and newer)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_GPU_REASON is not None, reason=f"GPU test: {_GPU_REASON}")
+@pytest.mark.parametrize("kind", TYPES)
+def test_gpu_mma_instruction_matches_the_shim_layout(kind):
+    """The tensor cores' product of the fragments the shim's layout (fragments() above) builds
+    is the NumPy product, within float32 rounding (the hardware's order of the sums is its own):
+    the PTX layout the shim emulates is the GPU's."""
+    import cupy
+
+    _sm80_or_skip(cupy)
+    rng = np.random.default_rng(3)
+    mats = [random_case(rng, TYPES[kind]) for _ in range(2)]
+    frags = [fragments(*m) for m in mats]
+    fa, fb, fc = (cupy.asarray(np.stack([f[i] for f in frags])) for i in range(3))
+    d = cupy.full((2, 32, 4), np.nan, np.float32)
+    module = cupy.RawModule(code=_mma.source() + _MMA_SELFTEST, options=("-ftz=true",))
+    module.get_function("lltm_mma_selftest")((1,), (64,), (np.int32(kind == "bfloat16"), fa, fb,
+                                                          fc, d))
+    for (a, b, c), got in zip(mats, cupy.asnumpy(d)):
+        exact = a.astype(np.float64) @ b.astype(np.float64) + c
+        bound = 18 * np.finfo(np.float32).eps * (np.abs(a.astype(np.float64))
+                                                 @ np.abs(b.astype(np.float64)) + np.abs(c))
+        assert (np.abs(result_matrix(got) - exact) <= bound).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_GPU_REASON is not None, reason=f"GPU test: {_GPU_REASON}")
+@pytest.mark.parametrize("state", [40, 128])
+@pytest.mark.parametrize("lengths", [None, [7, 0, 3, 7, 1]], ids=["full", "ragged"])
+@pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
+def test_gpu_mma_kernels_equal_the_stepped_path(dtype, lengths, state):
+    """The tensor-core kernels on a real GPU (sm_80+) against the stepped path and the float64
+    reference, forward and every gradient, reverse with ragged lengths."""
+    import cupy
+
+    _sm80_or_skip(cupy)
+    device = cupy.cuda.Device().id
+    assert _mma.usable(state, dtype) and _mma.usable(state, dtype, True)
+    stored, case = make(7, 5, 6, state, dtype, seed=state)
+    reverse = lengths is not None
+    fused = run(cupy, stored, lengths, reverse, True)
+    assert ("fused_mma", device, np.dtype(dtype).str) in _kernels._cache   # they ran
+    stepped = run(cupy, stored, lengths, reverse, False)
+    full = [7] * 5 if lengths is None else lengths
+    want = _reference(case, full, reverse, (case["grad_outputs"], case["grad_h_n"],
+                                            case["grad_c_n"]))
+    compare(fused, stepped, want, dtype, "gpu")
