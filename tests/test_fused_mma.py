@@ -494,3 +494,27 @@ def test_gpu_mma_kernels_equal_the_stepped_path(dtype, lengths, state):
     want = _reference(case, full, reverse, (case["grad_outputs"], case["grad_h_n"],
                                             case["grad_c_n"]))
     compare(fused, stepped, want, dtype, "gpu")
+
+
+@pytest.mark.parametrize("lengths", [None, [5, 2, 1, 4]], ids=["padded", "packed"])
+def test_torch_lltm_fused_bfloat16_runs_the_mma_kernels(mma_cupy, emulated_cuda_torch, lengths):
+    """LLTM(fused=True) in bfloat16 on the emulated CUDA path of an sm_90 device: 2 layers,
+    bidirectional, each layer and direction one tensor-core launch each way, results within the
+    bfloat16 tolerance of the default path's."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+    import lltm_cupy.torch as lt
+    from test_fused_sequence import _torch_case, _torch_run
+
+    xs, hx = _torch_case(torch, torch.bfloat16)
+    torch.manual_seed(1)
+    default = lt.LLTM(3, 6, num_layers=2, bidirectional=True, dtype=torch.bfloat16)
+    fused = lt.LLTM(3, 6, num_layers=2, bidirectional=True, dtype=torch.bfloat16, fused=True)
+    fused.load_state_dict(default.state_dict())
+    emu = mma_cupy.emulator
+    want = _torch_run(torch, default, xs, hx, lengths)
+    emu.reset()
+    got = _torch_run(torch, fused, xs, hx, lengths)
+    assert emu.log.count("kernel:seq_fwd") == 4 and emu.log.count("kernel:seq_bwd") == 4
+    assert emu.log.count("variant:mma") == 8
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert max_error(g, w) <= 2e-2, f"result {i}: {max_error(g, w):.2e}"
