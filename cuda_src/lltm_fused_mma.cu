@@ -35,8 +35,13 @@
 //   2 R (Sp + 8) 2-byte elements, R = tile rounded up to 8; the row stride Sp + 8 puts the B
 //   fragment's 32 words of a load in 32 distinct banks;
 //   + c, tile S float32.
-// The weights stay in shared memory for the whole sequence (not in registers: a lane would need
-// 12 Sp / 16 registers per job at compile-time-known indices).
+// Registers: where every warp has one job for the whole launch (jobs <= warps: the small batch
+// tiles the kernels are for, e.g. S = 128 in one n-tile and eight warps), each lane also keeps
+// its job's fragments of the first LLTM_MMA_KEPT k-tiles (forward: of each gate; backward:
+// 3 LLTM_MMA_KEPT k-tiles) in registers, 48 registers, loaded once after the weights' load, and
+// reads only the other k-tiles' from shared memory each step. The order of the sums is the
+// same either way. All of W_h in registers would need 12 Sp / 16 registers per lane at indices
+// known at compile time.
 
 #ifndef LLTM_HOST_SHIM
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32: D = A B + C, the fragments
@@ -90,6 +95,9 @@ struct lltm_mma<lltm_bf16> {
     lltm_mma_16816_bf16(d, a, b, c);
   }
 };
+
+// k-tiles per gate whose fragments a warp with one job keeps in registers (see the top).
+#define LLTM_MMA_KEPT 4
 
 // One lane's A fragment of an m16n8k16 product: four 32-bit registers.
 struct alignas(16) lltm_mma_frag {
@@ -171,6 +179,17 @@ LLTM_UNROLL
   long long edge = steps > 0 ? lltm_fused_offset(offsets, packed, 1, batch) : first;
   int active = min(rows, (int)(edge - first) - row0);             // the same for every thread
   const int jobs = KT * (R / 8);
+  // a warp's only job (jobs <= warps): its first k-tiles' fragments kept in registers
+  const int kept = jobs <= warps ? min(KT, LLTM_MMA_KEPT) : 0;      // block-uniform
+  lltm_mma_frag w_r[3][LLTM_MMA_KEPT];
+LLTM_UNROLL
+  for (int kt = 0; kt < LLTM_MMA_KEPT; ++kt) {
+LLTM_UNROLL
+    for (int q = 0; q < 3; ++q) {
+      w_r[q][kt] = kt < kept && warp < jobs
+                       ? w_f[((q * KT + warp % KT) * KT + kt) * 32 + lane] : lltm_mma_frag();
+    }
+  }
   int cur = 0;                                                    // h_{t-1}'s buffer
   for (int t = 0; t < steps; ++t) {
     if (active <= 0) break;
@@ -199,7 +218,15 @@ LLTM_UNROLL
       if (8 * nt < active) {                                      // the same for the warp
         const unsigned short* hb = hc + (8 * nt + group) * HS + 2 * quad;
         const lltm_mma_frag* wj = w_f + j * KT * 32 + lane;
-        for (int kt = 0; kt < KT; ++kt) {
+LLTM_UNROLL
+        for (int kt = 0; kt < LLTM_MMA_KEPT; ++kt) {                // from registers
+          if (kt < kept) {
+            const unsigned b[2] = {lltm_mma_word(hb + 16 * kt), lltm_mma_word(hb + 16 * kt + 8)};
+LLTM_UNROLL
+            for (int q = 0; q < 3; ++q) lltm_mma<T>::run(acc[q], w_r[q][kt].r, b, acc[q]);
+          }
+        }
+        for (int kt = kept; kt < KT; ++kt) {                          // from shared memory
           const unsigned b[2] = {lltm_mma_word(hb + 16 * kt), lltm_mma_word(hb + 16 * kt + 8)};
 LLTM_UNROLL
           for (int q = 0; q < 3; ++q) {
@@ -334,6 +361,14 @@ LLTM_UNROLL
     if (active > 0) break;
   }
   const int jobs = KT * (R / 8);
+  // a warp's only job (jobs <= warps): its first k-tiles' fragments kept in registers
+  const int kept = jobs <= warps ? min(3 * KT, 3 * LLTM_MMA_KEPT) : 0;   // block-uniform
+  lltm_mma_frag w_r[3 * LLTM_MMA_KEPT];
+LLTM_UNROLL
+  for (int kt = 0; kt < 3 * LLTM_MMA_KEPT; ++kt) {
+    w_r[kt] = kt < kept && warp < jobs ? w_f[((warp % KT) * 3 * KT + kt) * 32 + lane]
+                                       : lltm_mma_frag();
+  }
   int cur = 0;
   for (; t >= 0; --t) {
     const long long prev = t > 0 ? lltm_fused_offset(offsets, packed, t - 1, batch) : first;
@@ -370,7 +405,14 @@ LLTM_UNROLL
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const unsigned short* db = dg + (8 * nt + group) * DS + 2 * quad;
       const lltm_mma_frag* wj = w_f + j * 3 * KT * 32 + lane;
-      for (int kt = 0; kt < 3 * KT; ++kt) {
+LLTM_UNROLL
+      for (int kt = 0; kt < 3 * LLTM_MMA_KEPT; ++kt) {               // from registers
+        if (kt < kept) {
+          const unsigned b[2] = {lltm_mma_word(db + 16 * kt), lltm_mma_word(db + 16 * kt + 8)};
+          lltm_mma<T>::run(acc, w_r[kt].r, b, acc);
+        }
+      }
+      for (int kt = kept; kt < 3 * KT; ++kt) {                       // from shared memory
         const unsigned b[2] = {lltm_mma_word(db + 16 * kt), lltm_mma_word(db + 16 * kt + 8)};
         const lltm_mma_frag a = wj[kt * 32];
         lltm_mma<T>::run(acc, a.r, b, acc);

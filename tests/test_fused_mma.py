@@ -273,6 +273,30 @@ def test_launcher_shared_memory_is_the_kernels(fused_lib):
                 _mma.shared_bytes(state, tile, True)
 
 
+def test_the_fragments_kept_in_registers_change_no_bit(mma_cupy, monkeypatch, tmp_path):
+    """S = 128 on one row per block (eight jobs, eight warps: each warp keeps its first
+    k-tiles' fragments in registers) gives the bits of the same source with nothing kept in
+    registers (every fragment read from shared memory), both ways; S = 192 (twelve jobs over
+    eight warps) keeps none."""
+    text = _kernels.source_path(_mma.SOURCE_NAME).read_text()
+    none = text.replace("const int kept = jobs <= warps ? min(KT, LLTM_MMA_KEPT) : 0;",
+                        "const int kept = 0;").replace(
+        "const int kept = jobs <= warps ? min(3 * KT, 3 * LLTM_MMA_KEPT) : 0;",
+        "const int kept = 0;")
+    assert none.count("const int kept = 0;") == 2
+    (tmp_path / _mma.SOURCE_NAME).write_text(none)
+    lib = host_fused.build(tmp_path, source_dir=tmp_path)
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 2)
+    for dtype in DTYPES16.values():
+        stored, _ = make(4, 2, 3, 128, dtype, seed=8)
+        kept = run(mma_cupy, stored, [4, 3], True, True)
+        with monkeypatch.context() as m:
+            m.setattr(_mma, "get_kernels", host_fused.host_get_mma_kernels(lib, LIMIT))
+            shared = run(mma_cupy, stored, [4, 3], True, True)
+        for name, a, b in zip(OUT, kept, shared):
+            assert np.array_equal(a, b), name
+
+
 # ------------------------------------------------------------------------ a missing barrier
 
 _MMA_TEXT = _kernels.source_path(_mma.SOURCE_NAME).read_text()
@@ -311,16 +335,17 @@ def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatc
 
 # -------------------------------------------------------------------------------- compilers
 
-#: Registers per thread of the mma kernels as NVRTC 13.x compiles them (no local memory in any):
+#: Registers per thread of the mma kernels as NVRTC 13.x compiles them (no local memory in any;
+#: 48 of them hold the W_h fragments kept in registers, LLTM_MMA_KEPT):
 #:                 float16  bfloat16
-#:   sm_80  fwd       78       78
-#:          bwd       52       52
-#:   sm_90  fwd       95       96
-#:          bwd       56       54
-#:   sm_100 fwd       70       70
-#:          bwd       51       51
-MMA_REGISTERS = {(80, "fwd"): (78, 78), (80, "bwd"): (52, 52), (90, "fwd"): (95, 96),
-                 (90, "bwd"): (56, 54), (100, "fwd"): (70, 70), (100, "bwd"): (51, 51)}
+#:   sm_80  fwd      127      127
+#:          bwd      114      114
+#:   sm_90  fwd      160      160
+#:          bwd      124      122
+#:   sm_100 fwd      128      127
+#:          bwd      105      118
+MMA_REGISTERS = {(80, "fwd"): (127, 127), (80, "bwd"): (114, 114), (90, "fwd"): (160, 160),
+                 (90, "bwd"): (124, 122), (100, "fwd"): (128, 127), (100, "bwd"): (105, 118)}
 ARCHS = (80, 90, 100)
 #: as test_fused_sequence.REGISTER_MARGIN: one allocation unit of 8
 MARGIN = 8
