@@ -125,6 +125,51 @@ def test_shim_mma_reads_each_fragment_where_the_ptx_layout_puts_it(fused_lib):
             np.testing.assert_array_equal(got[0], want, err_msg=f"m={m} k={k} n={n}")
 
 
+def _cute_coordinates(shape, stride, lanes_values, rows):
+    """(row, col) of every (lane, value) of a CuTe layout ``((4, 8), values):((s0, s1), strides)``
+    over a column-major (rows, cols) matrix."""
+    (t_shape, v_shape), (t_stride, v_stride) = shape, stride
+    coords = {}
+    for lane in range(32):
+        t0, t1 = lane % t_shape[0], lane // t_shape[0]
+        for v in range(lanes_values):
+            offset, rest = t0 * t_stride[0] + t1 * t_stride[1], v
+            for n, step in zip(v_shape, v_stride):
+                offset, rest = offset + (rest % n) * step, rest // n
+            coords[lane, v] = (offset % rows, offset // rows)
+    return coords
+
+
+def test_fragment_layouts_equal_cutlass_layouts():
+    """The fragments the tests (and so the shim's checks) build, against a second reading of
+    NVIDIA's layout: CUTLASS's cute/atom/mma_traits_sm80.hpp, SM80_16x8x16_F32F16F16F32_TN,
+    ALayout ((4,8),(2,2,2)):((32,1),(16,8,128)) over A (M 16, K 16), BLayout
+    ((4,8),(2,2)):((16,1),(8,64)) over B^T (N 8, K 16), CLayout SM80_16x8_Row
+    ((4,8),(2,2)):((32,1),(16,8)) over C (M 16, N 8); value v of a register pair is the pair's
+    low half when v is even."""
+    a_at = _cute_coordinates(((4, 8), (2, 2, 2)), ((32, 1), (16, 8, 128)), 8, 16)   # (m, k)
+    b_at = _cute_coordinates(((4, 8), (2, 2)), ((16, 1), (8, 64)), 4, 8)           # (n, k)
+    c_at = _cute_coordinates(((4, 8), (2, 2)), ((32, 1), (16, 8)), 4, 16)          # (m, n)
+    # matrices whose every element is its own index, as 16-bit patterns
+    a = np.arange(256, dtype=np.uint16).reshape(16, 16).view(np.float16)
+    b = np.arange(128, dtype=np.uint16).reshape(16, 8).view(np.float16)
+    c = np.arange(128, dtype=np.float32).reshape(16, 8)
+    fa, fb, fc = fragments(a, b, c)
+    for lane in range(32):
+        for v in range(8):
+            m, k = a_at[lane, v]
+            assert (int(fa[lane, v // 2]) >> (16 * (v & 1))) & 0xFFFF == 16 * m + k, (lane, v)
+        for v in range(4):
+            n, k = b_at[lane, v]
+            assert (int(fb[lane, v // 2]) >> (16 * (v & 1))) & 0xFFFF == 8 * k + n, (lane, v)
+            m, n = c_at[lane, v]
+            assert fc[lane, v] == 8 * m + n, (lane, v)
+    d = np.zeros((32, 4), np.float32)
+    for (lane, v), (m, n) in c_at.items():
+        d[lane, v] = 8 * m + n
+    assert np.array_equal(result_matrix(d), c)
+
+
 @pytest.mark.parametrize("case", ["returns", "waits at __syncthreads"])
 def test_a_lane_missing_from_the_warp_product_is_an_error(fused_lib, case):
     rng = np.random.default_rng(0)
