@@ -5,32 +5,19 @@ distributed shared memory) and loaded with ctypes."""
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
 from lltm_cupy._cuda import kernels as _kernels
-from .host_kernels import SHIM
-from .host_fused import SCHEDULES
+from .host_fused import SCHEDULES, build_harness
 
 
 def build(out_dir: Path, source_dir: Path | None = None) -> ctypes.CDLL:
     """Compile tests/host_shim/harness_cluster.cpp into out_dir and load it. ``source_dir``: a
     folder whose CUDA sources replace cuda_src's (mutation tests)."""
-    cxx = shutil.which("g++")
-    assert cxx, "g++ is required to run the CUDA source on the CPU (apt-get install g++)"
-    out = Path(out_dir) / "lltm_cluster_host.so"
-    includes = ([f"-I{source_dir}"] if source_dir else []) + [
-        f"-I{_kernels.source_path().parent}", f"-I{SHIM}"]
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
-           *includes, str(SHIM / "harness_cluster.cpp"), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, f"host build failed: {' '.join(cmd)}\n{proc.stderr}"
-    lib = ctypes.CDLL(str(out))
-    lib.lltm_host_last_error.restype = ctypes.c_char_p
-    lib.lltm_host_barriers.restype = ctypes.c_longlong
+    lib = build_harness("harness_cluster.cpp", Path(out_dir) / "lltm_cluster_host.so",
+                        source_dir)
     lib.lltm_host_cluster_barriers.restype = ctypes.c_longlong
     return lib
 

@@ -22,13 +22,18 @@ SCHEDULES = {"ascending": 0, "descending": 1, "random": 2}
 def build(out_dir: Path, source_dir: Path | None = None) -> ctypes.CDLL:
     """Compile tests/host_shim/harness_fused.cpp into out_dir and load it. ``source_dir``: a
     folder whose lltm_fused.cu (and lltm.cu, if present) replace cuda_src's (mutation tests)."""
+    return build_harness("harness_fused.cpp", Path(out_dir) / "lltm_fused_host.so", source_dir)
+
+
+def build_harness(harness: str, out: Path, source_dir: Path | None = None) -> ctypes.CDLL:
+    """Compile tests/host_shim/``harness`` (with cuda_src on the include path, ``source_dir``'s
+    sources first) into the shared library ``out`` and load it."""
     cxx = shutil.which("g++")
     assert cxx, "g++ is required to run the CUDA source on the CPU (apt-get install g++)"
-    out = Path(out_dir) / "lltm_fused_host.so"
     includes = ([f"-I{source_dir}"] if source_dir else []) + [
         f"-I{_kernels.source_path().parent}", f"-I{SHIM}"]
     cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
-           *includes, str(SHIM / "harness_fused.cpp"), "-o", str(out)]
+           *includes, str(SHIM / harness), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, f"host build failed: {' '.join(cmd)}\n{proc.stderr}"
     lib = ctypes.CDLL(str(out))
