@@ -329,3 +329,14 @@ def test_plan_index_arrays_record_each_other_stream_they_are_read_on(emulated_cu
     run()                           # the default stream again: the upload's, nothing to record
     assert len(recorded) == count
     torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+def test_torchs_matmul_defaults_are_what_the_docs_say():
+    """docs/gpu-training.md: the torch layer's GEMMs follow torch's matmul switches, whose
+    defaults are no TF32 for float32 and reduced-precision reductions allowed in float16 and
+    bfloat16 (so the docs tell how to turn those off). Read from this torch, not restated."""
+    matmul = torch.backends.cuda.matmul
+    assert matmul.allow_tf32 is False
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert matmul.allow_fp16_reduced_precision_reduction is True
+    assert matmul.allow_bf16_reduced_precision_reduction is True
