@@ -12,6 +12,7 @@ Runs everywhere (g++, the NVRTC wheel and nvcc, no GPU).
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 from pathlib import Path
 
@@ -179,6 +180,186 @@ def test_cluster_forward_gives_the_same_bits_at_every_size(cluster_cupy, monkeyp
         got = run(cluster_cupy, stored, [4, 3, 1], False, True)
         for name, a, b in zip(OUT[:3], got[:3], one[:3]):
             assert np.array_equal(a, b), f"P={size} {name}"
+
+
+# ------------------------------------------------------- clusters the device holds at once
+
+def test_launch_config_layout_matches_cuda_h(tmp_path):
+    """kernels.CUlaunchConfig (ctypes) against cuda.h's CUlaunchConfig, compiled: size and every
+    field's offset, the prototype of cuOccupancyMaxActiveClusters that OCCUPANCY_PROTOTYPE
+    states, and the attribute number the 16-block clusters set."""
+    import shutil
+    import subprocess
+
+    include = next((Path(base) / "include" for base in (
+        os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda")
+        if base and (Path(base) / "include" / "cuda.h").is_file()), None)
+    assert include is not None, "cuda.h not found (CUDA_HOME, CUDA_PATH or /usr/local/cuda)"
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "a C compiler (gcc) is required for the layout check"
+    fields = [name for name, _ in _kernels.CUlaunchConfig._fields_]
+    program = "\n".join([
+        "#include <stddef.h>", "#include <stdio.h>", "#include <cuda.h>",
+        "_Static_assert(__builtin_types_compatible_p(__typeof__(&cuOccupancyMaxActiveClusters),"
+        " CUresult (*)(int*, CUfunction, const CUlaunchConfig*)), \"prototype\");",
+        "int main(void) {",
+        '  printf("size %zu\\n", sizeof(CUlaunchConfig));',
+        '  printf("result %zu\\n", sizeof(CUresult));',
+        '  printf("function %zu\\n", sizeof(CUfunction));',
+        '  printf("attribute %d\\n", (int)CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED);',
+        *[f'  printf("{f} %zu\\n", offsetof(CUlaunchConfig, {f}));' for f in fields],
+        "  return 0;", "}", ""])
+    (tmp_path / "layout.c").write_text(program)
+    subprocess.run([cc, "-std=c11", f"-I{include}", "-o", str(tmp_path / "layout"),
+                    str(tmp_path / "layout.c")], check=True, capture_output=True)
+    out = subprocess.run([str(tmp_path / "layout")], check=True, capture_output=True,
+                         text=True).stdout
+    got = {k: int(v) for k, v in (line.split() for line in out.splitlines())}
+    assert got["size"] == ctypes.sizeof(_kernels.CUlaunchConfig), got
+    assert got["result"] == ctypes.sizeof(ctypes.c_int)
+    assert got["function"] == ctypes.sizeof(ctypes.c_void_p)
+    assert got["attribute"] == _kernels.NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+    for name in fields:
+        assert got[name] == getattr(_kernels.CUlaunchConfig, name).offset, name
+
+
+def _held(cupy, kernel, size, threads, shared):
+    """The emulated driver's answer, asked afresh (not the library's cache)."""
+    count = ctypes.c_int(-1)
+    config = _kernels.CUlaunchConfig(gridDimX=size, gridDimY=1, gridDimZ=1, blockDimX=threads,
+                                     blockDimY=1, blockDimZ=1, sharedMemBytes=shared)
+    status = _kernels._occupancy_function()(ctypes.byref(count), kernel.kernel.ptr,
+                                            ctypes.byref(config))
+    return count.value if status == 0 else -status
+
+
+def test_the_emulated_occupancy_query(cluster_cupy):
+    """The model the planner is tested against: whole clusters per GPC (H100-like: 16 and 18
+    SMs), one block of about 200 KB per SM: 16 clusters of 8, 32 of 4 (not 132 / 4 = 33)."""
+    f32 = np.dtype(np.float32)
+    big = _cluster.shared_bytes(388, f32, 1, True, 8)
+    assert _held(cluster_cupy, _kernels.get_cluster_kernels(f32, 8).bwd, 8, 256, big) == 16
+    assert _held(cluster_cupy, _kernels.get_cluster_kernels(f32, 4).bwd, 4, 256, big) == 32
+    assert _held(cluster_cupy, _kernels.get_cluster_kernels(f32, 4).bwd, 4, 64, 1000) == \
+        sum(n * 32 // 4 for n in cluster_cupy.emulator.gpc_sms)
+    cluster_cupy.emulator.gpc_sms = (7, 7)
+    assert _held(cluster_cupy, _kernels.get_cluster_kernels(f32, 8).bwd, 8, 256, big) == 0
+    cluster_cupy.emulator.occupancy_error = 700
+    assert _held(cluster_cupy, _kernels.get_cluster_kernels(f32, 2).fwd, 2, 256, big) == -700
+
+
+LAYOUTS = {"H100-like": (16, 16, 16, 16, 16, 16, 18, 18), "uneven": (18, 18, 14, 10, 9),
+           "small GPCs": (6, 6, 6, 6), "one GPC": (20,)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_the_planner_never_plans_more_clusters_than_the_device_holds(cluster_cupy, monkeypatch,
+                                                                     layout):
+    """For each cluster size, both directions, batches 1 to 70 and three state sizes (the
+    largest: one row per tile; 4/5 of it: one block per SM, tiles of up to about 30 rows; small
+    blocks, many per SM): the planned clusters are at most the query's
+    answer for the planned launch (threads and shared memory), unless the tile is already as
+    large as shared memory or the batch allows (the waves the docs speak of); the tile is the
+    smallest such from the plan without the query, which it never undercuts."""
+    emu = cluster_cupy.emulator
+    emu.gpc_sms = layout
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: sum(layout))
+    f32 = np.dtype(np.float32)
+    waves = 0
+    for size in (2, 4, 8):
+        top = _cluster.max_state(LIMIT, f32, size)
+        for state in (top, top * 4 // 5, 3 * size):
+            for backward in (False, True):
+                fns = _kernels.get_cluster_kernels(f32, size)
+                kernel = fns.bwd if backward else fns.fwd
+                fits = (LIMIT - _cluster.shared_bytes(state, f32, 0, backward, size)) // (
+                    _cluster.shared_bytes(state, f32, 1, backward, size)
+                    - _cluster.shared_bytes(state, f32, 0, backward, size))
+                for batch in range(1, 71):
+                    plain = _cluster.geometry(batch, state, f32, backward, size)
+                    blocks, threads, tile, shared = _cluster.geometry(batch, state, f32,
+                                                                      backward, size, kernel)
+                    assert shared == _cluster.shared_bytes(state, f32, tile, backward, size)
+                    assert blocks == -(-batch // tile) * size and tile >= plain[2]
+                    held = _held(cluster_cupy, kernel, size, threads, shared)
+                    label = (size, state, backward, batch, tile, held)
+                    if blocks // size > held:
+                        assert tile == min(fits, batch), label
+                        waves += 1
+                    for smaller in range(plain[2], tile):
+                        threads_s, shared_s = _cluster._launch_shape(state, f32, backward,
+                                                                     size, smaller)
+                        assert -(-batch // smaller) > _held(cluster_cupy, kernel, size,
+                                                            threads_s, shared_s), label
+    assert _kernels.cluster_failures == {}
+    assert waves > 0 or min(layout) >= 8, "no size needed waves"
+
+
+def test_the_query_turns_33_tiles_into_17(cluster_cupy, monkeypatch):
+    """B = 33 on the H100-like model (132 SMs): float32 S = 256 runs in 4-block clusters, 33 tiles
+    of one row without the query, but the GPCs hold 32 such clusters: 17 tiles of 2 rows. At
+    S = 388 (8 blocks of about 227 KB) a tile holds one row only: 33 tiles, in waves of 16."""
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 132)
+    f32 = np.dtype(np.float32)
+    for state, size, tiles in ((256, 4, 17), (388, 8, 33)):
+        assert _cluster.cluster_size(state, f32, LIMIT) == size
+        for backward in (False, True):
+            kernel = _kernels.get_cluster_kernels(f32, size)[backward]
+            assert _cluster.geometry(33, state, f32, backward, size)[0] == 33 * size
+            blocks, threads, tile, shared = _cluster.geometry(33, state, f32, backward, size,
+                                                              kernel)
+            assert blocks == tiles * size, (state, backward, blocks)
+            assert _held(cluster_cupy, kernel, size, threads, shared) == 128 // size
+
+
+def test_a_failed_query_leaves_the_plan_without_it(cluster_cupy, monkeypatch):
+    """A query that fails (a CUresult other than success) is not an error: the launch goes as
+    planned without it, the reason is kept in kernels.cluster_failures, the results are right."""
+    emu = cluster_cupy.emulator
+    emu.occupancy_error = 999
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 6)
+    f32 = np.dtype(np.float32)
+    kernel = _kernels.get_cluster_kernels(f32, 2).fwd
+    assert _cluster.geometry(7, 13, f32, False, 2, kernel) == \
+        _cluster.geometry(7, 13, f32, False, 2)
+    assert any("CUresult 999" in why and what[0] == "occupancy"
+               for (_, _, what), why in _kernels.cluster_failures.items()), \
+        _kernels.cluster_failures
+    stored, case = make(5, 7, 4, 13, f32, seed=4)
+    fused = run(cluster_cupy, stored, None, False, True)
+    stepped = run(cluster_cupy, stored, None, False, False)
+    compare(fused, stepped, _want(case, None, False, 5, 7), f32, "failed query")
+
+
+def test_a_run_planned_by_the_query(cluster_cupy, monkeypatch):
+    """End to end: 7 rows, 4-block clusters, 12 SMs (3 tiles of 3 rows without the query) in two
+    GPCs of 4 SMs whose shared memory holds one block each: the query holds 2 clusters, so both
+    launches run 2 tiles (4 and 3 rows), and the results are the stepped path's."""
+    emu = cluster_cupy.emulator
+    f32 = np.dtype(np.float32)
+    state, size = 13, 4
+    need = [_cluster.shared_bytes(state, f32, tile, b, size) + 1024
+            for tile in (1, 7) for b in (False, True)]
+    emu.sm_shared_bytes = 2 * min(need[:2]) - 1        # one block per SM for every tile
+    assert max(need) <= emu.sm_shared_bytes
+    emu.gpc_sms = (4, 4)
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", size)
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 12)
+    planned = []
+    real = _cluster.geometry
+
+    def geometry(*args):
+        planned.append(real(*args))
+        return planned[-1]
+
+    monkeypatch.setattr(_cluster, "geometry", geometry)
+    stored, case = make(5, 7, 4, state, f32, seed=6)
+    fused = run(cluster_cupy, stored, [5, 2, 5, 0, 1, 3, 4], True, True)
+    assert [(blocks, tile) for blocks, _, tile, _ in planned] == [(8, 4), (8, 4)], planned
+    assert real(7, state, f32, False, size)[0] == 12
+    stepped = run(cluster_cupy, stored, [5, 2, 5, 0, 1, 3, 4], True, False)
+    compare(fused, stepped, _want(case, [5, 2, 5, 0, 1, 3, 4], True, 5, 7), f32, "query plan")
 
 
 # ------------------------------------------------------------------------ a missing barrier

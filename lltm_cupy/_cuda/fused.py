@@ -124,7 +124,8 @@ def _kernel_and_geometry(batch: int, state: int, dtype, backward: bool):
         geometry = _geometry(None, batch, state, dtype, backward)
     else:
         fns = kernels.get_cluster_kernels(dtype, size)
-        geometry = fused_cluster.geometry(batch, state, dtype, backward, size)
+        kernel = fns.bwd if backward else fns.fwd
+        return (kernel, *fused_cluster.geometry(batch, state, dtype, backward, size, kernel))
     return (fns.bwd if backward else fns.fwd, *geometry)
 
 

@@ -12,8 +12,13 @@ the 16-bit types; the layout is the same in every block):
               plus per row of the tile (2 S + LM) sizeof(A)
     backward: 3 LM S sizeof(T), rounded up to 16, plus per row (5 + 2 P) LM sizeof(A)
 
-The cluster size is the smallest that runs a one-row tile both ways; the tile, as in .fused, the
-batch spread over the device's clusters, as many rows as fit. Largest state size of an 8-block
+The cluster size is the smallest that runs a one-row tile both ways. The tile, as in .fused: the
+batch spread over SMs / P clusters, as many rows as fit; then grown until the device can hold
+every cluster at once, as the driver's occupancy query says (``kernels.max_active_clusters``:
+all blocks of a cluster must fit one GPC, so a device may hold fewer clusters than SMs / P, e.g.
+32 of 4 blocks of about 200 KB on an H100's 132 SMs). Where shared memory stops the tile
+growing first, the clusters beyond the device's run in a second wave (or more) after the first;
+where the query fails, the first spread stands. Largest state size of an 8-block
 cluster (:func:`max_state`) on sm_90 and sm_100 (232,448 bytes per block):
 
     float16 / bfloat16   float32   float64
@@ -98,18 +103,48 @@ def chosen_size(state: int, dtype) -> int:
     return FORCED_SIZE
 
 
-def geometry(batch: int, state: int, dtype, backward: bool, size: int):
-    """(blocks, threads, tile, shared bytes) of a cluster launch: the batch spread over the
-    device's clusters (SMs / size), one tile per cluster, as many rows as shared memory holds;
-    blocks = tiles * size."""
+def _launch_shape(state: int, dtype, backward: bool, size: int, tile: int):
+    """(threads, shared bytes) of a block running a tile of ``tile`` rows."""
+    width = state if backward else -(-state // size)    # the widest phase's elements per row
+    threads = min(THREADS, -(-tile * width // 32) * 32)
+    return threads, shared_bytes(state, dtype, tile, backward, size)
+
+
+def geometry(batch: int, state: int, dtype, backward: bool, size: int, kernel=None):
+    """(blocks, threads, tile, shared bytes) of a cluster launch; blocks = tiles * size.
+
+    The batch is spread over the device's clusters, one tile each (at most SMs / size of them,
+    one block per SM), as many rows per tile as shared memory holds. With ``kernel`` (the
+    function to launch), the tile is then grown until the device can hold every cluster at once
+    (:func:`kernels.max_active_clusters`: a cluster's blocks must all fit one GPC, which may leave
+    fewer clusters than SMs / size), as far as shared memory allows; past that the clusters run
+    in waves. Where the query fails the spread above stands (its reason in
+    ``kernels.cluster_failures``)."""
     device = kernels.current_device()
     limit = kernels.shared_memory_limit(device)
     empty = shared_bytes(state, dtype, 0, backward, size)
     per_row = shared_bytes(state, dtype, 1, backward, size) - empty
-    fits = (limit - empty) // per_row
+    fits = max(1, (limit - empty) // per_row)
     clusters = max(1, kernels._sm_count(device) // size)
     tile = max(1, min(-(-batch // clusters), fits))
-    width = state if backward else -(-state // size)    # the widest phase's elements per row
-    threads = min(THREADS, -(-tile * width // 32) * 32)
-    return -(-batch // tile) * size, threads, tile, shared_bytes(state, dtype, tile, backward,
-                                                                 size)
+    if kernel is not None:
+        tile = _resident_tile(kernel, batch, state, dtype, backward, size, tile,
+                              min(fits, max(batch, 1)))
+    threads, shared = _launch_shape(state, dtype, backward, size, tile)
+    return -(-batch // tile) * size, threads, tile, shared
+
+
+def _resident_tile(kernel, batch: int, state: int, dtype, backward: bool, size: int, tile: int,
+                   largest: int) -> int:
+    """The smallest tile from ``tile`` up to ``largest`` whose ceil(batch / tile) clusters the
+    device holds at once (the occupancy query at that tile's threads and shared memory), else
+    ``largest`` (fewest waves); ``tile`` where a query fails."""
+    start = tile
+    while True:
+        held = kernels.max_active_clusters(kernel, size,
+                                           *_launch_shape(state, dtype, backward, size, tile))
+        if held is None:
+            return start
+        if -(-batch // tile) <= held or tile >= largest:
+            return tile
+        tile = min(largest, max(tile + 1, -(-batch // max(held, 1))))

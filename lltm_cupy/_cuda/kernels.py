@@ -14,6 +14,7 @@ source compiles for every architecture we support.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import threading
 from pathlib import Path
@@ -29,7 +30,8 @@ __all__ = ["cupy_module", "current_device", "on_device", "Launch", "launch", "FL
            "fused_source", "fused_name_expression", "get_fused_kernels", "compile_offline_fused",
            "CLUSTER_SOURCE_NAME", "CLUSTER_KERNEL_NAMES", "CLUSTER_SIZES", "cluster_source",
            "cluster_name_expression", "get_cluster_kernels", "compile_offline_cluster",
-           "compute_capability"]
+           "compute_capability", "PORTABLE_CLUSTER_SIZE", "NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
+           "CUlaunchConfig", "OCCUPANCY_PROTOTYPE", "cluster_failures", "max_active_clusters"]
 
 SOURCE_NAME = "lltm.cu"
 KERNEL_NAMES = ("lltm_fwd_kernel", "lltm_bwd_kernel", "lltm_concat_kernel", "lltm_add_kernel")
@@ -317,9 +319,14 @@ def compile_offline_fused(dtype, arch: int, output: str = "cubin") -> bytes:
 
 CLUSTER_SOURCE_NAME = "lltm_fused_cluster.cu"
 CLUSTER_KERNEL_NAMES = ("lltm_seq_fwd_cluster_kernel", "lltm_seq_bwd_cluster_kernel")
-#: Blocks per cluster of the cluster kernels (one instantiation each: ``__cluster_dims__``); at
-#: most 8, the portable cluster size (more needs an attribute CuPy's launch cannot set).
+#: Blocks per cluster of the cluster kernels (one instantiation each: ``__cluster_dims__``).
 CLUSTER_SIZES = (1, 2, 4, 8)
+#: The portable cluster size: every device of compute capability 9.0 or newer runs clusters of up
+#: to this many blocks (CUDA C++ Programming Guide, "Thread Block Clusters"; cuda.h).
+PORTABLE_CLUSTER_SIZE = 8
+#: cuda.h's CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: set to 1 on a function, it may
+#: be launched in clusters larger than the portable size where the device holds them.
+NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
 @functools.lru_cache(maxsize=None)
@@ -366,3 +373,77 @@ def compile_offline_cluster(dtype, arch: int, output: str = "cubin") -> bytes:
     """As :func:`compile_offline`, for the cluster kernels (``lltm_fused_cluster.cu``, every
     cluster size; sm_90 and newer)."""
     return _nvrtc(cluster_source(), CLUSTER_SOURCE_NAME, _cluster_names(dtype), arch, output)
+
+
+# ------------------------------------------------------ clusters the device holds at once (query)
+
+class CUlaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig (CUDA 12 and 13; tests/test_fused_cluster.py holds the layout
+    against the header's, compiled)."""
+
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
+
+
+#: ``CUresult cuOccupancyMaxActiveClusters(int *numClusters, CUfunction func,
+#: const CUlaunchConfig *config)`` (cuda.h)
+OCCUPANCY_PROTOTYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                       ctypes.POINTER(CUlaunchConfig))
+
+
+@functools.lru_cache(maxsize=None)
+def _occupancy_function():
+    """cuOccupancyMaxActiveClusters of the CUDA driver library, which CuPy 14 has no call for:
+    from libcuda.so.1, the library CuPy's driver module loads by that name (dlopen returns the
+    library already loaded)."""
+    return OCCUPANCY_PROTOTYPE(("cuOccupancyMaxActiveClusters", ctypes.CDLL("libcuda.so.1")))
+
+
+_occupancy: dict = {}
+#: Why a query or setting for the cluster kernels failed, kept for inspection:
+#: ``{(device, kernel name, what): reason}``, ``what`` being ("occupancy", threads, shared bytes)
+#: or "non-portable". A failed occupancy query leaves the launch as planned without it.
+cluster_failures: dict = {}
+
+
+def _failed(device: int, kernel, what, exc: Exception) -> None:
+    name = getattr(kernel, "__name__", None) or repr(kernel)
+    cluster_failures[(device, name, what)] = f"{type(exc).__name__}: {exc}"
+
+
+def max_active_clusters(kernel, size: int, threads: int, shared: int):
+    """How many clusters of ``size`` blocks of ``kernel`` (a ``cupy.RawKernel`` of the cluster
+    kernels, whose cluster shape is its compile-time ``__cluster_dims__``: no launch attribute
+    given, as cuOccupancyMaxActiveClusters asks of such a function) the current device can hold
+    at once, each block of ``threads`` threads with ``shared`` bytes of dynamic shared memory;
+    the driver's answer (``cuOccupancyMaxActiveClusters`` on the function CuPy loaded for the
+    current device: ``RawKernel.kernel.ptr``), cached per (device, function, threads, bytes).
+    None where the query fails (no driver library, an error status); the reason is kept in
+    :data:`cluster_failures`."""
+    device = current_device()
+    try:
+        handle = kernel.kernel.ptr
+    except Exception as exc:    # noqa: BLE001 (not a loaded function: planned without it)
+        _failed(device, kernel, ("occupancy", threads, shared), exc)
+        return None
+    key = (device, handle, threads, shared)
+    found = _occupancy.get(key, _occupancy)
+    if found is not _occupancy:
+        return found
+    try:
+        config = CUlaunchConfig(gridDimX=size, gridDimY=1, gridDimZ=1, blockDimX=threads,
+                                blockDimY=1, blockDimZ=1, sharedMemBytes=shared)
+        count = ctypes.c_int(-1)
+        status = _occupancy_function()(ctypes.byref(count), handle, ctypes.byref(config))
+        if status != 0 or count.value < 0:
+            raise RuntimeError(f"cuOccupancyMaxActiveClusters returned CUresult {status}, "
+                               f"{count.value} clusters")
+        found = count.value
+    except Exception as exc:    # noqa: BLE001 (any failure leaves the launch as planned)
+        _failed(device, kernel, ("occupancy", threads, shared), exc)
+        found = None
+    _occupancy[key] = found
+    return found

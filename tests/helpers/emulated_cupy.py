@@ -57,6 +57,18 @@ budgets of tests/test_host_budget.py pin.
 ``noop`` (False by default) skips the arithmetic of kernels and GEMMs and the checks of the
 kernels' arguments (the emulator's own cost), for timing the host path alone
 (scripts/profile_step.py --emulated).
+``driver`` stands in for the CUDA driver's calls on the cluster kernels' functions (each a
+handle made by ``register_function`` with its compile-time cluster size): CuPy's
+``cuda.driver.funcSetAttribute`` (recorded per handle in ``functions``) and
+cuOccupancyMaxActiveClusters (``occupancy_function``, what ``kernels._occupancy_function``
+returns here). The query reads the CUlaunchConfig at cuda.h's offsets (x86-64) and answers from
+a model: every block of a cluster on one GPC, ``gpc_sms`` SMs per GPC (a knob, by default an
+H100-like 132 SMs in eight GPCs of 16 or 18), each SM holding as many blocks as its
+``sm_shared_bytes`` (1 KiB of it reserved per block), 2048 threads and 32 blocks allow; clusters
+larger than 8 blocks only where the function's non-portable attribute is set (else
+CUDA_ERROR_INVALID_CLUSTER_SIZE), and never more blocks than a GPC has SMs' room for.
+``occupancy_error`` (a CUresult, 0 by default) makes every query fail with it; ``occupancy_queries``
+records each query (kernel name, cluster, grid, threads, shared bytes, answer).
 What it cannot show: real concurrency, and the NVRTC-compiled code itself.
 """
 from __future__ import annotations
@@ -115,6 +127,11 @@ class _State:
         self.recorded_streams = []
         self.counts = dict.fromkeys(COUNTED, 0)
         self.noop = False
+        self.functions = {}
+        self.gpc_sms = H100_GPCS
+        self.sm_shared_bytes = 228 * 1024
+        self.occupancy_error = 0
+        self.occupancy_queries = []
 
     def count(self, what, n=1):
         self.counts[what] += n
@@ -158,6 +175,8 @@ class _State:
             self.compiles.append(key)
 
 
+#: SMs per GPC of the emulated device's occupancy model by default (an H100-like 132)
+H100_GPCS = (16, 16, 16, 16, 16, 16, 18, 18)
 #: what ``counts`` tallies itself (allocations, launches and GEMMs come from the logs)
 COUNTED = ("arrays", "dlpack", "streams")
 _state = _State()
@@ -540,6 +559,81 @@ def _from_dlpack(obj):
     return a
 
 
+# ------------------------------------------------------------------------------ CUDA driver
+
+class CUDADriverError(RuntimeError):
+    """cupy_backends.cuda.api.driver.CUDADriverError's stand-in."""
+
+
+CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_CLUSTER_SIZE = 1, 912
+
+
+class Function:
+    """What ``RawKernel.kernel`` gives: a loaded function, ``ptr`` its CUfunction handle."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def register_function(name: str, cluster: int) -> Function:
+    """A handle for a kernel ``name`` whose compile-time cluster size is ``cluster``."""
+    handle = 0x7000 + 0x10 * len(_state.functions)
+    _state.functions[handle] = {"name": name, "cluster": cluster, "attributes": {}}
+    return Function(handle)
+
+
+def _func_set_attribute(f, attribute, value):
+    if f not in _state.functions:
+        raise CUDADriverError("CUDA_ERROR_INVALID_HANDLE: invalid resource handle")
+    _state.functions[f]["attributes"][attribute] = value
+
+
+def _blocks_per_sm(threads, shared):
+    """Blocks of ``threads`` threads and ``shared`` bytes one SM of the model holds."""
+    warps = -(-threads // 32) * 32
+    return min(_state.sm_shared_bytes // (shared + 1024), 2048 // warps, 32)
+
+
+def _max_active_clusters(count, func, config):
+    """cuOccupancyMaxActiveClusters of the model (see the module docstring)."""
+    raw = ctypes.string_at(ctypes.cast(config, ctypes.c_void_p).value, 56)
+    import struct
+
+    grid_x, grid_y, grid_z, block_x, block_y, block_z, shared = struct.unpack_from("<7I", raw)
+    stream, attrs = struct.unpack_from("<QQ", raw, 32)
+    (num_attrs,) = struct.unpack_from("<I", raw, 48)
+    entry = _state.functions.get(func)
+    answer = None
+    if _state.occupancy_error:
+        status = _state.occupancy_error
+    elif entry is None or num_attrs != 0 or block_y != 1 or block_z != 1 or grid_y != 1 \
+            or grid_z != 1 or grid_x % entry["cluster"]:
+        status = CUDA_ERROR_INVALID_VALUE
+    elif entry["cluster"] > 8 and not entry["attributes"].get(14):
+        status = CUDA_ERROR_INVALID_CLUSTER_SIZE
+    else:
+        status = 0
+        per_sm = _blocks_per_sm(block_x, shared)
+        answer = sum(n * per_sm // entry["cluster"] for n in _state.gpc_sms)
+        count[0] = answer
+    _state.occupancy_queries.append((entry and entry["name"], entry and entry["cluster"],
+                                     grid_x, block_x, shared, answer if status == 0 else status))
+    return status
+
+
+def _occupancy_function():
+    """The model's cuOccupancyMaxActiveClusters as a C function of the library's prototype."""
+    from lltm_cupy._cuda import kernels
+
+    global _OCCUPANCY
+    if _OCCUPANCY is None:
+        _OCCUPANCY = kernels.OCCUPANCY_PROTOTYPE(_max_active_clusters)
+    return _OCCUPANCY
+
+
+_OCCUPANCY = None
+
+
 # ------------------------------------------------------------------------------------ cuBLAS
 
 class CUBLASError(RuntimeError):
@@ -692,6 +786,8 @@ def make_module() -> types.ModuleType:
             **_RUNTIME_CONSTANTS),
         Event=Event, get_elapsed_time=_elapsed_time,
         device=types.SimpleNamespace(get_cublas_handle=lambda: 1),
+        driver=types.SimpleNamespace(funcSetAttribute=_func_set_attribute,
+                                     CUDADriverError=CUDADriverError),
         using_allocator=using_allocator, UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
         BaseMemory=BaseMemory)
     cupy.get_default_memory_pool = _MemoryPool

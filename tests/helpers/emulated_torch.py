@@ -22,6 +22,9 @@ def install_cupy(patch, get_kernels):
     patch.setattr(kernels, "get_kernels", get_kernels)
     patch.setattr(kernels, "_launches", {}, raising=False)   # launches hold the lookup's kernels
     patch.setattr(kernels, "_sm_count", lambda device_id: 1)
+    patch.setattr(kernels, "_occupancy_function", emu._occupancy_function)
+    patch.setattr(kernels, "_occupancy", {})
+    patch.setattr(kernels, "cluster_failures", {})
     return fake
 
 

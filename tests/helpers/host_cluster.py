@@ -33,7 +33,9 @@ def last_error(lib) -> str | None:
 
 def host_get_cluster_kernels(lib, limit: int):
     """A replacement for lltm_cupy._cuda.kernels.get_cluster_kernels launching the host build,
-    as strict as host_fused.host_get_fused_kernels (and the grid a whole number of clusters)."""
+    as strict as host_fused.host_get_fused_kernels (and the grid a whole number of clusters);
+    each function registered with the emulated driver (its cluster size), so that the occupancy
+    query answers for it."""
     from helpers import emulated_cupy as emu
     from helpers.host_fused import _BWD, _BWD_OUTPUTS, _FWD, _FWD_OUTPUTS
     from helpers.host_kernels import SUFFIX
@@ -51,11 +53,20 @@ def host_get_cluster_kernels(lib, limit: int):
                ctypes.c_ulonglong(shared_mem), *convert(args, dtype, kinds, outputs))
             error = lib.lltm_host_last_error()
             assert error is None, f"{name}: {error.decode()}"
+        launch.kernel = emu.register_function(name, size)     # as RawKernel.kernel: .ptr
+        launch.__name__ = name
         return launch
+
+    made = {}
 
     def get_cluster_kernels(dtype, size):
         dtype = np.dtype(dtype)
         emu._state.compile("lltm_fused_cluster.cu", dtype.str)
+        if (dtype, size) not in made:
+            made[dtype, size] = make(dtype, size)
+        return made[dtype, size]
+
+    def make(dtype, size):
         suffix = SUFFIX[dtype]
         return _kernels.FusedKernels(
             kernel(getattr(lib, f"lltm_seq_fwd_cluster_{suffix}"), f"seq_fwd_cluster{size}",
