@@ -2,9 +2,12 @@
 // direction, with the recurrent weights W_h (3S x S) in shared memory for all steps.
 //
 // This file is compiled after cuda_src/lltm.cu, in the same translation unit
-// (lltm_cupy/_cuda/kernels.py joins the two texts for NVRTC; the host build includes both), and uses its scalar types
-// (lltm_traits) and the cell's numerics (lltm_cell_forward / lltm_cell_backward): one definition
-// of the arithmetic for the element-wise and the fused kernels.
+// (lltm_cupy/_cuda/kernels.py joins the two texts for NVRTC; the host build includes both), and
+// uses its scalar types (lltm_traits) and the cell's numerics (lltm_cell_forward /
+// lltm_cell_backward): one definition of the arithmetic for the element-wise and the fused
+// kernels. lltm_fused_mma.cu and lltm_fused_cluster.cu are compiled after this file, in the same
+// translation unit, and use its helpers: the cluster kernels its walk, step offsets, row stride
+// and dot products (lltm_fused_dot3 / lltm_fused_dot), the mma kernels its step offsets.
 //
 // Work split: one thread block per tile of `tile` batch rows. Rows of a recurrence are independent,
 // so blocks never wait for each other; inside a block every step is
@@ -26,11 +29,11 @@
 // holds all `batch` rows at t * batch. A row inactive at step t is inactive at every later step
 // (forward), so each block keeps its rows' states in shared memory and stops when none is left.
 //
-// Per step and element, the dot products run in LLTM_FUSED_LANES independent partial sums (term k
-// goes to sum k mod LLTM_FUSED_LANES), added in a fixed tree order at the end: shorter dependent
-// chains than one running sum, and a rounding error that grows with S / LLTM_FUSED_LANES instead
-// of S. The order is fixed by the source, so results do not depend on the launch geometry or the
-// thread schedule.
+// Per step and element, the dot products (lltm_fused_dot3 forward, lltm_fused_dot backward) run
+// in LLTM_FUSED_LANES independent partial sums (term k goes to sum k mod LLTM_FUSED_LANES), added
+// in a fixed tree order at the end: shorter dependent chains than one running sum, and a rounding
+// error that grows with S / LLTM_FUSED_LANES instead of S. The order is fixed by the source, so
+// results do not depend on the launch geometry or the thread schedule.
 //
 // Prefetch: the global values an element of a step needs besides the dot product (the input
 // projection and bias forward; the saved pre-activations, cell and output gradient backward) are
@@ -81,21 +84,22 @@ __device__ __forceinline__ long long lltm_fused_wt_bytes(int state, int item) {
   return ((long long)state * lltm_fused_wt_stride(state, item) * item + 15) / 16 * 16;
 }
 
-// The (row, state) pair of a thread's elements i = threadIdx.x, threadIdx.x + blockDim.x, ...
-// of a (rows, S) tile, stepped without a division (computed once per launch).
+// The (row, column) pair of a thread's elements i = threadIdx.x, threadIdx.x + blockDim.x, ...
+// of a (rows, width) array, stepped without a division (computed once per launch): here a
+// (rows, S) tile; in lltm_fused_cluster.cu also a block's (rows, L) part of one.
 struct lltm_fused_walk {
   int r0, s0, dr, ds;
-  __device__ __forceinline__ lltm_fused_walk(int S) {
-    r0 = threadIdx.x / S;
-    s0 = threadIdx.x - r0 * S;
-    dr = blockDim.x / S;
-    ds = blockDim.x - dr * S;
+  __device__ __forceinline__ lltm_fused_walk(int width) {
+    r0 = threadIdx.x / width;
+    s0 = threadIdx.x - r0 * width;
+    dr = blockDim.x / width;
+    ds = blockDim.x - dr * width;
   }
-  __device__ __forceinline__ void next(int S, int* r, int* s) const {
+  __device__ __forceinline__ void next(int width, int* r, int* s) const {
     *r += dr;
     *s += ds;
-    if (*s >= S) {
-      *s -= S;
+    if (*s >= width) {
+      *s -= width;
       *r += 1;
     }
   }
@@ -108,6 +112,75 @@ struct lltm_fused_walk {
 __device__ __forceinline__ long long lltm_fused_offset(const long long* __restrict__ offsets,
                                                        int packed, int t, int batch) {
   return packed ? offsets[t] - offsets[0] : (long long)t * batch;
+}
+
+// The recurrent dot products of one element, the one place their summation order is written:
+// term k goes to partial sum k mod LLTM_FUSED_LANES, in increasing k, and the four partial sums
+// are added as (0 + 1) + (2 + 3). The kernels of this file and of lltm_fused_cluster.cu call
+// these, so that the claims of both (results independent of the launch geometry and the thread
+// schedule; a float32 error growing with terms / LLTM_FUSED_LANES) rest on this code alone.
+//
+// Forward: the three gates' sums over `terms` terms of a transposed W_h, term k of gate q
+// (0 i, 1 o, 2 c) w[k * stride + q * gate] * h[k], w pointing at the element's column of row 0
+// (lltm_fused.cu: w_t + s, stride P, gate S; the cluster forward: w_t + j, stride Q, gate L).
+template <typename T>
+__device__ __forceinline__ void lltm_fused_dot3(const T* w, int stride, int gate,
+                                                const typename lltm_traits<T>::acc* h, int terms,
+                                                typename lltm_traits<T>::acc* sum_i,
+                                                typename lltm_traits<T>::acc* sum_o,
+                                                typename lltm_traits<T>::acc* sum_c) {
+  typedef lltm_traits<T> tr;
+  typedef typename tr::acc A;
+  A ai[LLTM_FUSED_LANES], ao[LLTM_FUSED_LANES], ac[LLTM_FUSED_LANES];
+LLTM_UNROLL
+  for (int l = 0; l < LLTM_FUSED_LANES; ++l) ai[l] = ao[l] = ac[l] = A(0);
+  int k = 0;
+  for (; k + LLTM_FUSED_LANES <= terms; k += LLTM_FUSED_LANES) {
+LLTM_UNROLL
+    for (int l = 0; l < LLTM_FUSED_LANES; ++l) {
+      const T* wk = w + (k + l) * stride;
+      const A hk = h[k + l];
+      ai[l] += tr::load(wk[0]) * hk;
+      ao[l] += tr::load(wk[gate]) * hk;
+      ac[l] += tr::load(wk[2 * gate]) * hk;
+    }
+  }
+LLTM_UNROLL
+  for (int l = 0; l < LLTM_FUSED_LANES - 1; ++l) {     // the last terms mod LANES terms
+    if (k + l < terms) {
+      const T* wk = w + (k + l) * stride;
+      const A hk = h[k + l];
+      ai[l] += tr::load(wk[0]) * hk;
+      ao[l] += tr::load(wk[gate]) * hk;
+      ac[l] += tr::load(wk[2 * gate]) * hk;
+    }
+  }
+  *sum_i = (ai[0] + ai[1]) + (ai[2] + ai[3]);
+  *sum_o = (ao[0] + ao[1]) + (ao[2] + ao[3]);
+  *sum_c = (ac[0] + ac[1]) + (ac[2] + ac[3]);
+}
+
+// Backward: one sum over `terms` terms of W_h (rows of `stride` elements), term g
+// a[g] * w[g * stride], w pointing at the element's column of row 0 (lltm_fused.cu: d_gates
+// against w_s + s over 3S rows; the cluster backward: against w_s + k over its 3L rows).
+template <typename T>
+__device__ __forceinline__ typename lltm_traits<T>::acc lltm_fused_dot(
+    const typename lltm_traits<T>::acc* a, const T* w, int stride, int terms) {
+  typedef lltm_traits<T> tr;
+  typedef typename tr::acc A;
+  A acc[LLTM_FUSED_LANES];
+LLTM_UNROLL
+  for (int l = 0; l < LLTM_FUSED_LANES; ++l) acc[l] = A(0);
+  int g = 0;
+  for (; g + LLTM_FUSED_LANES <= terms; g += LLTM_FUSED_LANES) {
+LLTM_UNROLL
+    for (int l = 0; l < LLTM_FUSED_LANES; ++l) acc[l] += a[g + l] * tr::load(w[(g + l) * stride]);
+  }
+LLTM_UNROLL
+  for (int l = 0; l < LLTM_FUSED_LANES - 1; ++l) {     // the last terms mod LANES terms
+    if (g + l < terms) acc[l] += a[g + l] * tr::load(w[(g + l) * stride]);
+  }
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
 // w: the weights (3S, S + F) row-major, of which columns 0..S-1 are W_h (row stride w_stride).
@@ -205,34 +278,8 @@ __global__ void lltm_seq_fwd_kernel(const T* __restrict__ w, long long w_stride,
         q_o = gn[S];
         q_c = gn[2 * S];
       }
-      const A* h = h_cur + r * S;
-      A ai[LLTM_FUSED_LANES], ao[LLTM_FUSED_LANES], ac[LLTM_FUSED_LANES];
-LLTM_UNROLL
-      for (int l = 0; l < LLTM_FUSED_LANES; ++l) ai[l] = ao[l] = ac[l] = A(0);
-      int k = 0;
-      for (; k + LLTM_FUSED_LANES <= S; k += LLTM_FUSED_LANES) {
-LLTM_UNROLL
-        for (int l = 0; l < LLTM_FUSED_LANES; ++l) {
-          const T* wk = w_t + (k + l) * P + s;
-          const A hk = h[k + l];
-          ai[l] += tr::load(wk[0]) * hk;
-          ao[l] += tr::load(wk[S]) * hk;
-          ac[l] += tr::load(wk[2 * S]) * hk;
-        }
-      }
-LLTM_UNROLL
-      for (int l = 0; l < LLTM_FUSED_LANES - 1; ++l) {     // the last S mod LANES terms
-        if (k + l < S) {
-          const T* wk = w_t + (k + l) * P + s;
-          const A hk = h[k + l];
-          ai[l] += tr::load(wk[0]) * hk;
-          ao[l] += tr::load(wk[S]) * hk;
-          ac[l] += tr::load(wk[2 * S]) * hk;
-        }
-      }
-      const A acc_i = (ai[0] + ai[1]) + (ai[2] + ai[3]);
-      const A acc_o = (ao[0] + ao[1]) + (ao[2] + ao[3]);
-      const A acc_c = (ac[0] + ac[1]) + (ac[2] + ac[3]);
+      A acc_i, acc_o, acc_c;
+      lltm_fused_dot3<T>(w_t + s, P, S, h_cur + r * S, S, &acc_i, &acc_o, &acc_c);
       const T gi = tr::store(acc_i + tr::load(p_i));
       const T go = tr::store(acc_o + tr::load(p_o));
       const T gc = tr::store(acc_c + tr::load(p_c));
@@ -377,22 +424,7 @@ __global__ void lltm_seq_bwd_kernel(const T* __restrict__ w, long long w_stride,
     r = walk.r0;
     s = walk.s0;
     for (int i = threadIdx.x; i < m; i += blockDim.x, walk.next(S, &r, &s)) {
-      const A* dgr = dg_buf + r * S3;
-      A acc[LLTM_FUSED_LANES];
-LLTM_UNROLL
-      for (int l = 0; l < LLTM_FUSED_LANES; ++l) acc[l] = A(0);
-      int g = 0;
-      for (; g + LLTM_FUSED_LANES <= S3; g += LLTM_FUSED_LANES) {
-LLTM_UNROLL
-        for (int l = 0; l < LLTM_FUSED_LANES; ++l) {
-          acc[l] += dgr[g + l] * tr::load(w_s[(g + l) * S + s]);
-        }
-      }
-LLTM_UNROLL
-      for (int l = 0; l < LLTM_FUSED_LANES - 1; ++l) {     // the last 3S mod LANES terms
-        if (g + l < S3) acc[l] += dgr[g + l] * tr::load(w_s[(g + l) * S + s]);
-      }
-      dh_buf[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      dh_buf[i] = lltm_fused_dot<T>(dg_buf + r * S3, w_s + s, S, S3);
     }
     first = prev;
     active = active_prev;

@@ -1,12 +1,14 @@
 // Fused whole-sequence kernels of the LLTM cell across a thread-block cluster (sm_90 and newer):
 // the kernels of lltm_fused.cu for state sizes whose W_h does not fit one block's shared memory.
 //
-// This file is compiled after cuda_src/lltm.cu, in the same translation unit (lltm_cupy/_cuda/
-// kernels.py joins the two texts for NVRTC; the host build of the tests includes both), and uses
-// its scalar types (lltm_traits) and the cell's numerics (lltm_cell_forward /
-// lltm_cell_backward). It does not include lltm_fused.cu: the few lines of it that these kernels
-// also need (the walk over a tile's elements, a step's first row, the padded row stride) are
-// repeated here under their own names.
+// This file is compiled after cuda_src/lltm.cu and cuda_src/lltm_fused.cu, in the same
+// translation unit (lltm_cupy/_cuda/kernels.py joins the three texts for NVRTC; the host build
+// of the tests includes the three), and uses lltm.cu's scalar types (lltm_traits) and cell
+// numerics (lltm_cell_forward / lltm_cell_backward) and lltm_fused.cu's shared memory
+// declaration, walk over a tile's elements (lltm_fused_walk), a step's first row
+// (lltm_fused_offset), padded row stride (lltm_fused_wt_stride) and dot products
+// (lltm_fused_dot3 forward, lltm_fused_dot backward: the one definition of the order of the
+// recurrent sums, for these kernels and the one-block ones).
 //
 // Work split: one cluster of P blocks (P in 1, 2, 4, 8: the portable cluster sizes; the kernels'
 // __cluster_dims__, one instantiation per P) per tile of `tile` batch rows; cluster c is blocks
@@ -29,17 +31,18 @@
 // A barrier at the start (every block of the cluster running, before any store into a peer);
 // none at the end: after a step's barrier no block stores into another, so a block may leave.
 //
-// Numerics: as lltm_fused.cu. The forward's dot products run over all S terms in
-// LLTM_CLUSTER_LANES partial sums (term k in sum k mod 4) added in a fixed tree order: the
-// forward's results do not depend on P. The backward's sums are the 4-lane tree over each block's
-// 3L terms, then the blocks' partial sums in rank order: fixed for a given P (deterministic).
+// Numerics: as lltm_fused.cu. The forward's dot products are lltm_fused_dot3 over all S terms
+// (LLTM_FUSED_LANES partial sums, term k in sum k mod 4, added in a fixed tree order), the same
+// sums as the one-block forward's: the forward's results do not depend on P. The backward's sums
+// are lltm_fused_dot over each block's 3L terms, then the blocks' partial sums in rank order:
+// fixed for a given P (deterministic).
 // Rounding points, packed layout, inactive rows: as lltm_fused.cu.
 //
 // Shared memory (dynamic, bytes, the same layout in every block of the cluster, so that an offset
 // in one block is the same buffer in another; A = arithmetic type, T = storage type;
 // lltm_cupy/_cuda/fused_cluster.py computes the same sizes):
 //   forward:  S * Q sizeof(T)  (W_h's rows of the block's gates, transposed: (S, 3L) in rows of
-//             Q = lltm_cluster_wt_stride(LM) elements, row k holding gate g's state j at g L + j)
+//             Q = lltm_fused_wt_stride(LM) elements, row k holding gate g's state j at g L + j)
 //             + tile * (2 S + LM) sizeof(A)  (whole h of the step and of the next; c of the
 //             block's states)
 //   backward: 3 LM S sizeof(T)  (W_h's rows of the block's gates, (3L, S))
@@ -48,9 +51,6 @@
 // The weights' region is padded to 16 bytes so that the A arrays are aligned.
 
 #ifndef LLTM_HOST_SHIM
-extern __shared__ __align__(16) unsigned char lltm_dynamic_smem[];
-#define LLTM_CLUSTER_FITS(bytes) true
-#define LLTM_CLUSTER_UNROLL _Pragma("unroll")
 #define LLTM_CLUSTER_DIMS(P) __cluster_dims__(P, 1, 1)
 
 // The cluster primitives, header-free inline PTX (sm_90). The host shim (tests/host_shim/shim.h)
@@ -91,54 +91,17 @@ __device__ __forceinline__ void lltm_cluster_store(lltm_dsmem a, double v) {
   asm volatile("st.shared::cluster.f64 [%0], %1;" :: "r"(a), "d"(v) : "memory");
 }
 #else
-#define LLTM_CLUSTER_FITS(bytes) shim_shared_fits(bytes)
-#define LLTM_CLUSTER_UNROLL _Pragma("GCC unroll 4")
 #define LLTM_CLUSTER_DIMS(P)
 #endif
 
-// The partial sums of a dot product (the tree below adds four).
-#define LLTM_CLUSTER_LANES 4
-
-// Row stride (elements) of the forward's transposed weights: at least 3 LM, and such that 32
-// consecutive rows start in 32 different banks (lltm_fused.cu's lltm_fused_wt_stride with 3 LM
-// for 3 S): odd in 4-byte words for 2-byte types, odd for 4- and 8-byte types.
-__device__ __forceinline__ int lltm_cluster_wt_stride(int most, int item) {
-  const int s3 = 3 * most;
-  return item == 2 ? s3 + (6 - s3 % 4) % 4 : (s3 | 1);
-}
-
+// Bytes of the forward's transposed weights: S rows of lltm_fused_wt_stride(LM) elements (the
+// one-block kernel's stride with LM for S: 32 consecutive rows in 32 different banks).
 __device__ __forceinline__ long long lltm_cluster_wt_bytes(int state, int most, int item) {
-  return ((long long)state * lltm_cluster_wt_stride(most, item) * item + 15) / 16 * 16;
+  return ((long long)state * lltm_fused_wt_stride(most, item) * item + 15) / 16 * 16;
 }
 
 __device__ __forceinline__ long long lltm_cluster_w_bytes(int state, int most, int item) {
   return (3LL * most * state * item + 15) / 16 * 16;
-}
-
-// The (row, column) pair of a thread's elements i = threadIdx.x, threadIdx.x + blockDim.x, ...
-// of a (rows, width) array, stepped without a division.
-struct lltm_cluster_walk {
-  int r0, s0, dr, ds;
-  __device__ __forceinline__ lltm_cluster_walk(int width) {
-    r0 = threadIdx.x / width;
-    s0 = threadIdx.x - r0 * width;
-    dr = blockDim.x / width;
-    ds = blockDim.x - dr * width;
-  }
-  __device__ __forceinline__ void next(int width, int* r, int* s) const {
-    *r += dr;
-    *s += ds;
-    if (*s >= width) {
-      *s -= width;
-      *r += 1;
-    }
-  }
-};
-
-// The first row of step t (lltm_fused.cu's lltm_fused_offset).
-__device__ __forceinline__ long long lltm_cluster_offset(const long long* __restrict__ offsets,
-                                                         int packed, int t, int batch) {
-  return packed ? offsets[t] - offsets[0] : (long long)t * batch;
 }
 
 // Arguments as lltm_seq_fwd_kernel's (lltm_fused.cu); the grid is P blocks per tile.
@@ -158,16 +121,16 @@ lltm_seq_fwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
   const int lo = rank * S / P;                   // this block's states: lo .. lo + L - 1
   const int L = (rank + 1) * S / P - lo;
   const int LM = (S + P - 1) / P;
-  const int Q = lltm_cluster_wt_stride(LM, sizeof(T));
+  const int Q = lltm_fused_wt_stride(LM, sizeof(T));
   const long long w_bytes = lltm_cluster_wt_bytes(S, LM, sizeof(T));
-  if (!LLTM_CLUSTER_FITS(w_bytes + (2LL * S + LM) * tile * sizeof(A))) return;
+  if (!LLTM_SHARED_FITS(w_bytes + (2LL * S + LM) * tile * sizeof(A))) return;
   T* w_t = (T*)lltm_dynamic_smem;                                   // (S, Q)
   A* h_buf = (A*)(lltm_dynamic_smem + w_bytes);                     // (2, tile, S)
   A* c_buf = h_buf + 2 * tile * S;                                  // (tile, L)
   const int row0 = (blockIdx.x / P) * tile;
   const int rows = min(tile, batch - row0);
   const int n = rows * L;
-  const lltm_cluster_walk walk(L);
+  const lltm_fused_walk walk(L);
 
   for (int i = threadIdx.x; i < 3 * L * S; i += blockDim.x) {
     const int gl = i / S;
@@ -186,16 +149,16 @@ lltm_seq_fwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
   }
   lltm_cluster_sync();    // the block's loads done, every block of the cluster running
 
-  long long first = lltm_cluster_offset(offsets, packed, 0, batch);
+  long long first = lltm_fused_offset(offsets, packed, 0, batch);
   int t = 0;
   for (; t < steps; ++t) {
-    const long long edge = lltm_cluster_offset(offsets, packed, t + 1, batch);
+    const long long edge = lltm_fused_offset(offsets, packed, t + 1, batch);
     const int active = min(rows, (int)(edge - first) - row0);   // the same for the cluster
     if (active <= 0) break;
     const A* h_cur = h_buf + (t & 1) * tile * S;
     A* h_next = h_buf + ((t + 1) & 1) * tile * S;
     lltm_dsmem peer[P];
-LLTM_CLUSTER_UNROLL
+LLTM_UNROLL
     for (int q = 0; q < P; ++q) peer[q] = lltm_cluster_map(h_next, q);
     int r = walk.r0, j = walk.s0;
     for (int i = threadIdx.x; i < n; i += blockDim.x, walk.next(L, &r, &j)) {
@@ -208,34 +171,8 @@ LLTM_CLUSTER_UNROLL
         T* g = gates + row * S3 + s;
         const T p_i = g[0], p_o = g[S], p_c = g[2 * S];
         const T b_i = bias[s], b_o = bias[S + s], b_c = bias[2 * S + s];
-        const A* h = h_cur + r * S;
-        A ai[LLTM_CLUSTER_LANES], ao[LLTM_CLUSTER_LANES], ac[LLTM_CLUSTER_LANES];
-LLTM_CLUSTER_UNROLL
-        for (int l = 0; l < LLTM_CLUSTER_LANES; ++l) ai[l] = ao[l] = ac[l] = A(0);
-        int k = 0;
-        for (; k + LLTM_CLUSTER_LANES <= S; k += LLTM_CLUSTER_LANES) {
-LLTM_CLUSTER_UNROLL
-          for (int l = 0; l < LLTM_CLUSTER_LANES; ++l) {
-            const T* wk = w_t + (k + l) * Q + j;
-            const A hk = h[k + l];
-            ai[l] += tr::load(wk[0]) * hk;
-            ao[l] += tr::load(wk[L]) * hk;
-            ac[l] += tr::load(wk[2 * L]) * hk;
-          }
-        }
-LLTM_CLUSTER_UNROLL
-        for (int l = 0; l < LLTM_CLUSTER_LANES - 1; ++l) {     // the last S mod LANES terms
-          if (k + l < S) {
-            const T* wk = w_t + (k + l) * Q + j;
-            const A hk = h[k + l];
-            ai[l] += tr::load(wk[0]) * hk;
-            ao[l] += tr::load(wk[L]) * hk;
-            ac[l] += tr::load(wk[2 * L]) * hk;
-          }
-        }
-        const A acc_i = (ai[0] + ai[1]) + (ai[2] + ai[3]);
-        const A acc_o = (ao[0] + ao[1]) + (ao[2] + ao[3]);
-        const A acc_c = (ac[0] + ac[1]) + (ac[2] + ac[3]);
+        A acc_i, acc_o, acc_c;
+        lltm_fused_dot3<T>(w_t + j, Q, L, h_cur + r * S, S, &acc_i, &acc_o, &acc_c);
         const T gi = tr::store(acc_i + tr::load(p_i));
         const T go = tr::store(acc_o + tr::load(p_o));
         const T gc = tr::store(acc_c + tr::load(p_c));
@@ -248,7 +185,7 @@ LLTM_CLUSTER_UNROLL
         h_new = tr::load(h_t);
       }
       const unsigned at = (unsigned)((r * S + s) * sizeof(A));
-LLTM_CLUSTER_UNROLL
+LLTM_UNROLL
       for (int q = 0; q < P; ++q) lltm_cluster_store(peer[q] + at, h_new);
     }
     first = edge;
@@ -283,7 +220,7 @@ lltm_seq_bwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
   const int L = (rank + 1) * S / P - lo;
   const int LM = (S + P - 1) / P;
   const long long w_bytes = lltm_cluster_w_bytes(S, LM, sizeof(T));
-  if (!LLTM_CLUSTER_FITS(w_bytes + (5LL + 2 * P) * LM * tile * sizeof(A))) return;
+  if (!LLTM_SHARED_FITS(w_bytes + (5LL + 2 * P) * LM * tile * sizeof(A))) return;
   T* w_s = (T*)lltm_dynamic_smem;                                   // (3L, S)
   A* dg_buf = (A*)(lltm_dynamic_smem + w_bytes);                    // (tile, 3L)
   A* recv = dg_buf + 3 * tile * LM;                                 // (2, P, tile, LM)
@@ -293,8 +230,8 @@ lltm_seq_bwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
   const int row0 = (blockIdx.x / P) * tile;
   const int rows = min(tile, batch - row0);
   const int n = rows * L;
-  const lltm_cluster_walk walk(L);      // the block's states of a tile
-  const lltm_cluster_walk all(S);       // every state of a tile
+  const lltm_fused_walk walk(L);      // the block's states of a tile
+  const lltm_fused_walk all(S);       // every state of a tile
 
   for (int i = threadIdx.x; i < 3 * L * S; i += blockDim.x) {
     const int gl = i / S;
@@ -314,9 +251,9 @@ lltm_seq_bwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
 
   int done = 0;           // steps run so far (their products stored in recv, alternately)
   int before = 0;         // rows active at the last step run: their d_h is in recv
-  long long edge = lltm_cluster_offset(offsets, packed, steps, batch);
+  long long edge = lltm_fused_offset(offsets, packed, steps, batch);
   for (int t = steps - 1; t >= 0; --t) {
-    const long long first = lltm_cluster_offset(offsets, packed, t, batch);
+    const long long first = lltm_fused_offset(offsets, packed, t, batch);
     const int active = min(rows, (int)(edge - first) - row0);      // the same for the cluster
     edge = first;
     if (active <= 0) continue;
@@ -331,7 +268,7 @@ lltm_seq_bwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
       A dh = dh_buf[i];
       if (r < before) {             // the blocks' partial sums, in rank order
         dh = in[r * LM + j];
-LLTM_CLUSTER_UNROLL
+LLTM_UNROLL
         for (int q = 1; q < P; ++q) dh += in[q * slot + r * LM + j];
       }
       const A gh = tr::load(tr::store(dh + go));
@@ -352,24 +289,10 @@ LLTM_CLUSTER_UNROLL
     r = all.r0;
     int k = all.s0;
     for (int i = threadIdx.x; i < active * S; i += blockDim.x, all.next(S, &r, &k)) {
-      const A* dgr = dg_buf + r * 3 * L;
-      A acc[LLTM_CLUSTER_LANES];
-LLTM_CLUSTER_UNROLL
-      for (int l = 0; l < LLTM_CLUSTER_LANES; ++l) acc[l] = A(0);
-      int g = 0;
-      for (; g + LLTM_CLUSTER_LANES <= 3 * L; g += LLTM_CLUSTER_LANES) {
-LLTM_CLUSTER_UNROLL
-        for (int l = 0; l < LLTM_CLUSTER_LANES; ++l) {
-          acc[l] += dgr[g + l] * tr::load(w_s[(g + l) * S + k]);
-        }
-      }
-LLTM_CLUSTER_UNROLL
-      for (int l = 0; l < LLTM_CLUSTER_LANES - 1; ++l) {     // the last 3L mod LANES terms
-        if (g + l < 3 * L) acc[l] += dgr[g + l] * tr::load(w_s[(g + l) * S + k]);
-      }
+      const A sum = lltm_fused_dot<T>(dg_buf + r * 3 * L, w_s + k, S, 3 * L);
       const int q = ((k + 1) * P - 1) / S;                       // the block owning state k
       const unsigned at = (unsigned)((r * LM + k - q * S / P) * sizeof(A));
-      lltm_cluster_store(lltm_cluster_map(dst, q) + at, (acc[0] + acc[1]) + (acc[2] + acc[3]));
+      lltm_cluster_store(lltm_cluster_map(dst, q) + at, sum);
     }
     lltm_cluster_sync();    // every block's partial sums in place; the step's reads of recv done
     before = active;
@@ -381,7 +304,7 @@ LLTM_CLUSTER_UNROLL
     A dh = dh_buf[i];
     if (r < before) {
       dh = in[r * LM + j];
-LLTM_CLUSTER_UNROLL
+LLTM_UNROLL
       for (int q = 1; q < P; ++q) dh += in[q * slot + r * LM + j];
     }
     const long long dst = (long long)(row0 + r) * S + lo + j;

@@ -6,7 +6,8 @@
 //
 // This file is compiled after cuda_src/lltm.cu and cuda_src/lltm_fused.cu, in the same
 // translation unit (lltm_cupy/_cuda/kernels.py joins the texts for NVRTC; the host build of the
-// tests includes the three), and uses their scalar types, cell arithmetic and step offsets.
+// tests includes the three), and uses their scalar types, cell arithmetic and step offsets (not
+// lltm_fused.cu's dot products: the sums here are the mma's, in the order described below).
 // mma.sync with these shapes and types exists from sm_80 on; the launcher uses these kernels only
 // there (for an older architecture the product compiles to a trap).
 //

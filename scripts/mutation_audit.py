@@ -56,6 +56,8 @@ KERNEL_TESTS = ("tests/test_host_kernels.py", "tests/test_backends.py", "tests/t
                 "tests/test_accuracy.py")
 FUSED_TESTS = ("tests/test_fused_sequence.py", "tests/test_host_kernels.py",
                "tests/test_lltm_layers.py")
+#: lltm_fused.cu's dot products, which the cluster kernels (lltm_fused_cluster.cu) call too
+FUSED_DOT_TESTS = FUSED_TESTS + ("tests/test_fused_cluster.py",)
 NUMPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
                "tests/test_torch.py", "tests/test_torch_sequence.py")
 CUPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
@@ -121,23 +123,25 @@ MUTANTS = [
            "    T* g",
            "i += (I)blockDim.x) {\n    const I b = i / S;\n    const I s = i - b * S;\n    T* g",
            KERNEL_TESTS, "forward kernel strides by one block, not the grid"),
+    # the dot products of lltm_fused.cu are the cluster kernels' too: both files' tests run
     Mutant("fused-recurrent-weight-row", "cuda_src/lltm_fused.cu",
-           "LLTM_FUSED_LANES; ++l) {\n          const T* wk = w_t + (k + l) * P + s;\n"
-           "          const A hk = h[k + l];\n          ai[l] += tr::load(wk[0]) * hk;\n"
-           "          ao[l] += tr::load(wk[S]) * hk;",
-           "LLTM_FUSED_LANES; ++l) {\n          const T* wk = w_t + (k + l) * P + s;\n"
-           "          const A hk = h[k + l];\n          ai[l] += tr::load(wk[0]) * hk;\n"
-           "          ao[l] += tr::load(wk[2 * S]) * hk;",
-           FUSED_TESTS, "fused sequence kernel: the output gate's recurrent product uses the "
-           "candidate's weights"),
+           "LLTM_FUSED_LANES; ++l) {\n      const T* wk = w + (k + l) * stride;\n"
+           "      const A hk = h[k + l];\n      ai[l] += tr::load(wk[0]) * hk;\n"
+           "      ao[l] += tr::load(wk[gate]) * hk;",
+           "LLTM_FUSED_LANES; ++l) {\n      const T* wk = w + (k + l) * stride;\n"
+           "      const A hk = h[k + l];\n      ai[l] += tr::load(wk[0]) * hk;\n"
+           "      ao[l] += tr::load(wk[2 * gate]) * hk;",
+           FUSED_DOT_TESTS, "fused sequence kernels (one block and cluster): the output gate's "
+           "recurrent product uses the candidate's weights"),
     Mutant("fused-partial-sum-dropped", "cuda_src/lltm_fused.cu",
-           "dh_buf[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);",
-           "dh_buf[i] = (acc[0] + acc[1]) + acc[2];",
-           FUSED_TESTS, "fused sequence backward: one of the four partial sums of d_h left out"),
+           "  return (acc[0] + acc[1]) + (acc[2] + acc[3]);",
+           "  return (acc[0] + acc[1]) + acc[2];",
+           FUSED_DOT_TESTS, "fused sequence backward (one block and cluster): one of the four "
+           "partial sums of d_h left out"),
     Mutant("fused-remainder-term-skipped", "cuda_src/lltm_fused.cu",
-           "        if (k + l < S) {", "        if (k + l < S - 1) {",
-           FUSED_TESTS, "fused sequence forward: the last recurrent term skipped when S is not a "
-           "multiple of 4"),
+           "    if (k + l < terms) {", "    if (k + l < terms - 1) {",
+           FUSED_DOT_TESTS, "fused sequence forward (one block and cluster): the last recurrent "
+           "term skipped when S is not a multiple of 4"),
     Mutant("fused-drop-grad-c-n", "cuda_src/lltm_fused.cu",
            "dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : A(0);", "dc_buf[i] = A(0);",
            FUSED_TESTS, "fused sequence backward: the final cell state's gradient dropped"),

@@ -331,8 +331,10 @@ NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 @functools.lru_cache(maxsize=None)
 def cluster_source() -> str:
-    """lltm.cu followed by lltm_fused_cluster.cu (as :func:`fused_source`)."""
-    return (source() + f'\n#line 1 "{CLUSTER_SOURCE_NAME}"\n'
+    """lltm.cu, lltm_fused.cu, then lltm_fused_cluster.cu: one translation unit, so that the
+    cluster kernels use the one-block kernels' walk over a tile, step offsets, row stride and
+    dot products (the fixed order of their sums) as well as lltm.cu's types and cell."""
+    return (fused_source() + f'\n#line 1 "{CLUSTER_SOURCE_NAME}"\n'
             + source_path(CLUSTER_SOURCE_NAME).read_text(encoding="utf-8"))
 
 

@@ -5,6 +5,7 @@
 //   g++ -O2 -std=c++17 -shared -fPIC -I<cuda_src> -I<this folder> harness_cluster.cpp
 #include "shim.h"
 #include "lltm.cu"
+#include "lltm_fused.cu"
 #include "lltm_fused_cluster.cu"
 
 // The kernels' __cluster_dims__(P) is a template argument; the entry points take it at run time.
@@ -74,7 +75,7 @@ LLTM_CLUSTER_ENTRY_POINTS(lltm_bf16, bf16)
 // The kernels' own shared-memory layout functions, for the tests to hold the launcher's
 // (lltm_cupy/_cuda/fused_cluster.py) against: the forward's row stride and the weights' regions.
 extern "C" int lltm_host_cluster_wt_stride(int most, int item) {
-  return lltm_cluster_wt_stride(most, item);
+  return lltm_fused_wt_stride(most, item);
 }
 extern "C" long long lltm_host_cluster_w_bytes(int state, int most, int item, int backward) {
   return backward ? lltm_cluster_w_bytes(state, most, item)
