@@ -58,9 +58,14 @@
 typedef unsigned lltm_dsmem;   // an address in the cluster's shared window (shared::cluster)
 
 // Every thread of every block of the cluster arrives, then waits for all (release / acquire at
-// cluster scope: the stores into peers before it are seen by their reads after it).
+// cluster scope, the defaults: the stores into peers before it are seen by their reads after
+// it). The .aligned forms: the PTX ISA requires every thread of a warp to execute the same
+// barrier.cluster instruction (undefined behaviour otherwise), which holds here: no call is inside
+// a branch that a warp's threads may take differently (the step loops' bounds and breaks depend
+// only on the offsets, the tile and the step: the same for every thread of the cluster). The
+// host shim stops a launch whose warp's lanes wait at different calls.
 __device__ __forceinline__ void lltm_cluster_sync() {
-  asm volatile("barrier.cluster.arrive;\n\tbarrier.cluster.wait;" ::: "memory");
+  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }
 
 __device__ __forceinline__ unsigned lltm_cluster_rank() {

@@ -442,7 +442,8 @@ CLUSTER_REGISTERS = {
 @pytest.mark.parametrize("arch", [90, 100])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
-    """Every cluster size, header-free inline PTX (mapa, st.shared::cluster, barrier.cluster);
+    """Every cluster size, header-free inline PTX (mapa, st.shared::cluster, barrier.cluster's
+    .aligned forms);
     the cubin records no local memory and registers within the pins (CLUSTER_REGISTERS, with
     test_fused_sequence's margin)."""
     ptx = _kernels.compile_offline_cluster(dtype, arch, output="ptx").decode()
@@ -452,8 +453,9 @@ def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
     shapes = [re.findall(r"\.reqnctapercluster (\d+), 1, 1", e.split("\n{", 1)[0]) for e in entries]
     assert all(len(found) == 1 for found in shapes), shapes
     assert sorted(int(found[0]) for found in shapes) == sorted(2 * list(SIZES)), shapes
-    for instruction in ("mapa.shared::cluster", "st.shared::cluster", "barrier.cluster.arrive",
-                        "barrier.cluster.wait", "%cluster_ctarank"):
+    for instruction in ("mapa.shared::cluster", "st.shared::cluster",
+                        "barrier.cluster.arrive.aligned", "barrier.cluster.wait.aligned",
+                        "%cluster_ctarank"):
         assert instruction in ptx, instruction
     cubin = _kernels.compile_offline_cluster(dtype, arch, output="cubin")
     assert cubin[:4] == b"\x7fELF", "NVRTC did not return an ELF cubin"

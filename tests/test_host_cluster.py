@@ -5,7 +5,8 @@ cluster barriers, every schedule must give the same right answer when they are t
 the shim refuses stops the launch with an error: a store outside the cluster, into a block not
 started yet or already finished (on a GPU undefined: a block's shared memory may be written only
 between a cluster barrier after every block started and one before it exits), a mismatched
-barrier, and a cluster barrier that some threads wait at after others returned. The last is
+barrier, the lanes of one warp at different cluster barriers (the kernels' barrier is .aligned),
+and a cluster barrier that some threads wait at after others returned. The last is
 stricter than a GPU, whose barrier.cluster.wait waits only for the threads that have not exited
 (PTX ISA, barrier.cluster); the kernels never return early, and a thread returning before its
 cluster's stores are done is the bug the check catches."""
@@ -19,7 +20,7 @@ import pytest
 from helpers import host_cluster
 from helpers.host_fused import SCHEDULES
 
-BEFORE, AFTER, BLOCK_BARRIER, DIVERGENT, MISMATCHED, OUTSIDE = 1, 2, 4, 8, 16, 32
+BEFORE, AFTER, BLOCK_BARRIER, DIVERGENT, MISMATCHED, OUTSIDE, SPLIT_WARP = 1, 2, 4, 8, 16, 32, 64
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,17 @@ def test_a_divergent_cluster_barrier_is_an_error(lib):
 def test_threads_at_different_barriers_are_a_deadlock(lib):
     _, error = exchange(lib, 2, 4, 2, BEFORE | AFTER | MISMATCHED)
     assert error is not None and "deadlock" in error
+
+
+@pytest.mark.parametrize("schedule", ["ascending", "descending", "random"])
+def test_a_warp_split_over_two_cluster_barriers_is_an_error(lib, schedule):
+    """Every thread of the cluster at a cluster barrier, but the odd lanes of each warp at
+    another call than the even ones: allowed for barrier.cluster without .aligned, undefined with
+    it (the kernels' form), so the shim stops. The same exchange with one call is right."""
+    _, error = exchange(lib, 4, 64, 2, BEFORE | AFTER | SPLIT_WARP, schedule)
+    assert error is not None and "lanes of one warp at different cluster barriers" in error
+    out, error = exchange(lib, 4, 64, 2, BEFORE | AFTER, schedule)
+    assert error is None and np.array_equal(out, expected(4, 64, 2))
 
 
 def test_a_store_outside_the_cluster_is_an_error(lib):

@@ -88,7 +88,8 @@ extern "C" long long lltm_host_cluster_w_bytes(int state, int most, int item, in
 // order the blocks), bit 3 the odd threads return before the barrier after the stores (a
 // divergent cluster barrier), bit 4 the odd threads of block 0 wait at __syncthreads() where the
 // others wait at the cluster barrier (a deadlock), bit 5 each thread stores one word past the
-// cluster's shared memory instead.
+// cluster's shared memory instead, bit 6 the odd threads wait at another cluster barrier call
+// than the even ones after the stores (all of the cluster at one, but a warp's lanes at two).
 static void shim_selftest_exchange(int* out, int mode) {
   int* buf = (int*)lltm_dynamic_smem;
   const unsigned r = lltm_cluster_rank(), size = lltm_cluster_size(), t = threadIdx.x;
@@ -99,6 +100,8 @@ static void shim_selftest_exchange(int* out, int mode) {
   if ((mode & 8) && (t & 1)) return;
   if ((mode & 16) && r == 0 && (t & 1)) {
     __syncthreads();
+  } else if ((mode & 64) && (t & 1)) {
+    lltm_cluster_sync();
   } else if (mode & 2) {
     lltm_cluster_sync();
   }

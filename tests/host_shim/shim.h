@@ -30,9 +30,12 @@
 // order block 0 runs as far as its barriers let it before block 1 starts: a missing cluster
 // barrier shows. Besides __syncthreads() (the thread's block), the kernel's cluster primitives
 // (cuda_src/lltm_fused_cluster.cu gives their GPU bodies, inline PTX):
-//   - lltm_cluster_sync(): barrier.cluster.arrive + wait, all threads of all blocks of the
-//     cluster; reached by some threads while others have returned: an error, as for blocks;
-//     threads waiting at different barriers with none runnable: an error (a deadlock);
+//   - lltm_cluster_sync(): barrier.cluster.arrive.aligned + wait.aligned, all threads of all
+//     blocks of the cluster; reached by some threads while others have returned: an error, as
+//     for blocks; threads waiting at different barriers with none runnable: an error (a
+//     deadlock); the lanes of one warp (threads 32w .. 32w + 31 of a block) at different
+//     lltm_cluster_sync() calls of the source, though every thread of the cluster is at one:
+//     an error (.aligned: every thread of a warp executes the same barrier instruction);
 //   - lltm_cluster_rank() / lltm_cluster_size(): %cluster_ctarank / %cluster_nctarank;
 //   - lltm_cluster_map(p, rank): mapa.shared::cluster, the address of the same offset as p (in
 //     this block's dynamic shared memory) in block `rank`'s; lltm_cluster_store(address + bytes,
@@ -386,6 +389,7 @@ struct shim_cluster {
   std::vector<ucontext_t> threads;       // rank * block + threadIdx
   std::vector<int> state;                // 0 runnable, 1 at __syncthreads, 2 returned, 3 at cluster
   std::vector<char> started;             // the thread has run
+  std::vector<const char*> site;         // the lltm_cluster_sync() call it waits at (file:line)
   std::vector<unsigned char*> smem;      // each block's dynamic shared memory
   std::vector<unsigned> runnable;        // random order: the runnable threads
   unsigned current = 0, block = 0, size = 0, first = 0;
@@ -405,12 +409,31 @@ static inline void shim_cluster_wait(int why) {
 
 static inline void shim_cluster_syncthreads() { shim_cluster_wait(1); }
 
-static inline void lltm_cluster_sync() {
+// lltm_cluster_sync() as a macro: each call names its place in the source, so that the release
+// can check that a warp's lanes are at the same one.
+#define SHIM_STRING2(x) #x
+#define SHIM_STRING(x) SHIM_STRING2(x)
+#define lltm_cluster_sync() shim_cluster_sync(__FILE__ ":" SHIM_STRING(__LINE__))
+static inline void shim_cluster_sync(const char* site) {
   if (shim_cluster_active == nullptr) {
     shim_error = "lltm_cluster_sync() outside shim_launch_cluster";
     return;
   }
+  shim_cluster_active->site[shim_cluster_active->current] = site;
   shim_cluster_wait(3);
+}
+
+// nullptr if the lanes of every warp of the cluster wait at the same lltm_cluster_sync() call,
+// else the error.
+static inline const char* shim_cluster_aligned(const shim_cluster& c) {
+  for (unsigned t = 0; t < c.size * c.block; ++t) {
+    const unsigned lane0 = t - t % c.block + (t % c.block) / 32 * 32;
+    if (strcmp(c.site[t], c.site[lane0]) != 0) {
+      return "lanes of one warp at different cluster barriers (barrier.cluster .aligned: every "
+             "thread of a warp must execute the same barrier instruction)";
+    }
+  }
+  return nullptr;
 }
 
 static inline unsigned lltm_cluster_rank() {
@@ -553,6 +576,7 @@ static __attribute__((noinline)) const char* shim_run_cluster(shim_cluster& c) {
       bool all = true;
       for (unsigned u = 0; u < n && all; ++u) all = c.state[u] == 3;
       if (all) {
+        if (const char* error = shim_cluster_aligned(c)) return error;
         ++shim_cluster_barriers;
         shim_cluster_release(c, 0, n);
         cursor = shim_schedule == 1 ? n - 1 : 0;
@@ -568,6 +592,7 @@ static __attribute__((noinline)) void shim_make_cluster_threads(shim_cluster& c,
   c.threads.assign(n, ucontext_t());
   c.state.assign(n, 0);
   c.started.assign(n, 0);
+  c.site.assign(n, "");
   for (unsigned t = 0; t < n; ++t) {
     ucontext_t& u = c.threads[t];
     getcontext(&u);
