@@ -10,9 +10,10 @@
 // (lltm_fused_dot3 forward, lltm_fused_dot backward: the one definition of the order of the
 // recurrent sums, for these kernels and the one-block ones).
 //
-// Work split: one cluster of P blocks (P in 1, 2, 4, 8: the portable cluster sizes; the kernels'
-// __cluster_dims__, one instantiation per P) per tile of `tile` batch rows; cluster c is blocks
-// c * P .. c * P + P - 1, and block `rank` of it owns the states lo = rank * S / P up to
+// Work split: one cluster of P blocks (P in 1, 2, 4, 8: the portable cluster sizes, and 16: a
+// non-portable one, which the launcher opts in to and uses where the device holds it; the
+// kernels' __cluster_dims__, one instantiation per P) per tile of `tile` batch rows; cluster c
+// is blocks c * P .. c * P + P - 1, and block `rank` of it owns the states lo = rank * S / P up to
 // (rank + 1) * S / P (L of them, at most LM = ceil(S / P)) and W_h's rows of those states' three
 // gates, in its shared memory for all steps. Every step:
 //   forward:  each block computes its states' gates from the whole previous h (its own copy,

@@ -158,8 +158,9 @@ def measure(cupy, T, B, F, S, dtype, runs, warmup):
         _mma.get_kernels = real_mma
     assert launched == {"fwd", "bwd"}, (
         f"{T}x{B}x{F}x{S} {dtype}: the fused kernels did not run (a state size whose weights do "
-        f"not fit a block's shared memory, or on sm_90 and newer an 8-block cluster's, runs the "
-        f"default path)")
+        f"not fit a block's shared memory, or on sm_90 and newer an 8-block cluster's or a "
+        f"16-block one the device holds, runs the default path; cluster query failures: "
+        f"{_kernels.cluster_failures or 'none'})")
     per_step = 1000 / T      # ms per call -> us per step
     return (statistics.median(fwd) * per_step, statistics.median(bwd) * per_step,
             statistics.median(whole) * per_step, fused_error, default_error)

@@ -32,8 +32,9 @@
 # CuPy's own small kernels ~0.5 s each, about 30 cold) and torch/CUDA start-up (~5 s a process):
 #   tests (no compile)   120 s  [38 s for 130 tests] + the variable-length tests (8 dtype cases,
 #                               capture, sync debug, two fresh processes of ~10 s each): ~75 s
-#                               + the cluster kernels' 4 tests (sm_90+; not run on a GPU yet:
-#                               two NVRTC modules of 8 kernels, ~6 s each on a development CPU)
+#                               + the cluster kernels' 5 tests (sm_90+; not run on a GPU yet:
+#                               two NVRTC modules of 10 kernels, ~6 s each on a development CPU
+#                               with 8, the 16-block pair adding about a quarter)
 #                               + the tensor-core kernels' 10 tests (sm_80+; not run on a GPU
 #                               yet: two NVRTC modules of 2 kernels and one of the instruction
 #                               alone, under 1 s each on a development CPU)
@@ -183,11 +184,12 @@ step "bench fused bf16" 12 "$out/benchmark.txt" python3 scripts/benchmark.py --c
 step "fused kernel time" 20 "$out/benchmark.txt" python3 scripts/fused_kernel_time.py \
     --runs 5 --warmup 2
 # The cluster variant (hidden sizes past one block's shared memory, sm_90 and newer): kernel
-# and whole-call time per step at S = 256 (B = 16) and S = 388 (B = 33: more tiles than a
-# 132-SM device's 8-block clusters may hold at once), float32 and bfloat16, each checked
-# against a float64 run first; its "blocks" column says how many blocks per tile ran.
-step "fused cluster time" 15 "$out/benchmark.txt" python3 scripts/fused_kernel_time.py \
-    --sizes 64x16x32x256,64x33x32x388 --runs 3 --warmup 1
+# and whole-call time per step at S = 256 (B = 16), S = 388 (B = 33: more tiles than a
+# 132-SM device's 8-block clusters may hold at once: waves) and S = 512 (B = 16; float32 in
+# 16-block clusters where the device holds them, bfloat16 in 8), float32 and bfloat16, each
+# checked against a float64 run first; its "blocks" column says how many blocks per tile ran.
+step "fused cluster time" 20 "$out/benchmark.txt" python3 scripts/fused_kernel_time.py \
+    --sizes 64x16x32x256,64x33x32x388,64x16x32x512 --runs 3 --warmup 1
 # Forward only: time (CUDA events) and peak CuPy memory of a sequence's forward at
 # (500, 64, 16, 512) and (128, 32, 128, 256) for input-projection blocks of 512 ... 8192 rows
 # and one block for the whole sequence, float32, each checked against a float64 run first.

@@ -74,12 +74,13 @@ LENGTHS = {"full": None, "zeros and ties": [3, 0, 5, 1, 5, 0, 2]}
 def test_cluster_equals_stepped_and_reference(cluster_cupy, monkeypatch, dtype, size, lengths,
                                               reverse):
     """7 rows over 3 clusters (tiles of 3, 3 and 1 rows: a tile that does not divide the batch),
-    S = 13 (blocks of 1 to 13 states, unequal where P does not divide S), lengths with zeros,
-    both directions, all dtypes, each cluster size forced."""
+    S = 13 (blocks of 1 to 13 states, unequal where P does not divide S; S = 19 for 16 blocks,
+    of 1 or 2 states), lengths with zeros, both directions, all dtypes, each cluster size
+    forced (16 blocks: past the portable size, which the emulated device holds)."""
     monkeypatch.setattr(_cluster, "FORCED_SIZE", size)
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 3 * size)
     emu = cluster_cupy.emulator
-    stored, case = make(5, 7, 4, 13, dtype, seed=3 + reverse)
+    stored, case = make(5, 7, 4, 13 if size <= 13 else 19, dtype, seed=3 + reverse)
     emu.reset()
     fused = run(cluster_cupy, stored, lengths, reverse, True)
     assert emu.log.count(f"kernel:seq_fwd_cluster{size}") == 1
@@ -94,8 +95,10 @@ def _large_sizes():
     cases = []
     for name, dtype in DTYPES.items():
         top = _fused.max_state(LIMIT, dtype)
-        states = {"float16": (top + 1, 512), "bfloat16": (300, 512), "float32": (top + 1, 388),
-                  "float64": (top + 1, 272)}[name]
+        top8 = _cluster.max_state(LIMIT, dtype, 8)
+        states = {"float16": (top + 1, 512, top8 + 1), "bfloat16": (300, 512, 768),
+                  "float32": (top + 1, 388, top8 + 1, 512),
+                  "float64": (top + 1, 272, top8 + 1, 384)}[name]
         cases += [pytest.param(dtype, s, id=f"{name}-S{s}") for s in states]
     return cases
 
@@ -103,11 +106,12 @@ def _large_sizes():
 @pytest.mark.parametrize("dtype,state", _large_sizes())
 def test_state_sizes_beyond_one_block_run_in_a_cluster(cluster_cupy, monkeypatch, dtype, state):
     """Past the one-block kernels' bound (S = 138 float32, 195 16-bit, 97 float64 on sm_90) the
-    launcher picks the smallest cluster that holds W_h, up to S = 512 in the 16-bit types and the
-    largest an 8-block cluster holds in float32 and float64 (388, 272); packed
-    lengths that end at different steps, 3 rows in tiles that do not divide them."""
+    launcher picks the smallest cluster that holds W_h: up to the largest an 8-block cluster
+    holds (544, 388, 272), then 16 blocks (the emulated device holds such clusters) up to 768,
+    544, 384 (float32 S = 512 among them); packed lengths that end at different steps, 3 rows in
+    tiles that do not divide them."""
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 16)
-    size = _cluster.cluster_size(state, dtype, LIMIT)
+    size = _fused._cluster(state, dtype)
     assert size is not None and size > 1
     emu = cluster_cupy.emulator
     stored, case = make(3, 3, 3, state, dtype, seed=state)
@@ -118,6 +122,73 @@ def test_state_sizes_beyond_one_block_run_in_a_cluster(cluster_cupy, monkeypatch
     assert emu.log.count(f"kernel:seq_bwd_cluster{size}") == 1
     stepped = run(cluster_cupy, stored, lengths, False, False)
     compare(fused, stepped, _want(case, lengths, False, 3, 3), dtype, f"S={state} P={size}")
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_float32_512_runs_in_16_block_clusters(cluster_cupy, monkeypatch, reverse):
+    """float32 S = 512, which 8 blocks cannot hold (W_h's share is about 199 KB per block in 16):
+    the launcher's own choice is 16 blocks; 5 rows on 32 SMs (tiles of 3 and 2), packed lengths
+    with a zero, both directions, against the stepped path and float64."""
+    f32 = np.dtype(np.float32)
+    assert _cluster.cluster_size(512, f32, LIMIT) is None        # no portable size holds it
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 32)
+    assert _fused._cluster(512, f32) == 16
+    emu = cluster_cupy.emulator
+    stored, case = make(3, 5, 2, 512, f32, seed=11 + reverse)
+    lengths = [3, 0, 2, 3, 1]
+    emu.reset()
+    fused = run(cluster_cupy, stored, lengths, reverse, True)
+    assert emu.log.count("kernel:seq_fwd_cluster16") == 1
+    assert emu.log.count("kernel:seq_bwd_cluster16") == 1
+    stepped = run(cluster_cupy, stored, lengths, reverse, False)
+    compare(fused, stepped, _want(case, lengths, reverse, 3, 5), f32, "S=512 P=16")
+
+
+def _no_16(emu, how):
+    """Make the emulated device hold no 16-block cluster, ``how``: its GPCs too small (a MIG-like
+    slice), the non-portable attribute refused, or the query failing."""
+    if how == "small GPCs":
+        emu.gpc_sms = (14, 14)
+    elif how == "attribute refused":
+        def refuse(f, attribute, value):
+            raise emu_module.CUDADriverError("CUDA_ERROR_NOT_SUPPORTED: operation not supported")
+        from helpers import emulated_cupy as emu_module
+        import cupy
+
+        cupy.cuda.driver.funcSetAttribute = refuse
+    else:
+        emu.occupancy_error = 999
+
+
+@pytest.mark.parametrize("how", ["small GPCs", "attribute refused", "query fails"])
+def test_16_blocks_only_where_the_device_holds_them(cluster_cupy, monkeypatch, how):
+    """Where the query does not say that a 16-block cluster fits, float32 S = 512 runs the
+    stepped path with fused=True (fused.usable says so), a forced 16 is refused with the reason,
+    and the 8-block sizes are still chosen; the reason of a failure is kept."""
+    f32 = np.dtype(np.float32)
+    emu = cluster_cupy.emulator
+    _no_16(emu, how)
+    assert not _fused.usable(512, f32)
+    assert _fused.usable(388, f32)      # 8 blocks: no query needed to choose them
+    if how == "small GPCs":
+        assert _cluster.held(512, f32, 16) == 0 and _kernels.cluster_failures == {}
+    else:
+        assert _cluster.held(512, f32, 16) is None
+        kinds = {what if isinstance(what, str) else what[0]
+                 for _, _, what in _kernels.cluster_failures}
+        assert kinds == ({"non-portable", "occupancy"} if how == "attribute refused"
+                         else {"occupancy"}), _kernels.cluster_failures
+    from lltm_cupy import _cuda
+
+    stored, _ = make(2, 2, 2, 512, f32, seed=5)
+    a = {k: cluster_cupy.asarray(v) for k, v in stored.items()}
+    emu.reset()
+    saved = _cuda.forward_sequence(*(a[n] for n in ("inputs", "weights", "bias", "h0", "c0")),
+                                   fused=True)[3]
+    assert not saved.fused and not any("seq_" in e for e in emu.log), emu.log
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", 16)
+    with pytest.raises(RuntimeError, match="holds no cluster of 16 blocks"):
+        _cluster.chosen_size(512, f32)
 
 
 def test_the_launcher_picks_the_smallest_cluster_that_fits():
@@ -139,7 +210,7 @@ def test_no_cluster_before_sm_90(cluster_cupy, monkeypatch):
     assert not _fused.usable(state, dtype)
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 90)
     assert _fused.usable(state, dtype)
-    assert not _fused.usable(_cluster.max_state(LIMIT, dtype) + 1, dtype)
+    assert not _fused.usable(_cluster.max_state(LIMIT, dtype, 16) + 1, dtype)
 
 
 def test_a_forced_size_that_cannot_run_says_which_sizes_can(cluster_cupy, monkeypatch):
@@ -173,7 +244,7 @@ def test_cluster_forward_gives_the_same_bits_at_every_size(cluster_cupy, monkeyp
     bits do)."""
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 2)
     monkeypatch.setattr(_cluster, "FORCED_SIZE", 1)
-    stored, _ = make(4, 3, 3, 10, np.dtype(np.float32), seed=2)
+    stored, _ = make(4, 3, 3, 18, np.dtype(np.float32), seed=2)
     one = run(cluster_cupy, stored, [4, 3, 1], False, True)
     for size in SIZES[1:]:
         monkeypatch.setattr(_cluster, "FORCED_SIZE", size)
@@ -437,6 +508,16 @@ CLUSTER_REGISTERS = {
     (90, "fwd"): (72, 63, 80, 96), (90, "bwd"): (56, 63, 56, 92),
     (100, "fwd"): (71, 71, 72, 80), (100, "bwd"): (48, 48, 48, 75),
 }
+#: The same for 16 blocks per cluster (the forward keeps 16 peer addresses):
+#:                 float16  bfloat16  float32  float64
+#:   sm_90  fwd       78       71        96      128
+#:          bwd       56       64        56       80
+#:   sm_100 fwd       80       80        80       96
+#:          bwd       56       56        56       92
+CLUSTER_REGISTERS_16 = {
+    (90, "fwd"): (78, 71, 96, 128), (90, "bwd"): (56, 64, 56, 80),
+    (100, "fwd"): (80, 80, 80, 96), (100, "bwd"): (56, 56, 56, 92),
+}
 
 
 @pytest.mark.parametrize("arch", [90, 100])
@@ -464,8 +545,10 @@ def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
     column = list(DTYPES.values()).index(dtype)
     for name, r in resources.items():
         kernel = re.match(r"_Z\d+lltm_seq_(fwd|bwd)_cluster_kernel", name).group(1)
+        size = int(re.search(r"Li(\d+)EE", name).group(1))
         assert r.get("frame") == 0 and r.get("stack") == 0, f"sm_{arch} {name}: local memory {r}"
-        ceiling = _cubin.register_ceiling(CLUSTER_REGISTERS[arch, kernel][column])
+        pins = CLUSTER_REGISTERS_16 if size == 16 else CLUSTER_REGISTERS
+        ceiling = _cubin.register_ceiling(pins[arch, kernel][column])
         assert 0 < r["registers"] <= ceiling, f"sm_{arch} {name}: {r['registers']} > {ceiling}"
 
 
@@ -519,14 +602,17 @@ def test_cluster_size_table():
     forward_sequence's docstring."""
     import lltm_cupy
 
-    tops = [_cluster.max_state(LIMIT, d) for d in DTYPES.values()]
-    assert tops[0] == tops[1]
-    doc = _cluster.__doc__
-    assert re.search(rf"\n\s+{tops[0]}\s+{tops[2]}\s+{tops[3]}\n", doc), (tops, doc)
     api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
-    assert f"| sm_90, sm_100 | {tops[0]} | {tops[2]} | {tops[3]} |" in api
     text = " ".join(lltm_cupy.forward_sequence.__doc__.split())
-    assert f"(up to {tops[0]}, {tops[2]}, {tops[3]};" in text
+    for size, after in ((8, "; speed not measured yet)"), (16, ") where the device")):
+        tops = [_cluster.max_state(LIMIT, d, size) for d in DTYPES.values()]
+        assert tops[0] == tops[1]
+        doc = _cluster.__doc__
+        assert re.search(rf"\n\s+{size}\s+{tops[0]}\s+{tops[2]}\s+{tops[3]}\n", doc), \
+            (tops, doc)
+        assert f"| sm_90, sm_100 | {size} | {tops[0]} | {tops[2]} | {tops[3]} |" in api
+        assert f"(up to {tops[0]}, {tops[2]}, {tops[3]}{after}" in text
+    assert _cluster.max_state(LIMIT, DTYPES["float32"], 16) >= 512
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -552,8 +638,12 @@ def test_cluster_kernels_compile_once_per_dtype_with_the_whole_shared_memory(emu
                                                                             monkeypatch):
     """kernels.get_cluster_kernels (and get_fused_kernels, which shares its loading) on a CuPy
     whose RawModule records what it is asked: one module per device and dtype holding every
-    cluster size, each function allowed the device's opt-in shared memory less its static."""
-    modules = []
+    cluster size, each function allowed the device's opt-in shared memory less its static, and
+    the 16-block ones (only they) the non-portable cluster size, on their loaded function
+    (``RawKernel.kernel.ptr``, CuPy's ``driver.funcSetAttribute(f, attribute, value)``)."""
+    import types
+
+    modules, attributes = [], []
 
     class Function:
         shared_size_bytes = 16
@@ -561,6 +651,7 @@ def test_cluster_kernels_compile_once_per_dtype_with_the_whole_shared_memory(emu
 
         def __init__(self, name):
             self.name = name
+            self.kernel = types.SimpleNamespace(ptr=name)
 
     class RawModule:
         def __init__(self, code, options, name_expressions):
@@ -570,11 +661,15 @@ def test_cluster_kernels_compile_once_per_dtype_with_the_whole_shared_memory(emu
             return Function(name)
 
     monkeypatch.setattr(emulated_cupy, "RawModule", RawModule, raising=False)
+    monkeypatch.setattr(emulated_cupy.cuda.driver, "funcSetAttribute",
+                        lambda f, attribute, value: attributes.append((f, attribute, value)))
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
     monkeypatch.setattr(_kernels, "_cache", {})
     f32 = np.dtype(np.float32)
     got = {p: _kernels.get_cluster_kernels(f32, p) for p in SIZES}
     assert len(modules) == 1 and modules[0][0] == _kernels.cluster_source()
+    assert sorted(attributes) == sorted((f"{k}<float, 16>", 14, 1)
+                                        for k in _kernels.CLUSTER_KERNEL_NAMES), attributes
     for p, fns in got.items():
         assert fns.fwd.name == f"lltm_seq_fwd_cluster_kernel<float, {p}>"
         assert fns.bwd.name == f"lltm_seq_bwd_cluster_kernel<float, {p}>"

@@ -50,7 +50,7 @@ def expected(grid, block, cluster):
 SCHEDULE_RUNS = [("ascending", 1), ("descending", 1), ("random", 1), ("random", 2), ("random", 3)]
 
 
-@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("schedule,seed", SCHEDULE_RUNS)
 def test_exchange_with_both_cluster_barriers_is_right_in_every_order(lib, cluster, schedule, seed):
     grid, block = 2 * cluster, 5
@@ -60,7 +60,7 @@ def test_exchange_with_both_cluster_barriers_is_right_in_every_order(lib, cluste
     assert lib.lltm_host_cluster_barriers() == 2 * 2     # two per cluster, two clusters
 
 
-@pytest.mark.parametrize("cluster", [2, 4, 8])
+@pytest.mark.parametrize("cluster", [2, 4, 8, 16])
 def test_exchange_without_the_barrier_after_the_stores_is_caught(lib, cluster):
     """Without the cluster barrier between the stores and the reads, the first block to run (in
     the ascending and in the descending order) reads its word before its predecessor stored it

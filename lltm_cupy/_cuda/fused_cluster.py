@@ -2,27 +2,36 @@
 sizes and geometry of the cluster variant that :mod:`.fused` runs, on sm_90 and newer, for the
 state sizes whose W_h does not fit one block's shared memory.
 
-A cluster of P blocks (P in 1, 2, 4, 8; 8 is the portable limit) runs each tile of batch rows;
-block r holds W_h's rows of its states r S / P .. (r + 1) S / P - 1 (at most LM = ceil(S / P)) and
-the blocks exchange each step's h (forward) or partial d_h (backward) through distributed shared
-memory. Shared memory per block (bytes; T the storage type, A the arithmetic type, float32 for
-the 16-bit types; the layout is the same in every block):
+A cluster of P blocks (P in 1, 2, 4, 8, 16) runs each tile of batch rows; block r holds W_h's rows
+of its states r S / P .. (r + 1) S / P - 1 (at most LM = ceil(S / P)) and the blocks exchange
+each step's h (forward) or partial d_h (backward) through distributed shared memory. Shared
+memory per block (bytes; T the storage type, A the arithmetic type, float32 for the 16-bit
+types; the layout is the same in every block):
 
     forward:  S * Q sizeof(T), Q = 3 LM rounded up as wt_stride (.fused) does for 3S, to 16,
               plus per row of the tile (2 S + LM) sizeof(A)
     backward: 3 LM S sizeof(T), rounded up to 16, plus per row (5 + 2 P) LM sizeof(A)
 
-The cluster size is the smallest that runs a one-row tile both ways. The tile, as in .fused: the
-batch spread over SMs / P clusters, as many rows as fit; then grown until the device can hold
-every cluster at once, as the driver's occupancy query says (``kernels.max_active_clusters``:
-all blocks of a cluster must fit one GPC, so a device may hold fewer clusters than SMs / P, e.g.
-32 of 4 blocks of about 200 KB on an H100's 132 SMs). Where shared memory stops the tile
-growing first, the clusters beyond the device's run in a second wave (or more) after the first;
-where the query fails, the first spread stands. Largest state size of an 8-block
-cluster (:func:`max_state`) on sm_90 and sm_100 (232,448 bytes per block):
+The cluster size is the smallest of 1, 2, 4 and 8 (the portable sizes: every sm_90 device runs
+them) that runs a one-row tile both ways. Where 8 blocks cannot hold W_h, 16 blocks run it if
+they can and the device holds at least one cluster of 16 blocks of both kernels (the driver's
+occupancy query, ``kernels.max_active_clusters``; the kernels carry the non-portable cluster
+size attribute). A 16-block cluster is non-portable: it needs a GPC of at least 16 SMs with
+room for one block each (an H100's GPCs have up to 18 SMs), a smaller part (a MIG slice,
+another product) may hold none, or the query may fail; then those sizes run the stepped path.
 
-    float16 / bfloat16   float32   float64
-           544             388       272
+The tile, as in .fused: the batch spread over SMs / P clusters, as many rows as fit; then grown
+until the device can hold every cluster at once, as the occupancy query says (all blocks of a
+cluster must fit one GPC, so a device may hold fewer clusters than SMs / P: e.g. 32 of 4 blocks
+of about 200 KB where 132 SMs form GPCs of 16 and 18 SMs). Where shared memory stops the tile
+growing first, the clusters beyond the device's run in a second wave (or more) after the first;
+where the query fails, the first spread stands.
+
+Largest state size (:func:`max_state`) on sm_90 and sm_100 (232,448 bytes per block):
+
+    blocks   float16 / bfloat16   float32   float64
+       8            544             388       272
+      16            768             544       384
 """
 from __future__ import annotations
 
@@ -33,11 +42,11 @@ import numpy as np
 from . import kernels
 from .fused import THREADS, _acc_size, wt_stride
 
-__all__ = ["FORCED_SIZE", "MIN_ARCH", "shared_bytes", "cluster_size", "max_state", "usable",
-           "geometry"]
+__all__ = ["FORCED_SIZE", "MIN_ARCH", "PORTABLE_SIZES", "shared_bytes", "cluster_size",
+           "max_state", "held", "usable", "chosen_size", "geometry"]
 
-#: The cluster size to run whatever the state size (tests; None: chosen by :func:`cluster_size`
-#: where the one-block kernels cannot hold W_h).
+#: The cluster size to run whatever the state size (tests; None: the launcher's own choice, see
+#: the module docstring, where the one-block kernels cannot hold W_h).
 FORCED_SIZE = None
 #: Thread-block clusters need compute capability 9.0.
 MIN_ARCH = 90
@@ -58,14 +67,19 @@ def _fits(state: int, dtype, size: int, limit: int) -> bool:
                                  for b in (False, True))
 
 
+#: The cluster sizes every device of compute capability 9.0 or newer runs.
+PORTABLE_SIZES = tuple(p for p in kernels.CLUSTER_SIZES if p <= kernels.PORTABLE_CLUSTER_SIZE)
+
+
 def cluster_size(state: int, dtype, limit: int):
-    """The smallest cluster size of kernels.CLUSTER_SIZES that runs ``state`` in ``dtype`` with
-    ``limit`` bytes of shared memory per block (a one-row tile both ways); None if none does."""
-    return next((p for p in kernels.CLUSTER_SIZES if _fits(state, dtype, p, limit)), None)
+    """The smallest portable cluster size (:data:`PORTABLE_SIZES`) that runs ``state`` in
+    ``dtype`` with ``limit`` bytes of shared memory per block (a one-row tile both ways); None if
+    none does."""
+    return next((p for p in PORTABLE_SIZES if _fits(state, dtype, p, limit)), None)
 
 
 @functools.lru_cache(maxsize=None)
-def max_state(limit: int, dtype, size: int = max(kernels.CLUSTER_SIZES)) -> int:
+def max_state(limit: int, dtype, size: int = kernels.PORTABLE_CLUSTER_SIZE) -> int:
     """The largest state size a cluster of ``size`` blocks runs with ``limit`` bytes per block."""
     state = 0
     while shared_bytes(state + 1, dtype, 1, True, size) <= limit and \
@@ -74,21 +88,42 @@ def max_state(limit: int, dtype, size: int = max(kernels.CLUSTER_SIZES)) -> int:
     return state
 
 
+def held(state: int, dtype, size: int):
+    """The clusters of ``size`` blocks of the kernels for ``dtype`` that the current device holds
+    at once with one-row tiles of ``state`` (the occupancy query, the fewer of the two
+    directions); None where a query fails (``kernels.cluster_failures`` says why)."""
+    fns = kernels.get_cluster_kernels(dtype, size)
+    answers = [kernels.max_active_clusters(kernel, size,
+                                           *_launch_shape(state, dtype, backward, size, 1))
+               for backward, kernel in ((False, fns.fwd), (True, fns.bwd))]
+    return None if None in answers else min(answers)
+
+
+def _choice(state: int, dtype, limit: int):
+    """The cluster size of the launcher's own choice (see the module docstring), or None."""
+    size = cluster_size(state, dtype, limit)
+    if size is None:
+        size = next((p for p in kernels.CLUSTER_SIZES if p > kernels.PORTABLE_CLUSTER_SIZE
+                     and _fits(state, dtype, p, limit) and held(state, dtype, p)), None)
+    return size
+
+
 def usable(state: int, dtype) -> bool:
     """True when the current device (sm_90 or newer) runs ``state`` in a cluster."""
     device = kernels.current_device()
     return (kernels.compute_capability(device) >= MIN_ARCH
-            and cluster_size(state, dtype, kernels.shared_memory_limit(device)) is not None)
+            and _choice(state, dtype, kernels.shared_memory_limit(device)) is not None)
 
 
 def chosen_size(state: int, dtype) -> int:
     """The cluster size the launcher runs: FORCED_SIZE if set (RuntimeError on a device older
-    than sm_90, and, naming the largest state sizes each cluster size runs, if that size cannot
-    run ``state``), else :func:`cluster_size`."""
+    than sm_90, naming the largest state sizes each cluster size runs if that size cannot run
+    ``state``, and for a non-portable size if the device holds no such cluster), else the
+    smallest that runs it (None if none does)."""
     device = kernels.current_device()
     limit = kernels.shared_memory_limit(device)
     if FORCED_SIZE is None:
-        return cluster_size(state, dtype, limit)
+        return _choice(state, dtype, limit)
     if kernels.compute_capability(device) < MIN_ARCH:
         raise RuntimeError(f"lltm_cupy: the fused kernels run in thread-block clusters only on "
                            f"compute capability {MIN_ARCH // 10}.0 and newer; device {device} "
@@ -100,6 +135,13 @@ def chosen_size(state: int, dtype) -> int:
                            f"{np.dtype(dtype).name} in clusters of {FORCED_SIZE} blocks with "
                            f"{limit} bytes of shared memory per block ({sizes}; at least as "
                            f"many states as blocks)")
+    if FORCED_SIZE > kernels.PORTABLE_CLUSTER_SIZE and not held(state, dtype, FORCED_SIZE):
+        why = "; ".join(f"{name}: {reason}" for (d, name, _), reason
+                        in kernels.cluster_failures.items() if d == device)
+        raise RuntimeError(f"lltm_cupy: device {device} holds no cluster of {FORCED_SIZE} "
+                           f"blocks of the fused kernels (a non-portable cluster size; the "
+                           f"occupancy query answered {held(state, dtype, FORCED_SIZE)}"
+                           f"{'; ' + why if why else ''})")
     return FORCED_SIZE
 
 

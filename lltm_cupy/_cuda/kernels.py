@@ -31,7 +31,8 @@ __all__ = ["cupy_module", "current_device", "on_device", "Launch", "launch", "FL
            "CLUSTER_SOURCE_NAME", "CLUSTER_KERNEL_NAMES", "CLUSTER_SIZES", "cluster_source",
            "cluster_name_expression", "get_cluster_kernels", "compile_offline_cluster",
            "compute_capability", "PORTABLE_CLUSTER_SIZE", "NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
-           "CUlaunchConfig", "OCCUPANCY_PROTOTYPE", "cluster_failures", "max_active_clusters"]
+           "CUlaunchConfig", "OCCUPANCY_PROTOTYPE", "cluster_failures", "max_active_clusters",
+           "allow_cluster_size"]
 
 SOURCE_NAME = "lltm.cu"
 KERNEL_NAMES = ("lltm_fwd_kernel", "lltm_bwd_kernel", "lltm_concat_kernel", "lltm_add_kernel")
@@ -319,8 +320,9 @@ def compile_offline_fused(dtype, arch: int, output: str = "cubin") -> bytes:
 
 CLUSTER_SOURCE_NAME = "lltm_fused_cluster.cu"
 CLUSTER_KERNEL_NAMES = ("lltm_seq_fwd_cluster_kernel", "lltm_seq_bwd_cluster_kernel")
-#: Blocks per cluster of the cluster kernels (one instantiation each: ``__cluster_dims__``).
-CLUSTER_SIZES = (1, 2, 4, 8)
+#: Blocks per cluster of the cluster kernels (one instantiation each: ``__cluster_dims__``); 16
+#: is past the portable size (below) and runs only where the device holds such a cluster.
+CLUSTER_SIZES = (1, 2, 4, 8, 16)
 #: The portable cluster size: every device of compute capability 9.0 or newer runs clusters of up
 #: to this many blocks (CUDA C++ Programming Guide, "Thread Block Clusters"; cuda.h).
 PORTABLE_CLUSTER_SIZE = 8
@@ -350,14 +352,18 @@ def _cluster_names(dtype):
 def get_cluster_kernels(dtype, size: int):
     """The :class:`FusedKernels` (forward, backward) for ``dtype`` in clusters of ``size``
     blocks on the current device (sm_90 or newer); every size's kernels compiled at the first
-    call for the dtype, each allowed the device's whole opt-in shared memory per block."""
+    call for the dtype, each allowed the device's whole opt-in shared memory per block, and
+    those past the portable cluster size the non-portable sizes (:func:`allow_cluster_size`)."""
     import cupy
 
     def build():
         fns = _whole_shared_memory(cluster_source(), _cluster_names(dtype))
         count = len(CLUSTER_KERNEL_NAMES)
-        return {p: FusedKernels(*fns[i * count:(i + 1) * count])
-                for i, p in enumerate(CLUSTER_SIZES)}
+        found = {p: FusedKernels(*fns[i * count:(i + 1) * count])
+                 for i, p in enumerate(CLUSTER_SIZES)}
+        for p, pair in found.items():
+            allow_cluster_size(pair, p)
+        return found
 
     dtype = np.dtype(dtype)
     return _cached(("cluster", cupy.cuda.Device().id, dtype.str), build)[size]
@@ -409,6 +415,23 @@ _occupancy: dict = {}
 #: ``{(device, kernel name, what): reason}``, ``what`` being ("occupancy", threads, shared bytes)
 #: or "non-portable". A failed occupancy query leaves the launch as planned without it.
 cluster_failures: dict = {}
+
+
+def allow_cluster_size(fns, size: int) -> None:
+    """Set the non-portable cluster size attribute (to 1) on the functions ``fns`` (RawKernels)
+    of clusters of ``size`` blocks, where ``size`` is past the portable size: without it a
+    launch (and the occupancy query) refuses the size. A failure is kept in
+    :data:`cluster_failures`; the occupancy query then refuses the size, and the launcher does
+    not use it."""
+    if size <= PORTABLE_CLUSTER_SIZE:
+        return
+    import cupy
+
+    for fn in fns:
+        try:
+            cupy.cuda.driver.funcSetAttribute(fn.kernel.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        except Exception as exc:    # noqa: BLE001 (the size is then refused, not the module)
+            _failed(current_device(), fn, "non-portable", exc)
 
 
 def _failed(device: int, kernel, what, exc: Exception) -> None:

@@ -213,7 +213,8 @@ def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0:
     reverse: each sequence runs from its own last valid step back to step 0
     fused: on CUDA, every step of the sequence (and of its backward) in one launch of the fused
         sequence kernel, as :func:`lltm_cupy.forward_sequence`'s ``fused``: state sizes whose
-        weights do not fit a block's shared memory, and CPU tensors, run as without it.
+        weights fit neither a block's shared memory nor, on sm_90 and newer, a cluster's of up
+        to 8 blocks (or of 16 where the device holds one), and CPU tensors, run as without it.
         Off by default until a GPU has measured it faster than the default path.
 
     outputs: (steps, batch, state), the hidden state after every step; h_n, c_n: (batch, state).

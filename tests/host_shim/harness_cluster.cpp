@@ -41,6 +41,7 @@ static void lltm_bwd_cluster(unsigned grid, unsigned block, unsigned long long s
     case 2: FN<T, 2>(__VA_ARGS__); break;                                                      \
     case 4: FN<T, 4>(__VA_ARGS__); break;                                                      \
     case 8: FN<T, 8>(__VA_ARGS__); break;                                                      \
+    case 16: FN<T, 16>(__VA_ARGS__); break;                                                    \
     default: shim_error = "no kernel for this cluster size";                                   \
   }
 
