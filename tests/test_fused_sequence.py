@@ -556,7 +556,7 @@ _GPU_REASON = gpu_unavailable_reason()
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_GPU_REASON is not None, reason=f"GPU test: {_GPU_REASON}")
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("lengths", [None, [7, 0, 3, 7, 1]], ids=["full", "ragged"])
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("size", ["small", "large"])
