@@ -143,7 +143,8 @@ MUTANTS = [
            FUSED_DOT_TESTS, "fused sequence forward (one block and cluster): the last recurrent "
            "term skipped when S is not a multiple of 4"),
     Mutant("fused-drop-grad-c-n", "cuda_src/lltm_fused.cu",
-           "dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : A(0);", "dc_buf[i] = A(0);",
+           "dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : A(0);",
+           "dc_buf[i] = has_grad_c_n ? A(0) * tr::load(grad_c_n[src]) : A(0);",
            FUSED_TESTS, "fused sequence backward: the final cell state's gradient dropped"),
     Mutant("fused-prefetch-next-bias", "cuda_src/lltm_fused.cu",
            "        qb_i = bias[s_n];", "        qb_i = b0_i;",
