@@ -96,9 +96,75 @@ __device__ __forceinline__ void lltm_cluster_store(lltm_dsmem a, float v) {
 __device__ __forceinline__ void lltm_cluster_store(lltm_dsmem a, double v) {
   asm volatile("st.shared::cluster.f64 [%0], %1;" :: "r"(a), "d"(v) : "memory");
 }
+
+// The group primitives (the split without clusters, sm_80 and newer: the blocks of a tile
+// exchange through global memory and meet at a barrier in global memory; see lltm_group_sync),
+// header-free inline PTX. The host shim gives the same functions a weak memory model on the CPU
+// (exchange stores stay invisible to the other blocks until their block's fence, and a block
+// reads what it had acquired at its last fence).
+//
+// fence.acq_rel.gpu: with a later relaxed store (the arrival) a release pattern, with an earlier
+// relaxed load (the poll) an acquire pattern (PTX ISA, "Memory Consistency Model").
+__device__ __forceinline__ void lltm_group_fence() {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
+// One arrival at the tile's counter (a relaxed atomic addition at GPU scope, in L2).
+__device__ __forceinline__ void lltm_group_arrive(unsigned* counter) {
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
+}
+
+// The tile's counter, read from L2 (relaxed, GPU scope).
+__device__ __forceinline__ unsigned lltm_group_poll(const unsigned* counter) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+  return v;
+}
+
+// The body of the waiting loop (nothing on a GPU; the shim yields to the other blocks there).
+__device__ __forceinline__ void lltm_group_spin() {}
+
+// A step's exchanged value, stored to and loaded from L2 (.cg: not cached in L1, which is not
+// coherent between SMs).
+__device__ __forceinline__ void lltm_group_store(float* p, float v) {
+  asm volatile("st.global.cg.f32 [%0], %1;" :: "l"(p), "f"(v) : "memory");
+}
+__device__ __forceinline__ void lltm_group_store(double* p, double v) {
+  asm volatile("st.global.cg.f64 [%0], %1;" :: "l"(p), "d"(v) : "memory");
+}
+__device__ __forceinline__ float lltm_group_load(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ double lltm_group_load(const double* p) {
+  double v;
+  asm volatile("ld.global.cg.f64 %0, [%1];" : "=d"(v) : "l"(p) : "memory");
+  return v;
+}
 #else
 #define LLTM_CLUSTER_DIMS(P)
 #endif
+
+// The barrier of the P blocks of one tile in the group variant (no cluster: every block of the
+// grid resident at once, by a cooperative launch), on the tile's counter in global memory, zeroed
+// before the launch: the n-th barrier of a launch waits until the counter reaches n P (a target
+// that only grows within the launch, so no reset between steps; a block may arrive at barrier n + 1
+// while another still reads the counter of barrier n, which is then past n P, still reached). The
+// block's stores before it (its threads', ordered before thread 0 by the first block barrier) are
+// released at GPU scope by thread 0's fence before its arrival; thread 0 acquires the peers' by its
+// fence after it sees the P arrivals, and the second block barrier orders the block's later loads
+// after that. Blocks of different tiles never wait for each other.
+__device__ __forceinline__ void lltm_group_sync(unsigned* counter, unsigned target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    lltm_group_fence();
+    lltm_group_arrive(counter);
+    while ((int)(lltm_group_poll(counter) - target) < 0) lltm_group_spin();
+    lltm_group_fence();
+  }
+  __syncthreads();
+}
 
 // Bytes of the forward's transposed weights: S rows of lltm_fused_wt_stride(LM) elements (the
 // one-block kernel's stride with LM for S: 32 consecutive rows in 32 different banks).

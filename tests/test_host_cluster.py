@@ -9,10 +9,17 @@ barrier, the lanes of one warp at different cluster barriers (the kernels' barri
 and a cluster barrier that some threads wait at after others returned. The last is
 stricter than a GPU, whose barrier.cluster.wait waits only for the threads that have not exited
 (PTX ISA, barrier.cluster); the kernels never return early, and a thread returning before its
-cluster's stores are done is the bug the check catches."""
+cluster's stores are done is the bug the check catches.
+
+Also the shim's groups (shim_launch_group), on which the group variant (the same split on
+sm_80, exchanging through global memory) is checked: the barrier on a counter in global memory
+(lltm_group_sync) alone, right in every order, its exchange invisible without it (the shim's weak
+memory model), a wait across tiles reported as a deadlock, and each of its five statements
+deleted in turn caught."""
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,3 +130,119 @@ def test_a_grid_of_part_of_a_cluster_is_an_error(lib):
 
 def test_every_schedule_is_known():
     assert set(SCHEDULES) == {"ascending", "descending", "random"}
+
+
+# ------------------------------------------------------- groups: the barrier in global memory
+
+_SOURCE = Path(__file__).resolve().parents[1] / "cuda_src" / "lltm_fused_cluster.cu"
+NO_BARRIER, GRID_WIDE = 1, 2
+
+
+def group_exchange(lib, grid, block, size, rounds, mode=0, schedule="ascending", seed=1):
+    """(out (rounds, grid, block), error, spins, counters) of the shim's group barrier test
+    kernel (harness_cluster.cpp, shim_selftest_group); the exchange buffer starts as -1 words."""
+    host_cluster.set_schedule(lib, schedule, seed)
+    exchange = np.full(grid // size * 2 * size * block, -1, np.int32)
+    counters = np.zeros(grid, np.uint32)
+    out = np.full(rounds * grid * block, -7, np.int32)
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    lib.lltm_host_group_selftest(ctypes.c_uint(grid), ctypes.c_uint(block), ctypes.c_uint(size),
+                                 ptr(exchange), ptr(counters), ptr(out), ctypes.c_int(rounds),
+                                 ctypes.c_int(mode))
+    host_cluster.set_schedule(lib, "ascending")
+    return (out.reshape(rounds, grid, block), host_cluster.last_error(lib),
+            lib.lltm_host_group_spins(), counters)
+
+
+def group_expected(grid, block, size, rounds):
+    """Round k: each thread reads what the same thread of the previous block of its group stored."""
+    b = np.arange(grid)
+    first = b - b % size
+    pred = first + (b - first - 1) % size
+    ids = pred[:, None] * block + np.arange(block)[None, :]
+    return np.stack([k * 1000000 + ids for k in range(rounds)]).astype(np.int32)
+
+
+GROUP_RUNS = SCHEDULE_RUNS + [("random", 4), ("random", 5)]
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+@pytest.mark.parametrize("schedule,seed", GROUP_RUNS)
+def test_group_barrier_is_right_in_every_order(lib, size, schedule, seed):
+    """Three rounds over a double-buffered exchange, two groups: every order gives each thread
+    its predecessor block's word of the round; each group's counter ends at rounds * size
+    arrivals; with more than one block the waiting loop really waited (spins)."""
+    grid, block, rounds = 2 * size, 3, 3
+    out, error, spins, counters = group_exchange(lib, grid, block, size, rounds, 0, schedule,
+                                                 seed)
+    assert error is None, error
+    np.testing.assert_array_equal(out, group_expected(grid, block, size, rounds))
+    np.testing.assert_array_equal(counters[:2], [rounds * size] * 2)
+    assert (spins > 0) == (size > 1), spins
+    assert lib.lltm_host_group_fences() == 2 * rounds * grid   # thread 0, two per barrier
+
+
+def test_group_exchange_without_the_barrier_reads_old_words(lib):
+    """Without the barrier no block's stores are published to the others (the memory model of
+    the shim): every read gives the buffer's old word."""
+    for schedule in ("ascending", "descending", "random"):
+        out, error, _, _ = group_exchange(lib, 4, 3, 2, 2, NO_BARRIER, schedule)
+        assert error is None, error
+        assert (out == -1).all(), (schedule, out)
+
+
+def test_a_tile_waiting_for_another_tiles_blocks_is_a_deadlock(lib):
+    """The shim runs the groups one after another: a barrier that waits for blocks of other
+    tiles (one counter for the whole grid) never completes, and the shim says so."""
+    _, error, _, _ = group_exchange(lib, 4, 3, 2, 2, GRID_WIDE)
+    assert error is not None and "deadlock" in error and "global memory" in error
+
+
+def test_cluster_primitives_are_refused_in_a_group_launch(lib):
+    """A group launch has no cluster: the shim refuses lltm_cluster_sync there (and the group
+    primitives outside a group launch: the cluster self-test calls none, so it passes)."""
+    _, error = exchange(lib, 2, 4, 2, BEFORE | AFTER)
+    assert error is None
+    lib.lltm_host_group_mixed(ctypes.c_uint(2), ctypes.c_uint(2))
+    assert "outside shim_launch_cluster" in host_cluster.last_error(lib)
+
+
+def _group_sync_body(text: str) -> tuple:
+    start = text.index("void lltm_group_sync(")
+    end = text.index("\n}\n", start)
+    return start, end
+
+
+_SYNC_MUTANTS = {
+    "first block barrier": "__syncthreads();",
+    "release fence": "lltm_group_fence();",
+    "arrival": "lltm_group_arrive(counter);",
+    "acquire fence": "lltm_group_fence();#2",
+    "second block barrier": "__syncthreads();#2",
+}
+
+
+@pytest.mark.parametrize("mutant", _SYNC_MUTANTS, ids=list(_SYNC_MUTANTS))
+def test_a_barrier_missing_a_part_is_caught(mutant, tmp_path):
+    """lltm_group_sync with one of its statements deleted (a mutation of
+    cuda_src/lltm_fused_cluster.cu): under some order of the threads the self-test reads a
+    wrong word or the shim reports the launch (a deadlock without the arrival)."""
+    text = _SOURCE.read_text()
+    start, end = _group_sync_body(text)
+    body = text[start:end]
+    statement, _, nth = _SYNC_MUTANTS[mutant].partition("#")
+    at = -1
+    for _ in range(int(nth or 1)):
+        at = body.index(statement, at + 1)
+    mutated = body[:at] + body[at + len(statement):]
+    (tmp_path / _SOURCE.name).write_text(text[:start] + mutated + text[end:])
+    mutant_lib = host_cluster.build(tmp_path, source_dir=tmp_path)
+    caught = []
+    for size in (2, 4):
+        want = group_expected(2 * size, 3, size, 3)
+        for schedule, seed in GROUP_RUNS:
+            out, error, _, _ = group_exchange(mutant_lib, 2 * size, 3, size, 3, 0, schedule,
+                                              seed)
+            if error is not None or not np.array_equal(out, want):
+                caught.append((size, schedule, seed, error))
+    assert caught, f"{mutant} deleted: every run right"

@@ -1,7 +1,9 @@
 """tests/host_shim/harness_cluster.cpp built as host C++ with cluster semantics (shim.h's
 shim_launch_cluster: every thread of every block of a cluster a context, __syncthreads() the
 block's barrier, lltm_cluster_sync() the cluster's, lltm_cluster_map / lltm_cluster_store the
-distributed shared memory) and loaded with ctypes."""
+distributed shared memory) and group semantics (shim_launch_group: the blocks of a tile as
+cooperating contexts exchanging through a weak model of global memory, lltm_group_sync's waiting
+loop yielding to the other blocks) and loaded with ctypes."""
 from __future__ import annotations
 
 import ctypes
@@ -19,6 +21,8 @@ def build(out_dir: Path, source_dir: Path | None = None) -> ctypes.CDLL:
     lib = build_harness("harness_cluster.cpp", Path(out_dir) / "lltm_cluster_host.so",
                         source_dir)
     lib.lltm_host_cluster_barriers.restype = ctypes.c_longlong
+    lib.lltm_host_group_fences.restype = ctypes.c_longlong
+    lib.lltm_host_group_spins.restype = ctypes.c_longlong
     return lib
 
 

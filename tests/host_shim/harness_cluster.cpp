@@ -116,6 +116,53 @@ extern "C" void lltm_host_cluster_selftest(unsigned grid, unsigned block, unsign
                       [&] { shim_selftest_exchange(out, mode); });
 }
 
+static unsigned shim_group_selftest_size = 1;
+
+// The group barrier alone (lltm_group_sync of cuda_src/lltm_fused_cluster.cu) on a small
+// kernel: groups of `size` blocks, `rounds` rounds; in round k every thread stores
+// k * 1000000 + its global index into its block's slot of the group's exchange buffer k mod 2
+// (exchange: (grid / size groups, 2, size, block) words, lltm_group_store), meets the group's
+// barrier (counters[group], target (k + 1) size), then reads the same thread's word of the
+// previous block of the group (cyclically, lltm_group_load) into out[k, global index]. mode:
+// bit 0 no barrier; bit 1 one counter for the whole grid, waiting for every block of the grid
+// (a tile waiting for other tiles' blocks).
+static void shim_selftest_group(int* exchange, unsigned* counters, int* out, int rounds,
+                                int mode) {
+  const unsigned size = shim_group_selftest_size, t = threadIdx.x, block = blockDim.x;
+  const unsigned group = blockIdx.x / size, rank = blockIdx.x % size;
+  const unsigned pred = (rank + size - 1) % size;
+  const unsigned id = blockIdx.x * block + t;
+  int* mine = exchange + (long long)group * 2 * size * block;
+  for (int k = 0; k < rounds; ++k) {
+    int* buf = mine + (k & 1) * size * block;
+    lltm_group_store(buf + rank * block + t, k * 1000000 + (int)id);
+    if (mode & 2) {
+      lltm_group_sync(counters, (unsigned)(k + 1) * gridDim.x);
+    } else if (!(mode & 1)) {
+      lltm_group_sync(counters + group, (unsigned)(k + 1) * size);
+    }
+    out[(long long)k * gridDim.x * block + id] = lltm_group_load(buf + pred * block + t);
+  }
+}
+
+extern "C" void lltm_host_group_selftest(unsigned grid, unsigned block, unsigned size,
+                                         int* exchange, unsigned* counters, int* out, int rounds,
+                                         int mode) {
+  shim_group_selftest_size = size;
+  shim_launch_group(grid, block, size, 0,
+                    [&] { shim_selftest_group(exchange, counters, out, rounds, mode); });
+}
+
+// A group launch whose kernel calls a cluster primitive (refused: a group has no cluster).
+extern "C" void lltm_host_group_mixed(unsigned grid, unsigned size) {
+  shim_launch_group(grid, 2, size, 0, [&] { lltm_cluster_sync(); });
+}
+
+// What the last group launch did: fences run, turns of a waiting loop that found its counter
+// short.
+extern "C" long long lltm_host_group_fences(void) { return shim_group_fences; }
+extern "C" long long lltm_host_group_spins(void) { return shim_group_spins; }
+
 // The shim's scheduling order (0 ascending, 1 descending, 2 random with the seed), the error of
 // the last launch (NULL if none) and the block and cluster barriers it passed.
 extern "C" void lltm_host_set_schedule(int order, unsigned long long seed) {

@@ -44,6 +44,24 @@
 //     before a cluster barrier shows it running) or has finished (all its threads returned), stops
 //     the launch with an error.
 //
+// shim_launch_group: the split of the cluster kernels without clusters (a cooperative launch;
+// the P blocks of a tile exchange through global memory and meet at a barrier on a counter in
+// global memory, lltm_group_sync of cuda_src/lltm_fused_cluster.cu). Groups of P consecutive
+// blocks run one after another, each as a cluster does above (every thread a context, the same
+// schedules, __syncthreads() per block); the cluster primitives are refused. The group primitives:
+//   - lltm_group_store / lltm_group_load (st.cg / ld.cg): the exchange, through a weak memory
+//     model (see "Group semantics" below): a block's stores are seen by the other blocks only
+//     after a fence of the storing block, and by a block only if published before its own
+//     latest fence; a word never published reads as the memory held it before the launch;
+//   - lltm_group_fence (fence.acq_rel.gpu): publishes the block's pending stores and acquires
+//     everything published so far;
+//   - lltm_group_arrive / lltm_group_poll: the counter's atomic addition and load, on the memory
+//     at once;
+//   - lltm_group_spin: the waiting loop's body; the thread yields and runs again only after some
+//     other thread of the group has stopped elsewhere (a barrier, a return); when only waiting
+//     loops are left with nothing changed since they last looked, the launch stops with a
+//     deadlock error (a barrier missing its arrival, or waiting for another tile's blocks).
+//
 // Warp-level matrix products (cuda_src/lltm_fused_mma.cu gives their GPU bodies, inline PTX):
 // lltm_mma_16816_f16 / lltm_mma_16816_bf16 are mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.
 // {f16,bf16}.f32, a collective of the 32 lanes of a warp (threads 32w .. 32w + 31 of a block),
@@ -63,6 +81,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -387,12 +406,16 @@ typedef unsigned char* lltm_dsmem;
 struct shim_cluster {
   ucontext_t scheduler;
   std::vector<ucontext_t> threads;       // rank * block + threadIdx
-  std::vector<int> state;                // 0 runnable, 1 at __syncthreads, 2 returned, 3 at cluster
+  std::vector<int> state;                // 0 runnable, 1 at __syncthreads, 2 returned, 3 at
+                                         // cluster barrier, 5 in a waiting loop (groups)
   std::vector<char> started;             // the thread has run
   std::vector<const char*> site;         // the lltm_cluster_sync() call it waits at (file:line)
   std::vector<unsigned char*> smem;      // each block's dynamic shared memory
   std::vector<unsigned> runnable;        // random order: the runnable threads
   unsigned current = 0, block = 0, size = 0, first = 0;
+  bool group = false;                    // shim_launch_group: no cluster primitive, global memory
+  bool progress = false;                 // a thread stopped other than at a spin since the last
+                                         // release of the spinning threads
   size_t shared_bytes = 0;
   void (*body)(void*) = nullptr;
   void* arg = nullptr;
@@ -400,6 +423,14 @@ struct shim_cluster {
 static shim_cluster* shim_cluster_active = nullptr;
 
 static inline bool shim_in_cluster() { return shim_cluster_active != nullptr; }
+
+// Whether the calling thread runs a cluster launch (its cluster primitives are usable); an error
+// if not (a group launch has none).
+static inline bool shim_cluster_primitive(const char* name) {
+  if (shim_cluster_active != nullptr && !shim_cluster_active->group) return true;
+  if (shim_error == nullptr) shim_error = name;
+  return false;
+}
 
 static inline void shim_cluster_wait(int why) {
   shim_cluster* c = shim_cluster_active;
@@ -415,10 +446,7 @@ static inline void shim_cluster_syncthreads() { shim_cluster_wait(1); }
 #define SHIM_STRING(x) SHIM_STRING2(x)
 #define lltm_cluster_sync() shim_cluster_sync(__FILE__ ":" SHIM_STRING(__LINE__))
 static inline void shim_cluster_sync(const char* site) {
-  if (shim_cluster_active == nullptr) {
-    shim_error = "lltm_cluster_sync() outside shim_launch_cluster";
-    return;
-  }
+  if (!shim_cluster_primitive("lltm_cluster_sync() outside shim_launch_cluster")) return;
   shim_cluster_active->site[shim_cluster_active->current] = site;
   shim_cluster_wait(3);
 }
@@ -437,10 +465,12 @@ static inline const char* shim_cluster_aligned(const shim_cluster& c) {
 }
 
 static inline unsigned lltm_cluster_rank() {
-  return shim_cluster_active ? shim_cluster_active->current / shim_cluster_active->block : 0;
+  if (!shim_cluster_primitive("lltm_cluster_rank() outside shim_launch_cluster")) return 0;
+  return shim_cluster_active->current / shim_cluster_active->block;
 }
 static inline unsigned lltm_cluster_size() {
-  return shim_cluster_active ? shim_cluster_active->size : 1;
+  if (!shim_cluster_primitive("lltm_cluster_size() outside shim_launch_cluster")) return 1;
+  return shim_cluster_active->size;
 }
 
 static unsigned char shim_cluster_scratch[64];   // where a refused store goes
@@ -449,7 +479,7 @@ static inline lltm_dsmem lltm_cluster_map(const void* p, unsigned rank) {
   shim_cluster* c = shim_cluster_active;
   const unsigned char* own = lltm_dynamic_smem;
   const unsigned char* q = (const unsigned char*)p;
-  if (c == nullptr || rank >= c->size || q < own || q >= own + c->shared_bytes) {
+  if (c == nullptr || c->group || rank >= c->size || q < own || q >= own + c->shared_bytes) {
     shim_error = "lltm_cluster_map(): not an address of the block's dynamic shared memory, or "
                  "a rank outside the cluster";
     return shim_cluster_scratch;
@@ -461,7 +491,7 @@ static inline lltm_dsmem lltm_cluster_map(const void* p, unsigned rank) {
 // (with the launch's error set) if none may be written.
 static inline int shim_cluster_target(lltm_dsmem a, size_t n) {
   shim_cluster* c = shim_cluster_active;
-  if (c == nullptr) {
+  if (c == nullptr || c->group) {
     shim_error = "a distributed shared memory store outside shim_launch_cluster";
     return -1;
   }
@@ -493,6 +523,128 @@ static inline int shim_cluster_target(lltm_dsmem a, size_t n) {
 template <typename V>
 static inline void lltm_cluster_store(lltm_dsmem a, V value) {
   if (shim_cluster_target(a, sizeof(V)) >= 0) memcpy(a, &value, sizeof(V));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Group semantics: the blocks of a tile exchanging through global memory (see the top of this
+// file). The exchange's stores and loads (lltm_group_store / lltm_group_load, st.cg / ld.cg on a
+// GPU) go through a model of a weak memory: a block's stores are pending, seen by its own threads
+// only, until a thread of the block runs lltm_group_fence() (which publishes them, each a new
+// epoch of the launch's global memory); a block's loads see a pending store of its own, else the
+// latest published value no newer than the epoch the block held at its last fence (what it
+// acquired), else what the memory held before the launch. So a barrier without its release (the
+// fence before the arrival) leaves the peers reading the old words, and one without its acquire
+// (the fence after the poll) reads the words of before the peers' stores. The counter's atomics
+// (lltm_group_arrive / lltm_group_poll) act on the memory at once, as atomics in L2 do.
+
+struct shim_group_store {
+  unsigned char* at;
+  size_t bytes;
+  unsigned char value[8];
+};
+
+struct shim_group_version {
+  long long epoch;
+  unsigned char value[8];
+};
+
+struct shim_group_memory {
+  std::vector<std::vector<shim_group_store>> pending;       // per block of the group
+  std::vector<long long> view;                               // per block: the epoch it acquired
+  std::map<unsigned char*, std::vector<shim_group_version>> history;   // epoch 0: the original
+  long long epoch = 0;
+  long long fences = 0, spins = 0;
+};
+static shim_group_memory shim_group;
+//: Fences run and spins (one per turn of a waiting loop that found the counter short) in the last
+//: group launch.
+static long long shim_group_fences = 0, shim_group_spins = 0;
+
+static inline int shim_group_block(const char* what) {
+  shim_cluster* c = shim_cluster_active;
+  if (c == nullptr || !c->group) {
+    if (shim_error == nullptr) shim_error = what;
+    return -1;
+  }
+  return (int)(c->current / c->block);
+}
+
+// Publishes block b's pending stores in their order.
+static inline void shim_group_publish(int b) {
+  for (const shim_group_store& st : shim_group.pending[b]) {
+    auto& versions = shim_group.history[st.at];
+    if (versions.empty()) {
+      shim_group_version original{0, {}};
+      memcpy(original.value, st.at, st.bytes);
+      versions.push_back(original);
+    }
+    shim_group_version v{++shim_group.epoch, {}};
+    memcpy(v.value, st.value, st.bytes);
+    versions.push_back(v);
+    memcpy(st.at, st.value, st.bytes);
+  }
+  shim_group.pending[b].clear();
+}
+
+static inline void lltm_group_fence() {
+  const int b = shim_group_block("lltm_group_fence() outside shim_launch_group");
+  if (b < 0) return;
+  ++shim_group_fences;
+  shim_group_publish(b);
+  shim_group.view[b] = shim_group.epoch;
+}
+
+static inline void lltm_group_arrive(unsigned* counter) {
+  if (shim_group_block("lltm_group_arrive() outside shim_launch_group") >= 0) *counter += 1;
+}
+
+static inline unsigned lltm_group_poll(const unsigned* counter) {
+  if (shim_group_block("lltm_group_poll() outside shim_launch_group") < 0) return ~0u / 2;
+  return *counter;
+}
+
+// The waiting loop's turn: the thread yields, and runs again only after a thread of the group
+// has stopped elsewhere (shim_run_cluster; none: a deadlock).
+static inline void lltm_group_spin() {
+  if (shim_group_block("lltm_group_spin() outside shim_launch_group") < 0) return;
+  ++shim_group_spins;
+  shim_cluster_wait(5);
+}
+
+template <typename V>
+static inline void lltm_group_store(V* p, V value) {
+  static_assert(sizeof(V) <= 8, "a word of at most 8 bytes");
+  const int b = shim_group_block("lltm_group_store() outside shim_launch_group");
+  if (b < 0) return;
+  shim_group_store st{(unsigned char*)p, sizeof(V), {}};
+  memcpy(st.value, &value, sizeof(V));
+  shim_group.pending[b].push_back(st);
+}
+
+template <typename V>
+static inline V lltm_group_load(const V* p) {
+  V value;
+  memcpy(&value, p, sizeof(V));
+  const int b = shim_group_block("lltm_group_load() outside shim_launch_group");
+  if (b < 0) return value;
+  unsigned char* at = (unsigned char*)p;
+  const auto& own = shim_group.pending[b];
+  for (auto it = own.rbegin(); it != own.rend(); ++it) {
+    if (it->at == at) {
+      memcpy(&value, it->value, sizeof(V));
+      return value;
+    }
+  }
+  const auto found = shim_group.history.find(at);
+  if (found == shim_group.history.end()) return value;      // never published: the memory's
+  const auto& versions = found->second;
+  for (auto it = versions.rbegin(); it != versions.rend(); ++it) {
+    if (it->epoch <= shim_group.view[b]) {
+      memcpy(&value, it->value, sizeof(V));
+      return value;
+    }
+  }
+  return value;
 }
 
 static void shim_cluster_thread_main() {
@@ -537,13 +689,26 @@ static __attribute__((noinline)) const char* shim_run_cluster(shim_cluster& c) {
       }
     }
     if (pick < 0) {
-      unsigned returned = 0, at_block = 0, at_cluster = 0;
+      unsigned returned = 0, at_block = 0, at_cluster = 0, spinning = 0;
       for (int st : c.state) {
         returned += st == 2;
         at_block += st == 1;
         at_cluster += st == 3;
+        spinning += st == 5;
       }
       if (returned == n) return nullptr;
+      if (spinning && c.progress) {   // the waiting loops look again
+        c.progress = false;
+        for (unsigned t = 0; t < n; ++t) {
+          if (c.state[t] == 5) shim_cluster_release(c, t, t + 1);
+        }
+        cursor = shim_schedule == 1 ? n - 1 : 0;
+        continue;
+      }
+      if (spinning) {
+        return "deadlock: a waiting loop on a counter in global memory that no thread of the "
+               "group advances (every other thread waits or has returned)";
+      }
       if (at_cluster && returned) {
         return "divergent cluster barrier: some threads of a cluster wait at a cluster barrier "
                "that others, already returned, never reach";
@@ -563,6 +728,7 @@ static __attribute__((noinline)) const char* shim_run_cluster(shim_cluster& c) {
     lltm_dynamic_smem = c.smem[t / c.block];
     swapcontext(&c.scheduler, &c.threads[t]);
     if (shim_error != nullptr) return shim_error;
+    if (c.state[t] != 5) c.progress = true;
     if (c.state[t] == 1) {           // its block's barrier: released when all its threads are there
       const unsigned lo = t - t % c.block, hi = lo + c.block;
       bool all = true;
@@ -604,16 +770,20 @@ static __attribute__((noinline)) void shim_make_cluster_threads(shim_cluster& c,
 }
 
 // A launch of `grid` blocks of `block` threads in clusters of `cluster` blocks (consecutive
-// blockIdx.x, rank = blockIdx.x mod cluster), `shared_bytes` of dynamic shared memory per block.
+// blockIdx.x, rank = blockIdx.x mod cluster), `shared_bytes` of dynamic shared memory per block;
+// `group`: the blocks form groups that exchange through global memory instead (shim_launch_group).
 template <typename Kernel>
-static void shim_launch_cluster(unsigned int grid, unsigned int block, unsigned int cluster,
-                                size_t shared_bytes, Kernel run) {
+static void shim_launch_blocks(unsigned int grid, unsigned int block, unsigned int cluster,
+                               size_t shared_bytes, bool group, Kernel run) {
   const size_t stack_bytes = 64 * 1024;
   shim_error = nullptr;
   shim_barriers = 0;
   shim_cluster_barriers = 0;
+  shim_group_fences = 0;
+  shim_group_spins = 0;
   if (cluster == 0 || grid % cluster != 0) {
-    shim_error = "the grid is not a whole number of clusters";
+    shim_error = group ? "the grid is not a whole number of groups"
+                       : "the grid is not a whole number of clusters";
     return;
   }
   gridDim.x = grid;
@@ -628,18 +798,42 @@ static void shim_launch_cluster(unsigned int grid, unsigned int block, unsigned 
   c.block = block;
   c.size = cluster;
   c.shared_bytes = shared_bytes;
+  c.group = group;
+  shim_group = shim_group_memory();
   for (unsigned int first = 0; first < grid && shim_error == nullptr; first += cluster) {
     c.first = first;
+    c.progress = false;
     c.smem.clear();
     for (auto& s : shared) {
       memset(s.data(), 0xFF, s.size());
       c.smem.push_back(s.data());
     }
+    shim_group.pending.assign(cluster, {});
+    shim_group.view.assign(cluster, shim_group.epoch);   // what the launch's start shows
     shim_make_cluster_threads(c, stacks.get(), stack_bytes);
     shim_cluster_active = &c;
     const char* error = shim_run_cluster(c);
     shim_cluster_active = nullptr;
     if (error != nullptr) shim_error = error;
+    for (unsigned b = 0; b < cluster; ++b) shim_group_publish((int)b);   // at the blocks' end
   }
+  shim_group = shim_group_memory();
   lltm_dynamic_smem = nullptr;
+}
+
+template <typename Kernel>
+static void shim_launch_cluster(unsigned int grid, unsigned int block, unsigned int cluster,
+                                size_t shared_bytes, Kernel run) {
+  shim_launch_blocks(grid, block, cluster, shared_bytes, false, run);
+}
+
+// A cooperative launch of `grid` blocks in groups of `size` consecutive blocks (a tile's), each
+// group's threads cooperating contexts as a cluster's are, with no cluster primitive: the blocks
+// exchange through global memory (lltm_group_store / lltm_group_load) and meet at
+// lltm_group_sync's barrier on a counter. Groups run one after another: a group that waits for
+// another's blocks is a deadlock, reported.
+template <typename Kernel>
+static void shim_launch_group(unsigned int grid, unsigned int block, unsigned int size,
+                              size_t shared_bytes, Kernel run) {
+  shim_launch_blocks(grid, block, size, shared_bytes, true, run);
 }
