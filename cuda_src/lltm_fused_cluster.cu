@@ -1,5 +1,12 @@
 // Fused whole-sequence kernels of the LLTM cell across a thread-block cluster (sm_90 and newer):
 // the kernels of lltm_fused.cu for state sizes whose W_h does not fit one block's shared memory.
+// And the same split without clusters (sm_80 and newer; the launcher uses it on sm_80 to sm_89):
+// the group kernels, whose P blocks per tile exchange through global memory and meet at a barrier
+// on a counter per tile in global memory (lltm_group_sync), every block of the grid resident at
+// once (a cooperative launch). Both are the same bodies (lltm_seq_fwd_split, lltm_seq_bwd_split),
+// templates over the exchange (lltm_cluster_exchange, lltm_group_exchange): every line of the
+// cell, the dot products and the arrays' loads and stores is shared, and the group kernels give
+// the cluster kernels' bits.
 //
 // This file is compiled after cuda_src/lltm.cu and cuda_src/lltm_fused.cu, in the same
 // translation unit (lltm_cupy/_cuda/kernels.py joins the three texts for NVRTC; the host build
@@ -31,6 +38,11 @@
 //             cluster barrier per step suffices here too.
 // A barrier at the start (every block of the cluster running, before any store into a peer);
 // none at the end: after a step's barrier no block stores into another, so a block may leave.
+// The group kernels do the same through global memory: a step's h (or partial sums) is stored
+// into the tile's region of an exchange buffer (double-buffered as above) instead of into the
+// peers, the step's barrier is lltm_group_sync, and forward each block then copies the tile's
+// next h into its own shared memory (a block barrier after the copy); their first barrier is a
+// block barrier (no peer's shared memory is written).
 //
 // Numerics: as lltm_fused.cu. The forward's dot products are lltm_fused_dot3 over all S terms
 // (LLTM_FUSED_LANES partial sums, term k in sum k mod 4, added in a fixed tree order), the same
@@ -149,12 +161,13 @@ __device__ __forceinline__ double lltm_group_load(const double* p) {
 // The barrier of the P blocks of one tile in the group variant (no cluster: every block of the
 // grid resident at once, by a cooperative launch), on the tile's counter in global memory, zeroed
 // before the launch: the n-th barrier of a launch waits until the counter reaches n P (a target
-// that only grows within the launch, so no reset between steps; a block may arrive at barrier n + 1
-// while another still reads the counter of barrier n, which is then past n P, still reached). The
-// block's stores before it (its threads', ordered before thread 0 by the first block barrier) are
-// released at GPU scope by thread 0's fence before its arrival; thread 0 acquires the peers' by its
-// fence after it sees the P arrivals, and the second block barrier orders the block's later loads
-// after that. Blocks of different tiles never wait for each other.
+// that only grows within the launch, so no reset between steps; a block may arrive at barrier
+// n + 1 while another still reads the counter of barrier n, which is then past n P, still
+// reached). The block's stores before it (its threads', ordered before thread 0 by the first
+// block barrier) are released at GPU scope by thread 0's fence before its arrival; thread 0
+// acquires the peers' by its fence after it sees the P arrivals, and the second block barrier
+// orders the block's later loads after that. Blocks of different tiles never wait for each
+// other.
 __device__ __forceinline__ void lltm_group_sync(unsigned* counter, unsigned target) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -176,20 +189,129 @@ __device__ __forceinline__ long long lltm_cluster_w_bytes(int state, int most, i
   return (3LL * most * state * item + 15) / 16 * 16;
 }
 
-// Arguments as lltm_seq_fwd_kernel's (lltm_fused.cu); the grid is P blocks per tile.
-template <typename T, int P>
-__global__ void LLTM_CLUSTER_DIMS(P)
-lltm_seq_fwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
-                            const T* __restrict__ bias, T* __restrict__ gates,
-                            const T* __restrict__ h0, const T* __restrict__ c0,
-                            T* __restrict__ out, T* __restrict__ cells, T* __restrict__ h_last,
-                            T* __restrict__ c_last, const long long* __restrict__ offsets,
-                            int packed, int steps, int batch, int state, int tile) {
+// ------------------------------------------------------------------------------ the exchanges
+// The kernels' bodies (lltm_seq_fwd_split, lltm_seq_bwd_split) are templates over how the P
+// blocks of a tile exchange, X: lltm_cluster_exchange (distributed shared memory; the cluster
+// kernels) or lltm_group_exchange (global memory; the group kernels). Every line of the cell, the
+// dot products and the loads and stores of the arrays is the same for both. An exchange gives:
+//   rank(), tile_index(): the block's rank in its tile (0 .. P - 1), the tile's index;
+//   start(): the barrier after the block's loads, before any exchange;
+//   forward, step t (h_next: the block's buffer of the next h in shared memory, (tile, S)):
+//     fwd_step(h_next, t): where the step's h goes; put_h(i, v): element i = r S + s of it;
+//     fwd_end(h_next, count): the step's barrier, after which h_next holds the whole next h of
+//     the tile (its first `count` = rows S elements);
+//   backward (recv: the block's receive buffers in shared memory, (2, P, tile, LM); slot = tile
+//     LM; `done`: steps run so far):
+//     bwd_in(recv, slot, done): the partial sums of d_h the blocks sent at the step before, P
+//     slots of `slot` elements in rank order; partial(in, i): element i of them;
+//     bwd_step(recv, slot, done, rank): where this step's go; put_partial(q, slot, i, v):
+//     element i of block q's slot; bwd_end(): the step's barrier.
+
+// Through distributed shared memory (sm_90 and newer): every block keeps the whole h of the tile
+// in its own shared memory and the blocks store into each other's (see the top of this file).
+template <typename A, int P>
+struct lltm_cluster_exchange {
+  lltm_dsmem peer[P];    // the step's next-h buffer in every block of the cluster (forward)
+  A* dst;                // this block's slot of the step's receive buffers (backward)
+
+  __device__ __forceinline__ int rank() const { return (int)lltm_cluster_rank(); }
+  __device__ __forceinline__ unsigned tile_index() const { return blockIdx.x / P; }
+  __device__ __forceinline__ void start() const {
+    lltm_cluster_sync();    // the block's loads done, every block of the cluster running
+  }
+  __device__ __forceinline__ void fwd_step(A* h_next, int) {
+LLTM_UNROLL
+    for (int q = 0; q < P; ++q) peer[q] = lltm_cluster_map(h_next, q);
+  }
+  __device__ __forceinline__ void put_h(int i, A v) const {
+    const unsigned at = (unsigned)(i * sizeof(A));
+LLTM_UNROLL
+    for (int q = 0; q < P; ++q) lltm_cluster_store(peer[q] + at, v);
+  }
+  __device__ __forceinline__ void fwd_end(A*, int) const {
+    lltm_cluster_sync();    // the next h complete in every block; this step's reads of h done
+  }
+  __device__ __forceinline__ const A* bwd_in(A* recv, int slot, int done) const {
+    return recv + ((done + 1) & 1) * P * slot;
+  }
+  __device__ __forceinline__ A partial(const A* in, int i) const { return in[i]; }
+  __device__ __forceinline__ void bwd_step(A* recv, int slot, int done, int rank) {
+    dst = recv + (done & 1) * P * slot + rank * slot;
+  }
+  __device__ __forceinline__ void put_partial(int q, int, int i, A v) const {
+    lltm_cluster_store(lltm_cluster_map(dst, q) + (unsigned)(i * sizeof(A)), v);
+  }
+  __device__ __forceinline__ void bwd_end() const {
+    lltm_cluster_sync();    // every block's partial sums in place; the step's reads of recv done
+  }
+};
+
+// Through global memory (the group kernels; sm_80 and newer, a cooperative launch): the tile's
+// region of the exchange buffer, two buffers of `half` elements (forward: the tile's h, (tile,
+// S); backward: (P receiving blocks, P sending blocks, tile, LM)), and its counter, for
+// lltm_group_sync. Forward, each block stores its states' new h there and, after the barrier,
+// copies the tile's whole next h into its shared memory (then a block barrier); backward, each
+// block stores its partial sums into the receiving blocks' slots there and reads its own after
+// the barrier. Both double-buffered, as in shared memory: one barrier per step (a block writes a
+// buffer again only after the barrier that follows every block's reads of it).
+template <typename A, int P>
+struct lltm_group_exchange {
+  A* x;                  // the tile's region: (2, half)
+  unsigned* counter;     // the tile's counter, zero before the launch
+  unsigned arrivals;     // the barriers this block passed
+  int first;             // the launch's first tile (it runs tiles first .. first + grid / P - 1)
+  int half;
+  A* at;                 // where this step's values go
+
+  __device__ __forceinline__ lltm_group_exchange(A* exchange, unsigned* counters, int tile0,
+                                                 int elements)
+      : x(exchange + (long long)(blockIdx.x / P) * 2 * elements),
+        counter(counters + blockIdx.x / P), arrivals(0), first(tile0), half(elements),
+        at(nullptr) {}
+  __device__ __forceinline__ int rank() const { return (int)(blockIdx.x % P); }
+  __device__ __forceinline__ unsigned tile_index() const { return first + blockIdx.x / P; }
+  __device__ __forceinline__ void start() const {
+    __syncthreads();        // the block's loads done
+  }
+  __device__ __forceinline__ void fwd_step(A*, int t) { at = x + ((t + 1) & 1) * half; }
+  __device__ __forceinline__ void put_h(int i, A v) const { lltm_group_store(at + i, v); }
+  __device__ __forceinline__ void fwd_end(A* h_next, int count) {
+    lltm_group_sync(counter, ++arrivals * P);   // every block's slice of the next h stored
+    for (int i = threadIdx.x; i < count; i += blockDim.x) h_next[i] = lltm_group_load(at + i);
+    __syncthreads();        // the next h in shared memory
+  }
+  __device__ __forceinline__ const A* bwd_in(A*, int slot, int done) const {
+    return x + ((done + 1) & 1) * half + rank() * P * slot;
+  }
+  __device__ __forceinline__ A partial(const A* in, int i) const {
+    return lltm_group_load(in + i);
+  }
+  __device__ __forceinline__ void bwd_step(A*, int slot, int done, int rank) {
+    at = x + (done & 1) * half + rank * slot;
+  }
+  __device__ __forceinline__ void put_partial(int q, int slot, int i, A v) const {
+    lltm_group_store(at + q * P * slot + i, v);
+  }
+  __device__ __forceinline__ void bwd_end() {
+    lltm_group_sync(counter, ++arrivals * P);   // every block's partial sums stored
+  }
+};
+
+// ------------------------------------------------------------------------------ the kernels
+
+// The forward of one block of a tile (the kernels' arguments, see lltm_seq_fwd_cluster_kernel).
+template <typename T, int P, typename X>
+__device__ __forceinline__ void
+lltm_seq_fwd_split(X& x, const T* __restrict__ w, long long w_stride, const T* __restrict__ bias,
+                   T* __restrict__ gates, const T* __restrict__ h0, const T* __restrict__ c0,
+                   T* __restrict__ out, T* __restrict__ cells, T* __restrict__ h_last,
+                   T* __restrict__ c_last, const long long* __restrict__ offsets, int packed,
+                   int steps, int batch, int state, int tile) {
   typedef lltm_traits<T> tr;
   typedef typename tr::acc A;
   const int S = state;
   const int S3 = 3 * state;
-  const int rank = (int)lltm_cluster_rank();
+  const int rank = x.rank();
   const int lo = rank * S / P;                   // this block's states: lo .. lo + L - 1
   const int L = (rank + 1) * S / P - lo;
   const int LM = (S + P - 1) / P;
@@ -199,7 +321,7 @@ lltm_seq_fwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
   T* w_t = (T*)lltm_dynamic_smem;                                   // (S, Q)
   A* h_buf = (A*)(lltm_dynamic_smem + w_bytes);                     // (2, tile, S)
   A* c_buf = h_buf + 2 * tile * S;                                  // (tile, L)
-  const int row0 = (blockIdx.x / P) * tile;
+  const int row0 = x.tile_index() * tile;
   const int rows = min(tile, batch - row0);
   const int n = rows * L;
   const lltm_fused_walk walk(L);
@@ -219,19 +341,17 @@ lltm_seq_fwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
       c_buf[i] = tr::load(c0[(long long)(row0 + r) * S + lo + j]);
     }
   }
-  lltm_cluster_sync();    // the block's loads done, every block of the cluster running
+  x.start();
 
   long long first = lltm_fused_offset(offsets, packed, 0, batch);
   int t = 0;
   for (; t < steps; ++t) {
     const long long edge = lltm_fused_offset(offsets, packed, t + 1, batch);
-    const int active = min(rows, (int)(edge - first) - row0);   // the same for the cluster
+    const int active = min(rows, (int)(edge - first) - row0);   // the same for the tile
     if (active <= 0) break;
     const A* h_cur = h_buf + (t & 1) * tile * S;
     A* h_next = h_buf + ((t + 1) & 1) * tile * S;
-    lltm_dsmem peer[P];
-LLTM_UNROLL
-    for (int q = 0; q < P; ++q) peer[q] = lltm_cluster_map(h_next, q);
+    x.fwd_step(h_next, t);
     int r = walk.r0, j = walk.s0;
     for (int i = threadIdx.x; i < n; i += blockDim.x, walk.next(L, &r, &j)) {
       const int s = lo + j;
@@ -256,12 +376,10 @@ LLTM_UNROLL
         c_buf[i] = tr::load(c_t);
         h_new = tr::load(h_t);
       }
-      const unsigned at = (unsigned)((r * S + s) * sizeof(A));
-LLTM_UNROLL
-      for (int q = 0; q < P; ++q) lltm_cluster_store(peer[q] + at, h_new);
+      x.put_h(r * S + s, h_new);
     }
     first = edge;
-    lltm_cluster_sync();    // the next h complete in every block; this step's reads of h done
+    x.fwd_end(h_next, rows * S);
   }
   const A* h_fin = h_buf + (t & 1) * tile * S;
   int r = walk.r0, j = walk.s0;
@@ -272,22 +390,22 @@ LLTM_UNROLL
   }
 }
 
-// Arguments as lltm_seq_bwd_kernel's (lltm_fused.cu); the grid is P blocks per tile.
-template <typename T, int P>
-__global__ void LLTM_CLUSTER_DIMS(P)
-lltm_seq_bwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
-                            const T* __restrict__ gates, const T* __restrict__ cells,
-                            const T* __restrict__ grad_out, const T* __restrict__ grad_h_n,
-                            const T* __restrict__ grad_c_n, T* __restrict__ d_gates,
-                            T* __restrict__ d_h0, T* __restrict__ d_c0,
-                            const long long* __restrict__ offsets, int packed, int has_grad_out,
-                            int has_grad_h_n, int has_grad_c_n, int steps, int batch, int state,
-                            int tile) {
+// The backward of one block of a tile (the kernels' arguments, see lltm_seq_bwd_cluster_kernel).
+template <typename T, int P, typename X>
+__device__ __forceinline__ void
+lltm_seq_bwd_split(X& x, const T* __restrict__ w, long long w_stride,
+                   const T* __restrict__ gates, const T* __restrict__ cells,
+                   const T* __restrict__ grad_out, const T* __restrict__ grad_h_n,
+                   const T* __restrict__ grad_c_n, T* __restrict__ d_gates,
+                   T* __restrict__ d_h0, T* __restrict__ d_c0,
+                   const long long* __restrict__ offsets, int packed, int has_grad_out,
+                   int has_grad_h_n, int has_grad_c_n, int steps, int batch, int state,
+                   int tile) {
   typedef lltm_traits<T> tr;
   typedef typename tr::acc A;
   const int S = state;
   const int S3 = 3 * state;
-  const int rank = (int)lltm_cluster_rank();
+  const int rank = x.rank();
   const int lo = rank * S / P;
   const int L = (rank + 1) * S / P - lo;
   const int LM = (S + P - 1) / P;
@@ -299,7 +417,7 @@ lltm_seq_bwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
   A* dh_buf = recv + 2 * P * tile * LM;                             // (tile, L)
   A* dc_buf = dh_buf + tile * LM;                                   // (tile, L)
   const int slot = tile * LM;                                       // one block's partial sums
-  const int row0 = (blockIdx.x / P) * tile;
+  const int row0 = x.tile_index() * tile;
   const int rows = min(tile, batch - row0);
   const int n = rows * L;
   const lltm_fused_walk walk(L);      // the block's states of a tile
@@ -319,17 +437,17 @@ lltm_seq_bwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
       dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : A(0);
     }
   }
-  lltm_cluster_sync();    // the block's loads done, every block of the cluster running
+  x.start();
 
   int done = 0;           // steps run so far (their products stored in recv, alternately)
   int before = 0;         // rows active at the last step run: their d_h is in recv
   long long edge = lltm_fused_offset(offsets, packed, steps, batch);
   for (int t = steps - 1; t >= 0; --t) {
     const long long first = lltm_fused_offset(offsets, packed, t, batch);
-    const int active = min(rows, (int)(edge - first) - row0);      // the same for the cluster
+    const int active = min(rows, (int)(edge - first) - row0);      // the same for the tile
     edge = first;
     if (active <= 0) continue;
-    const A* in = recv + ((done + 1) & 1) * P * slot;
+    const A* in = x.bwd_in(recv, slot, done);
     int r = walk.r0, j = walk.s0;
     for (int i = threadIdx.x; i < active * L; i += blockDim.x, walk.next(L, &r, &j)) {
       const int s = lo + j;
@@ -339,9 +457,9 @@ lltm_seq_bwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
       const A go = has_grad_out ? tr::load(grad_out[row * S + s]) : A(0);
       A dh = dh_buf[i];
       if (r < before) {             // the blocks' partial sums, in rank order
-        dh = in[r * LM + j];
+        dh = x.partial(in, r * LM + j);
 LLTM_UNROLL
-        for (int q = 1; q < P; ++q) dh += in[q * slot + r * LM + j];
+        for (int q = 1; q < P; ++q) dh += x.partial(in, q * slot + r * LM + j);
       }
       const A gh = tr::load(tr::store(dh + go));
       T d_i, d_o, d_c, d_c_t;
@@ -357,30 +475,103 @@ LLTM_UNROLL
       dc_buf[i] = tr::load(d_c_t);
     }
     __syncthreads();        // every d_gates of the block's states written
-    A* dst = recv + (done & 1) * P * slot + rank * slot;
+    x.bwd_step(recv, slot, done, rank);
     r = all.r0;
     int k = all.s0;
     for (int i = threadIdx.x; i < active * S; i += blockDim.x, all.next(S, &r, &k)) {
       const A sum = lltm_fused_dot<T>(dg_buf + r * 3 * L, w_s + k, S, 3 * L);
       const int q = ((k + 1) * P - 1) / S;                       // the block owning state k
-      const unsigned at = (unsigned)((r * LM + k - q * S / P) * sizeof(A));
-      lltm_cluster_store(lltm_cluster_map(dst, q) + at, sum);
+      x.put_partial(q, slot, r * LM + k - q * S / P, sum);
     }
-    lltm_cluster_sync();    // every block's partial sums in place; the step's reads of recv done
+    x.bwd_end();
     before = active;
     ++done;
   }
-  const A* in = recv + ((done + 1) & 1) * P * slot;
+  const A* in = x.bwd_in(recv, slot, done);
   int r = walk.r0, j = walk.s0;
   for (int i = threadIdx.x; i < n; i += blockDim.x, walk.next(L, &r, &j)) {
     A dh = dh_buf[i];
     if (r < before) {
-      dh = in[r * LM + j];
+      dh = x.partial(in, r * LM + j);
 LLTM_UNROLL
-      for (int q = 1; q < P; ++q) dh += in[q * slot + r * LM + j];
+      for (int q = 1; q < P; ++q) dh += x.partial(in, q * slot + r * LM + j);
     }
     const long long dst = (long long)(row0 + r) * S + lo + j;
     d_h0[dst] = tr::store(dh);
     d_c0[dst] = tr::store(dc_buf[i]);
   }
+}
+
+// The cluster kernels exist from sm_90 on (NVRTC refuses __cluster_dims__ before, even on a
+// template that is not instantiated); the group kernels below compile for every architecture.
+#if defined(LLTM_HOST_SHIM) || __CUDA_ARCH__ >= 900
+// Arguments as lltm_seq_fwd_kernel's (lltm_fused.cu); the grid is P blocks per tile, a cluster.
+template <typename T, int P>
+__global__ void LLTM_CLUSTER_DIMS(P)
+lltm_seq_fwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
+                            const T* __restrict__ bias, T* __restrict__ gates,
+                            const T* __restrict__ h0, const T* __restrict__ c0,
+                            T* __restrict__ out, T* __restrict__ cells, T* __restrict__ h_last,
+                            T* __restrict__ c_last, const long long* __restrict__ offsets,
+                            int packed, int steps, int batch, int state, int tile) {
+  lltm_cluster_exchange<typename lltm_traits<T>::acc, P> x;
+  lltm_seq_fwd_split<T, P>(x, w, w_stride, bias, gates, h0, c0, out, cells, h_last, c_last,
+                           offsets, packed, steps, batch, state, tile);
+}
+
+// Arguments as lltm_seq_bwd_kernel's (lltm_fused.cu); the grid is P blocks per tile, a cluster.
+template <typename T, int P>
+__global__ void LLTM_CLUSTER_DIMS(P)
+lltm_seq_bwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
+                            const T* __restrict__ gates, const T* __restrict__ cells,
+                            const T* __restrict__ grad_out, const T* __restrict__ grad_h_n,
+                            const T* __restrict__ grad_c_n, T* __restrict__ d_gates,
+                            T* __restrict__ d_h0, T* __restrict__ d_c0,
+                            const long long* __restrict__ offsets, int packed, int has_grad_out,
+                            int has_grad_h_n, int has_grad_c_n, int steps, int batch, int state,
+                            int tile) {
+  lltm_cluster_exchange<typename lltm_traits<T>::acc, P> x;
+  lltm_seq_bwd_split<T, P>(x, w, w_stride, gates, cells, grad_out, grad_h_n, grad_c_n, d_gates,
+                           d_h0, d_c0, offsets, packed, has_grad_out, has_grad_h_n,
+                           has_grad_c_n, steps, batch, state, tile);
+}
+#endif
+
+// The group kernels (no cluster; sm_80 and newer, launched cooperatively so that every block of
+// the grid is resident): the cluster kernels' arguments, then the exchange buffer (tiles of the
+// launch x 2 x tile S elements of A forward, x 2 P^2 tile LM backward, A the arithmetic type), the
+// launch's tiles' counters (zero before the launch) and the index of its first tile (a batch of
+// more tiles than can be resident at once runs in several launches).
+template <typename T, int P>
+__global__ void
+lltm_seq_fwd_group_kernel(const T* __restrict__ w, long long w_stride,
+                          const T* __restrict__ bias, T* __restrict__ gates,
+                          const T* __restrict__ h0, const T* __restrict__ c0,
+                          T* __restrict__ out, T* __restrict__ cells, T* __restrict__ h_last,
+                          T* __restrict__ c_last, const long long* __restrict__ offsets,
+                          int packed, int steps, int batch, int state, int tile,
+                          typename lltm_traits<T>::acc* __restrict__ exchange,
+                          unsigned* __restrict__ counters, int tile0) {
+  lltm_group_exchange<typename lltm_traits<T>::acc, P> x(exchange, counters, tile0,
+                                                         tile * state);
+  lltm_seq_fwd_split<T, P>(x, w, w_stride, bias, gates, h0, c0, out, cells, h_last, c_last,
+                           offsets, packed, steps, batch, state, tile);
+}
+
+template <typename T, int P>
+__global__ void
+lltm_seq_bwd_group_kernel(const T* __restrict__ w, long long w_stride,
+                          const T* __restrict__ gates, const T* __restrict__ cells,
+                          const T* __restrict__ grad_out, const T* __restrict__ grad_h_n,
+                          const T* __restrict__ grad_c_n, T* __restrict__ d_gates,
+                          T* __restrict__ d_h0, T* __restrict__ d_c0,
+                          const long long* __restrict__ offsets, int packed, int has_grad_out,
+                          int has_grad_h_n, int has_grad_c_n, int steps, int batch, int state,
+                          int tile, typename lltm_traits<T>::acc* __restrict__ exchange,
+                          unsigned* __restrict__ counters, int tile0) {
+  lltm_group_exchange<typename lltm_traits<T>::acc, P> x(exchange, counters, tile0,
+                                                         P * P * tile * ((state + P - 1) / P));
+  lltm_seq_bwd_split<T, P>(x, w, w_stride, gates, cells, grad_out, grad_h_n, grad_c_n, d_gates,
+                           d_h0, d_c0, offsets, packed, has_grad_out, has_grad_h_n,
+                           has_grad_c_n, steps, batch, state, tile);
 }

@@ -154,9 +154,10 @@ def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False,
         165, 117, 82 on A100) run in a cluster of up to 8 blocks on sm_90 and newer (up to 544,
         388, 272; speed not measured yet), or of 16 blocks (up to 768, 544, 384) where the device
         can hold one (a non-portable cluster size, which CUDA's occupancy query must say fits;
-        not yet run on a GPU), larger ones (and on A100 those above one block's bound) the
-        stepped path as without it. Off by default: the stepped path is the one measured on a GPU so far (see
-        docs/performance.md).
+        not yet run on a GPU); on sm_80 to sm_89 in a cooperative group of up to 8 blocks
+        exchanging through global memory (up to 464, 328, 232 on A100; never run on a GPU yet);
+        larger ones the stepped path as without it. Off by default: the stepped path is the one
+        measured on a GPU so far (see docs/performance.md).
 
     Warning: ``saved`` refers to ``weights`` and, when contiguous, to ``inputs``: do not modify
     them in place before :func:`backward_sequence` (the gradients would be silently wrong).

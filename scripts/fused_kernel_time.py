@@ -10,8 +10,10 @@ every gradient) are checked against a float64 run on the GPU: they must be withi
 default (stepped) path's error, or within the dtype's floor, whichever is larger (both paths
 drift from float64 over long sequences, in orders of their own); a size that fails posts no time
 and the run exits with status 1. Then ``--warmup`` untimed calls and the median of ``--runs``.
-The last column says which kernels ran: 1 block per tile of batch rows, or the cluster variant's
-blocks per tile (hidden sizes one block cannot hold, sm_90 and newer).
+The last column says which kernels ran: 1 block per tile of batch rows, or the blocks per tile
+of the split (hidden sizes one block cannot hold: the cluster variant on sm_90 and newer, its
+group variant on sm_80 to sm_89, whose time is the sum of its launches' where a batch needs
+several).
 The kernels timed in float16 and bfloat16 on sm_80 and newer are the tensor-core ones
 (``cuda_src/lltm_fused_mma.cu``) where they apply, as in the calls.
 
@@ -134,12 +136,14 @@ def measure(cupy, T, B, F, S, dtype, runs, warmup):
     for _ in range(warmup):
         _run(cupy, arrays, True)
     real, real_cluster = _kernels.get_fused_kernels, _kernels.get_cluster_kernels
+    real_group = _kernels.get_group_kernels     # the split on sm_80 to sm_89 (no clusters)
     timed = _Timed(cupy, real)
     real_mma = _mma.get_kernels         # the 16-bit kernels on tensor cores (sm_80 and newer)
     fwd, bwd, whole, launched = [], [], [], set()
     try:
         _kernels.get_fused_kernels = timed
         _kernels.get_cluster_kernels = _Timed(cupy, real_cluster, timed.events)
+        _kernels.get_group_kernels = _Timed(cupy, real_group, timed.events)
         _mma.get_kernels = _Timed(cupy, real_mma, timed.events)
         for _ in range(runs):
             timed.events.clear()
@@ -155,12 +159,13 @@ def measure(cupy, T, B, F, S, dtype, runs, warmup):
                                  for name, s, e in timed.events if name == kind))
     finally:
         _kernels.get_fused_kernels, _kernels.get_cluster_kernels = real, real_cluster
+        _kernels.get_group_kernels = real_group
         _mma.get_kernels = real_mma
     assert launched == {"fwd", "bwd"}, (
         f"{T}x{B}x{F}x{S} {dtype}: the fused kernels did not run (a state size whose weights do "
         f"not fit a block's shared memory, or on sm_90 and newer an 8-block cluster's or a "
-        f"16-block one the device holds, runs the default path; cluster query failures: "
-        f"{_kernels.cluster_failures or 'none'})")
+        f"16-block one the device holds, or on sm_80 to sm_89 8 blocks', runs the default "
+        f"path; cluster query failures: {_kernels.cluster_failures or 'none'})")
     per_step = 1000 / T      # ms per call -> us per step
     return (statistics.median(fwd) * per_step, statistics.median(bwd) * per_step,
             statistics.median(whole) * per_step, fused_error, default_error)

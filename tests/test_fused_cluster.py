@@ -41,6 +41,9 @@ def one_block_lib(tmp_path_factory):
 def _use(monkeypatch, lib, one_block_lib):
     monkeypatch.setattr(_kernels, "get_cluster_kernels",
                         host_cluster.host_get_cluster_kernels(lib, LIMIT))
+    monkeypatch.setattr(_kernels, "get_group_kernels",
+                        host_cluster.host_get_group_kernels(lib, LIMIT))
+    monkeypatch.setattr(_kernels, "resident_blocks", host_cluster.resident_blocks)
     monkeypatch.setattr(_kernels, "get_fused_kernels",
                         host_fused.host_get_fused_kernels(one_block_lib, LIMIT))
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
@@ -203,21 +206,25 @@ def test_the_launcher_picks_the_smallest_cluster_that_fits():
 
 
 def test_no_cluster_before_sm_90(cluster_cupy, monkeypatch):
-    """On sm_80 the state sizes past the one-block bound run the stepped path, as before."""
-    monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 80)
+    """Before sm_90 the state sizes past the one-block bound run the group variant
+    (tests/test_fused_group.py), not clusters; from sm_90 clusters."""
     dtype = np.dtype(np.float32)
     state = _fused.max_state(LIMIT, dtype) + 1
-    assert not _fused.usable(state, dtype)
-    monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 90)
-    assert _fused.usable(state, dtype)
+    for arch, clusters in ((80, False), (89, False), (90, True), (100, True)):
+        monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: arch)
+        assert _fused.usable(state, dtype)
+        assert _cluster.uses_clusters(0) == clusters
     assert not _fused.usable(_cluster.max_state(LIMIT, dtype, 16) + 1, dtype)
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 80)   # groups of 8
+    assert _fused.usable(_cluster.max_state(LIMIT, dtype, 8), dtype)
+    assert not _fused.usable(_cluster.max_state(LIMIT, dtype, 8) + 1, dtype)
 
 
 def test_a_forced_size_that_cannot_run_says_which_sizes_can(cluster_cupy, monkeypatch):
     monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
     dtype = np.dtype(np.float32)
     stored, _ = make(2, 1, 2, 300, dtype, seed=1)
-    with pytest.raises(RuntimeError, match=r"state size 300 in float32 in clusters of 2 blocks"
+    with pytest.raises(RuntimeError, match=r"state size 300 in float32 in 2 blocks per tile"
                                            r".*8 blocks: S <= \d+"):
         run(cluster_cupy, stored, None, False, True)
 
@@ -440,19 +447,20 @@ _BARRIER = re.compile(r"(lltm_cluster_sync|__syncthreads)\(\);")
 
 
 def _barriers(text: str) -> list:
-    """The kernels' barriers (not those inside lltm_group_sync, the group variant's barrier,
-    which tests/test_host_cluster.py mutates on its own)."""
-    start = text.index("void lltm_group_sync(")
-    end = text.index("\n}\n", start)
+    """The barriers the cluster kernels pass (not those of the group variant's exchange,
+    tests/test_fused_group.py, nor those inside its barrier lltm_group_sync,
+    tests/test_host_cluster.py)."""
+    skip = [(text.index(head), text.index(close, text.index(head))) for head, close in
+            (("void lltm_group_sync(", "\n}\n"), ("struct lltm_group_exchange {", "\n};\n"))]
     return [(m.start(), m.end()) for m in _BARRIER.finditer(text)
-            if not start <= m.start() < end]
+            if not any(a <= m.start() < b for a, b in skip)]
 
 
 def test_the_kernels_have_the_barriers_the_mutation_test_deletes():
-    """One cluster barrier at the start and one per step each way, one block barrier per
-    backward step: five in all."""
+    """The cluster exchange's barriers (one at the start and one per step each way), then one
+    block barrier per backward step: four in all."""
     found = [_CLUSTER_TEXT[a:b].rstrip("();") for a, b in _barriers(_CLUSTER_TEXT)]
-    assert found == ["lltm_cluster_sync"] * 3 + ["__syncthreads", "lltm_cluster_sync"], found
+    assert found == ["lltm_cluster_sync"] * 3 + ["__syncthreads"], found
 
 
 @pytest.mark.parametrize("which", range(len(_barriers(_CLUSTER_TEXT))))

@@ -454,6 +454,10 @@ def test_warmup_with_fused_compiles_the_mma_kernels(mma_cupy, monkeypatch):
 
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 80)   # no clusters
     emu = mma_cupy.emulator
+    # on sm_80 warmup also compiles the group kernels (tests/test_fused_group.py): recorded only
+    monkeypatch.setattr(_kernels, "get_group_kernels",
+                        lambda dtype, size: emu.compile("lltm_fused_cluster.cu", "group",
+                                                        np.dtype(dtype).str))
     lltm_cupy.warmup(["float16", "bfloat16"])
     assert not [c for c in emu.compiles if c[0] == "lltm_fused_mma.cu"]
     lltm_cupy.warmup(["float16", "bfloat16"], fused=True)

@@ -155,7 +155,8 @@ def group_exchange(lib, grid, block, size, rounds, mode=0, schedule="ascending",
 
 
 def group_expected(grid, block, size, rounds):
-    """Round k: each thread reads what the same thread of the previous block of its group stored."""
+    """Round k: each thread reads what the same thread of the previous block of its group
+    stored."""
     b = np.arange(grid)
     first = b - b % size
     pred = first + (b - first - 1) % size

@@ -32,7 +32,9 @@ In float16 and bfloat16 on sm_80 and newer, the calls within that bound launch t
 kernels of :mod:`.fused_mma` instead where their shared memory fits (each way on its own).
 Above that bound, on sm_90 and newer, the same calls launch the cluster variant instead
 (``cuda_src/lltm_fused_cluster.cu``, sized by :mod:`.fused_cluster`: W_h split over the blocks
-of a thread-block cluster), with the same arguments.
+of a thread-block cluster), with the same arguments; on sm_80 to sm_89 its group variant (the
+same kernels' bodies, the blocks of a tile exchanging through global memory in a cooperative
+launch).
 """
 from __future__ import annotations
 
@@ -93,7 +95,8 @@ def max_state(limit: int, dtype) -> int:
 
 def usable(state: int, dtype) -> bool:
     """True when the fused kernels run this state size in this dtype on the current device: in
-    one block per tile, or (sm_90 and newer) in a cluster of blocks (:mod:`.fused_cluster`)."""
+    one block per tile, or (sm_80 and newer) split over several blocks per tile, in a cluster
+    from sm_90, in a group of a cooperative launch before (:mod:`.fused_cluster`)."""
     from . import fused_cluster
 
     return (0 < state <= max_state(kernels.shared_memory_limit(kernels.current_device()), dtype)
@@ -102,7 +105,7 @@ def usable(state: int, dtype) -> bool:
 
 def _cluster(state: int, dtype):
     """None where the one-block kernels run ``state`` (and no cluster size is forced), else the
-    cluster size of the cluster kernels."""
+    blocks per tile of the cluster (or group) kernels."""
     from . import fused_cluster
 
     if fused_cluster.FORCED_SIZE is None and \
@@ -122,10 +125,15 @@ def _kernel_and_geometry(batch: int, state: int, dtype, backward: bool):
     if size is None:
         fns = kernels.get_fused_kernels(dtype)
         geometry = _geometry(None, batch, state, dtype, backward)
-    else:
+    elif fused_cluster.uses_clusters(kernels.current_device()):
         fns = kernels.get_cluster_kernels(dtype, size)
         kernel = fns.bwd if backward else fns.fwd
         return (kernel, *fused_cluster.geometry(batch, state, dtype, backward, size, kernel))
+    else:                                       # sm_80 to sm_89: groups, a cooperative launch
+        fns = kernels.get_group_kernels(dtype, size)
+        kernel = fused_cluster.group_launch(fns.bwd if backward else fns.fwd, size, dtype, state,
+                                            backward)
+        return (kernel, *fused_cluster.geometry(batch, state, dtype, backward, size))
     return (fns.bwd if backward else fns.fwd, *geometry)
 
 

@@ -1,37 +1,58 @@
-"""GPU backend, fused sequences across a thread-block cluster (``cuda_src/lltm_fused_cluster.cu``):
-sizes and geometry of the cluster variant that :mod:`.fused` runs, on sm_90 and newer, for the
-state sizes whose W_h does not fit one block's shared memory.
+"""GPU backend, fused sequences split over several blocks per tile
+(``cuda_src/lltm_fused_cluster.cu``): sizes and geometry of the variants that :mod:`.fused` runs
+for the state sizes whose W_h does not fit one block's shared memory: on sm_90 and newer in
+thread-block clusters, on sm_80 to sm_89 in groups of blocks of a cooperative launch.
 
-A cluster of P blocks (P in 1, 2, 4, 8, 16) runs each tile of batch rows; block r holds W_h's rows
-of its states r S / P .. (r + 1) S / P - 1 (at most LM = ceil(S / P)) and the blocks exchange
-each step's h (forward) or partial d_h (backward) through distributed shared memory. Shared
-memory per block (bytes; T the storage type, A the arithmetic type, float32 for the 16-bit
-types; the layout is the same in every block):
+P blocks (P in 1, 2, 4, 8, 16 in a cluster; 1, 2, 4, 8 in a group) run each tile of batch rows;
+block r holds W_h's rows of its states r S / P .. (r + 1) S / P - 1 (at most LM = ceil(S / P))
+and the blocks exchange each step's h (forward) or partial d_h (backward): in a cluster through
+distributed shared memory, with one cluster barrier per step; in a group through a buffer in
+global memory (in L2), with one barrier per step on a counter per tile in global memory (the
+group kernels, one kernel source with the cluster ones: the same cell and dot products, the same
+results). Shared memory per block (bytes; T the storage type, A the arithmetic type, float32 for
+the 16-bit types; the layout is the same in every block and in both variants, the group's
+leaving the receive buffers unused):
 
     forward:  S * Q sizeof(T), Q = 3 LM rounded up as wt_stride (.fused) does for 3S, to 16,
               plus per row of the tile (2 S + LM) sizeof(A)
     backward: 3 LM S sizeof(T), rounded up to 16, plus per row (5 + 2 P) LM sizeof(A)
 
-The cluster size is the smallest of 1, 2, 4 and 8 (the portable sizes: every sm_90 device runs
-them) that runs a one-row tile both ways. Where 8 blocks cannot hold W_h, 16 blocks run it if
+The cluster (or group) size is the smallest of 1, 2, 4 and 8 (the portable sizes: every sm_90
+device runs them) that runs a one-row tile both ways. Where 8 blocks cannot hold W_h, 16 blocks run it if
 they can and the device holds at least one cluster of 16 blocks of both kernels (the driver's
 occupancy query, ``kernels.max_active_clusters``; the kernels carry the non-portable cluster
 size attribute). A 16-block cluster is non-portable: it needs a GPC of at least 16 SMs with
 room for one block each (an H100's GPCs have up to 18 SMs), a smaller part (a MIG slice,
 another product) may hold none, or the query may fail; then those sizes run the stepped path.
+Groups (sm_80 to sm_89) are of 1, 2, 4 or 8 blocks only.
 
 The tile, as in .fused: the batch spread over SMs / P clusters, as many rows as fit; then grown
 until the device can hold every cluster at once, as the occupancy query says (all blocks of a
 cluster must fit one GPC, so a device may hold fewer clusters than SMs / P: e.g. 32 of 4 blocks
 of about 200 KB where 132 SMs form GPCs of 16 and 18 SMs). Where shared memory stops the tile
 growing first, the clusters beyond the device's run in a second wave (or more) after the first;
-where the query fails, the first spread stands.
+where the query fails, the first spread stands. The group variant plans its tiles as that first
+spread.
 
 Largest state size (:func:`max_state`) on sm_90 and sm_100 (232,448 bytes per block):
 
     blocks   float16 / bfloat16   float32   float64
        8            544             388       272
       16            768             544       384
+
+and in groups on sm_80 (166,912 bytes per block):
+
+    blocks   float16 / bfloat16   float32   float64
+       8            464             328       232
+
+The group variant (:func:`group_launch`) needs every block of its grid resident at once (its
+blocks wait for each other): it is launched cooperatively (cuLaunchCooperativeKernel, which the
+driver refuses for a grid the device cannot hold at once; CuPy would first shrink a
+one-dimensional grid to that size with a warning, leaving tiles half launched), each launch at
+most as many tiles as the device holds at once (the driver's occupancy figure,
+kernels.resident_blocks); a batch of more tiles runs in several launches. Its exchange buffer and
+counters are allocated per call on the current stream, the counters zeroed there (one memset
+per call, none per step: the n-th barrier of a launch waits for n P arrivals).
 """
 from __future__ import annotations
 
@@ -42,14 +63,17 @@ import numpy as np
 from . import kernels
 from .fused import THREADS, _acc_size, wt_stride
 
-__all__ = ["FORCED_SIZE", "MIN_ARCH", "PORTABLE_SIZES", "shared_bytes", "cluster_size",
-           "max_state", "held", "usable", "chosen_size", "geometry"]
+__all__ = ["FORCED_SIZE", "MIN_ARCH", "GROUP_MIN_ARCH", "PORTABLE_SIZES", "shared_bytes",
+           "cluster_size", "max_state", "held", "usable", "chosen_size", "geometry",
+           "uses_clusters", "exchange_elements", "group_launch"]
 
 #: The cluster size to run whatever the state size (tests; None: the launcher's own choice, see
 #: the module docstring, where the one-block kernels cannot hold W_h).
 FORCED_SIZE = None
 #: Thread-block clusters need compute capability 9.0.
 MIN_ARCH = 90
+#: The group variant (no cluster) runs from compute capability 8.0 on.
+GROUP_MIN_ARCH = 80
 
 
 def shared_bytes(state: int, dtype, tile: int, backward: bool, size: int) -> int:
@@ -102,37 +126,50 @@ def held(state: int, dtype, size: int):
 def _choice(state: int, dtype, limit: int):
     """The cluster size of the launcher's own choice (see the module docstring), or None."""
     size = cluster_size(state, dtype, limit)
-    if size is None:
+    if size is None and uses_clusters(kernels.current_device()):
         size = next((p for p in kernels.CLUSTER_SIZES if p > kernels.PORTABLE_CLUSTER_SIZE
                      and _fits(state, dtype, p, limit) and held(state, dtype, p)), None)
     return size
 
 
+def uses_clusters(device: int) -> bool:
+    """True where the split runs in thread-block clusters (sm_90 and newer), False where in
+    groups of a cooperative launch (sm_80 to sm_89)."""
+    return kernels.compute_capability(device) >= MIN_ARCH
+
+
 def usable(state: int, dtype) -> bool:
-    """True when the current device (sm_90 or newer) runs ``state`` in a cluster."""
+    """True when the current device (sm_80 or newer) runs ``state`` split over several blocks
+    (in clusters from sm_90, in groups before)."""
     device = kernels.current_device()
-    return (kernels.compute_capability(device) >= MIN_ARCH
+    return (kernels.compute_capability(device) >= GROUP_MIN_ARCH
             and _choice(state, dtype, kernels.shared_memory_limit(device)) is not None)
 
 
 def chosen_size(state: int, dtype) -> int:
-    """The cluster size the launcher runs: FORCED_SIZE if set (RuntimeError on a device older
-    than sm_90, naming the largest state sizes each cluster size runs if that size cannot run
-    ``state``, and for a non-portable size if the device holds no such cluster), else the
-    smallest that runs it (None if none does)."""
+    """The blocks per tile the launcher runs: FORCED_SIZE if set (RuntimeError on a device older
+    than sm_80, for a size above 8 before sm_90, naming the largest state sizes each size runs if
+    that size cannot run ``state``, and for a non-portable size if the device holds no such
+    cluster), else the smallest that runs it (None if none does)."""
     device = kernels.current_device()
     limit = kernels.shared_memory_limit(device)
     if FORCED_SIZE is None:
         return _choice(state, dtype, limit)
-    if kernels.compute_capability(device) < MIN_ARCH:
-        raise RuntimeError(f"lltm_cupy: the fused kernels run in thread-block clusters only on "
-                           f"compute capability {MIN_ARCH // 10}.0 and newer; device {device} "
+    if kernels.compute_capability(device) < GROUP_MIN_ARCH:
+        raise RuntimeError(f"lltm_cupy: the fused kernels run split over several blocks only on "
+                           f"compute capability {GROUP_MIN_ARCH // 10}.0 and newer (in "
+                           f"thread-block clusters from {MIN_ARCH // 10}.0); device {device} "
                            f"has {kernels.compute_capability(device) / 10:.1f}")
+    if not uses_clusters(device) and FORCED_SIZE not in kernels.GROUP_SIZES:
+        raise RuntimeError(f"lltm_cupy: before compute capability {MIN_ARCH // 10}.0 the fused "
+                           f"kernels run in groups of {kernels.GROUP_SIZES} blocks, not "
+                           f"{FORCED_SIZE}")
     if not _fits(state, dtype, FORCED_SIZE, limit):
         sizes = ", ".join(f"{p} blocks: S <= {max_state(limit, dtype, p)}"
-                          for p in kernels.CLUSTER_SIZES)
+                          for p in (kernels.CLUSTER_SIZES if uses_clusters(device)
+                                    else kernels.GROUP_SIZES))
         raise RuntimeError(f"lltm_cupy: the fused kernels cannot run state size {state} in "
-                           f"{np.dtype(dtype).name} in clusters of {FORCED_SIZE} blocks with "
+                           f"{np.dtype(dtype).name} in {FORCED_SIZE} blocks per tile with "
                            f"{limit} bytes of shared memory per block ({sizes}; at least as "
                            f"many states as blocks)")
     if FORCED_SIZE > kernels.PORTABLE_CLUSTER_SIZE and not held(state, dtype, FORCED_SIZE):
@@ -190,3 +227,39 @@ def _resident_tile(kernel, batch: int, state: int, dtype, backward: bool, size: 
         if -(-batch // tile) <= held or tile >= largest:
             return tile
         tile = min(largest, max(tile + 1, -(-batch // max(held, 1))))
+
+
+def exchange_elements(state: int, tile: int, backward: bool, size: int) -> int:
+    """Elements (of the arithmetic type) of one tile's region of the group kernels' exchange
+    buffer: two buffers of the tile's h (forward) or of the partial sums of d_h that the
+    ``size`` blocks send each other, (size, size, tile, LM) (backward)."""
+    most = -(-state // size)
+    return 2 * (size * size * tile * most if backward else tile * state)
+
+
+def group_launch(kernel, size: int, dtype, state: int, backward: bool):
+    """A launch handle for the group kernel ``kernel`` (a RawKernel of
+    kernels.get_group_kernels, ``size`` blocks per tile) with the calling convention of the
+    cluster kernels' (``launch(grid, block, args, shared_mem)``, the same arguments): it adds the
+    exchange buffer, the tiles' counters (zeroed) and the first tile of each launch, and runs the
+    grid in launches of at most as many tiles as the device holds at once
+    (kernels.resident_blocks; RuntimeError if not even one tile fits, rather than a launch that
+    would wait for blocks that never run)."""
+    acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+    def launch(grid, block, args, shared_mem=0):
+        cupy = kernels.cupy_module()
+        tiles = grid[0] // size
+        wave = min(tiles, kernels.resident_blocks(kernel, block[0], shared_mem) // size)
+        if wave < 1:
+            raise RuntimeError(f"lltm_cupy: the device cannot hold the {size} blocks of one tile "
+                               f"of the fused kernels at once ({block[0]} threads and "
+                               f"{shared_mem} bytes of shared memory per block)")
+        exchange = cupy.empty(wave * exchange_elements(state, int(args[-1]), backward, size), acc)
+        counters = cupy.zeros(tiles, np.uint32)
+        for first in range(0, tiles, wave):
+            blocks = min(wave, tiles - first) * size
+            kernel((blocks,), block, (*args, exchange, counters[first:], np.int32(first)),
+                   shared_mem=shared_mem)
+
+    return launch

@@ -32,7 +32,8 @@ __all__ = ["cupy_module", "current_device", "on_device", "Launch", "launch", "FL
            "cluster_name_expression", "get_cluster_kernels", "compile_offline_cluster",
            "compute_capability", "PORTABLE_CLUSTER_SIZE", "NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
            "CUlaunchConfig", "OCCUPANCY_PROTOTYPE", "cluster_failures", "max_active_clusters",
-           "allow_cluster_size"]
+           "allow_cluster_size", "GROUP_KERNEL_NAMES", "get_group_kernels", "compile_offline_group",
+           "resident_blocks", "GROUP_SIZES"]
 
 SOURCE_NAME = "lltm.cu"
 KERNEL_NAMES = ("lltm_fwd_kernel", "lltm_bwd_kernel", "lltm_concat_kernel", "lltm_add_kernel")
@@ -289,12 +290,17 @@ def _cached(key, build):
     return found
 
 
-def _whole_shared_memory(code: str, names) -> list:
+def _whole_shared_memory(code: str, names, cooperative: bool = False) -> list:
     """The functions ``names`` of a module compiled from ``code`` on the current device, each
-    allowed the device's whole opt-in shared memory per block."""
+    allowed the device's whole opt-in shared memory per block; ``cooperative``: launched with
+    cuLaunchCooperativeKernel (CuPy's ``enable_cooperative_groups``, which RawModule hands to the
+    RawKernels it gives and they to every launch: cupy/_core/raw.pyx and cupy/cuda/function.pyx,
+    v14.2)."""
     import cupy
 
-    module = cupy.RawModule(code=code, options=RAWMODULE_OPTIONS, name_expressions=names)
+    extra = {"enable_cooperative_groups": True} if cooperative else {}
+    module = cupy.RawModule(code=code, options=RAWMODULE_OPTIONS, name_expressions=names,
+                            **extra)
     fns = [module.get_function(n) for n in names]
     limit = shared_memory_limit(cupy.cuda.Device().id)
     for fn in fns:
@@ -472,3 +478,63 @@ def max_active_clusters(kernel, size: int, threads: int, shared: int):
         found = None
     _occupancy[key] = found
     return found
+
+
+# ------------------------------- the same split without clusters: a cooperative group per tile
+
+GROUP_KERNEL_NAMES = ("lltm_seq_fwd_group_kernel", "lltm_seq_bwd_group_kernel")
+#: Blocks per tile of the group kernels (one instantiation each).
+GROUP_SIZES = (1, 2, 4, 8)
+
+
+def _group_names(dtype):
+    return [cluster_name_expression(k, dtype, p) for p in GROUP_SIZES
+            for k in GROUP_KERNEL_NAMES]
+
+
+def get_group_kernels(dtype, size: int):
+    """The :class:`FusedKernels` (forward, backward) of the group variant of the cluster kernels
+    (``lltm_fused_cluster.cu``'s group kernels: no cluster, the blocks of a tile exchanging
+    through global memory; sm_80 and newer) for ``dtype`` in groups of ``size`` blocks on the
+    current device: every size's kernels compiled at the first call for the dtype, in a module
+    whose launches are cooperative (every block of the grid resident, or the launch fails:
+    :func:`resident_blocks` says how many may be), each allowed the device's whole opt-in shared
+    memory per block."""
+    import cupy
+
+    def build():
+        fns = _whole_shared_memory(cluster_source(), _group_names(dtype), cooperative=True)
+        count = len(GROUP_KERNEL_NAMES)
+        return {p: FusedKernels(*fns[i * count:(i + 1) * count])
+                for i, p in enumerate(GROUP_SIZES)}
+
+    dtype = np.dtype(dtype)
+    return _cached(("group", cupy.cuda.Device().id, dtype.str), build)[size]
+
+
+_resident: dict = {}
+
+
+def resident_blocks(kernel, threads: int, shared: int) -> int:
+    """How many blocks of ``kernel`` (a RawKernel of :func:`get_group_kernels`) with ``threads``
+    threads and ``shared`` bytes of dynamic shared memory the current device holds at once: the
+    driver's cuOccupancyMaxActiveBlocksPerMultiprocessor times the SMs (what CuPy checks a
+    cooperative launch against, cupy/cuda/function.pyx v14.2, which, for a one-dimensional grid
+    past it, shrinks the grid with a warning instead of failing: the launcher never launches one
+    past it). Cached per (device, kernel, threads, shared)."""
+    import cupy
+
+    device = current_device()
+    key = (device, id(kernel), threads, shared)
+    found = _resident.get(key)
+    if found is None:
+        per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel.kernel.ptr, threads, shared)
+        found = _resident[key] = per_sm * _sm_count(device)
+    return found
+
+
+def compile_offline_group(dtype, arch: int, output: str = "cubin") -> bytes:
+    """As :func:`compile_offline`, for the group kernels (``lltm_fused_cluster.cu``, every group
+    size; sm_80 and newer)."""
+    return _nvrtc(cluster_source(), CLUSTER_SOURCE_NAME, _group_names(dtype), arch, output)

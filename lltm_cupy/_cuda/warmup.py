@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels
-from .fused_cluster import MIN_ARCH
+from .fused_cluster import GROUP_MIN_ARCH, MIN_ARCH
 from .kernels import BFLOAT16, cupy_module
 from .sequence import backward_sequence, forward_sequence
 from .step import backward, cell_backward, cell_forward, forward
@@ -43,8 +43,9 @@ def warmup(dtypes, device_id=None, fused=False) -> None:
     ``cuda_src/lltm_fused.cu``; for float16 and bfloat16 on sm_80 and newer, where the calls run
     on tensor cores, ``cuda_src/lltm_fused_mma.cu``'s), and on sm_90 and newer the
     module of the cluster variant
-    (``cuda_src/lltm_fused_cluster.cu``, every cluster size), which the calls launch with the
-    same CuPy kernels around it.
+    (``cuda_src/lltm_fused_cluster.cu``, every cluster size), on sm_80 to sm_89 that of its
+    group variant (the same file's group kernels, every group size), which the calls launch
+    with the same CuPy kernels around it.
     """
     cupy = cupy_module()
     with cupy.cuda.Device(device_id):
@@ -55,8 +56,11 @@ def warmup(dtypes, device_id=None, fused=False) -> None:
                 _exercise(cupy, dtype, batch, features=3, state=4)
                 if fused:
                     _exercise_fused(cupy, dtype, batch, features=3, state=4)
-            if fused and kernels.compute_capability(cupy.cuda.Device().id) >= MIN_ARCH:
+            arch = kernels.compute_capability(cupy.cuda.Device().id)
+            if fused and arch >= MIN_ARCH:
                 kernels.get_cluster_kernels(dtype, 1)   # one module holds every cluster size
+            elif fused and arch >= GROUP_MIN_ARCH:
+                kernels.get_group_kernels(dtype, 1)     # and one every group size
         cupy.cuda.Device().synchronize()
 
 

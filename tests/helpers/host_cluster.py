@@ -81,3 +81,67 @@ def host_get_cluster_kernels(lib, limit: int):
         return found
 
     return get_cluster_kernels
+
+
+#: Shared memory of one SM of the emulated sm_80 device (A100: 164 KiB, of which a block may
+#: take 163 KiB; 1 KiB per resident block is the system's), for resident_blocks.
+SM_SHARED = 164 * 1024
+
+
+def resident_blocks(kernel, threads: int, shared: int) -> int:
+    """A stand-in for lltm_cupy._cuda.kernels.resident_blocks on the emulated device (its SMs:
+    kernels._sm_count, which tests set): blocks per SM as shared memory (1 KiB reserved per
+    block), threads (2,048 per SM) and the 32-block limit allow, times the SMs (registers do not
+    bind at 256 threads of at most 96 registers)."""
+    return min(32, 2048 // threads, SM_SHARED // (shared + 1024)) * _kernels._sm_count(0)
+
+
+def host_get_group_kernels(lib, limit: int):
+    """A replacement for lltm_cupy._cuda.kernels.get_group_kernels launching the host build (each
+    group of a tile's blocks as cooperating contexts, shim_launch_group), as strict as a
+    cooperative launch of CuPy's: a grid of more blocks than :func:`resident_blocks` says the
+    device holds at once fails (CuPy would shrink it and the kernel would wait forever), and as
+    strict about arguments as host_fused.host_get_fused_kernels; the exchange buffer (whose
+    content is undefined at the launch) is filled with NaN first, the counters must be zero."""
+    from helpers import emulated_cupy as emu
+    from helpers.host_fused import _BWD, _BWD_OUTPUTS, _FWD, _FWD_OUTPUTS
+    from helpers.host_kernels import SUFFIX, ptr
+
+    convert = emu.convert_kernel_args
+
+    def kernel(fn, name, kinds, outputs, dtype, size):
+        acc = np.dtype(np.float64 if dtype == np.float64 else np.float32)
+
+        def launch(grid, block, args, shared_mem=0):
+            assert grid[0] > 0 and block[0] > 0, "a launch with an empty grid is an error"
+            assert block[0] <= 1024, "more than 1024 threads per block"
+            assert grid[0] % size == 0, "the grid is not a whole number of groups"
+            assert 0 <= shared_mem <= limit, f"{shared_mem} bytes of shared memory > {limit}"
+            assert grid[0] <= resident_blocks(None, block[0], shared_mem), \
+                f"a cooperative launch of {grid[0]} blocks, more than the device holds at once"
+            *rest, exchange, counters, first = args
+            assert isinstance(exchange, emu.ndarray) and exchange.dtype == acc, exchange.dtype
+            assert isinstance(counters, emu.ndarray) and counters.dtype == np.uint32
+            assert counters.size >= grid[0] // size and not np.asarray(counters).any(), \
+                "the launch's counters are not zero"
+            assert type(first) is np.int32
+            np.asarray(exchange)[...] = np.nan
+            emu._state.log.append(f"kernel:{name}")
+            fn(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), ctypes.c_uint(size),
+               ctypes.c_ulonglong(shared_mem), *convert(rest, dtype, kinds, outputs),
+               ptr(exchange), ptr(counters), ctypes.c_int(int(first)))
+            error = lib.lltm_host_last_error()
+            assert error is None, f"{name}: {error.decode()}"
+        return launch
+
+    def get_group_kernels(dtype, size):
+        dtype = np.dtype(dtype)
+        emu._state.compile("lltm_fused_cluster.cu", "group", dtype.str)
+        suffix = SUFFIX[dtype]
+        return _kernels.FusedKernels(
+            kernel(getattr(lib, f"lltm_seq_fwd_group_{suffix}"), f"seq_fwd_group{size}",
+                   _FWD, _FWD_OUTPUTS, dtype, size),
+            kernel(getattr(lib, f"lltm_seq_bwd_group_{suffix}"), f"seq_bwd_group{size}",
+                   _BWD, _BWD_OUTPUTS, dtype, size))
+
+    return get_group_kernels

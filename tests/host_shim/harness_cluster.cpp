@@ -1,6 +1,8 @@
 // C entry points that run thread-block clusters on the CPU (shim_launch_cluster of shim.h): the
 // cluster variant of the fused sequence kernels (cuda_src/lltm_fused_cluster.cu), and a small
-// kernel that checks the shim's cluster semantics themselves. Built by
+// kernel that checks the shim's cluster semantics themselves; and the group variant (the same
+// kernels' bodies exchanging through global memory, shim_launch_group) with a small kernel that
+// checks the group barrier alone. Built by
 // tests/helpers/host_cluster.py with:
 //   g++ -O2 -std=c++17 -shared -fPIC -I<cuda_src> -I<this folder> harness_cluster.cpp
 #include "shim.h"
@@ -32,6 +34,37 @@ static void lltm_bwd_cluster(unsigned grid, unsigned block, unsigned long long s
     lltm_seq_bwd_cluster_kernel<T, P>(w, w_stride, gates, cells, grad_out, grad_h_n, grad_c_n,
                                       d_gates, d_h0, d_c0, offsets, packed, has_grad_out,
                                       has_grad_h_n, has_grad_c_n, steps, batch, state, tile);
+  });
+}
+
+// The group kernels (the same split without a cluster: shim_launch_group).
+template <typename T, int P>
+static void lltm_fwd_group(unsigned grid, unsigned block, unsigned long long shared, const T* w,
+                           long long w_stride, const T* bias, T* gates, const T* h0,
+                           const T* c0, T* out, T* cells, T* h_last, T* c_last,
+                           const long long* offsets, int packed, int steps, int batch,
+                           int state, int tile, typename lltm_traits<T>::acc* exchange,
+                           unsigned* counters, int tile0) {
+  shim_launch_group(grid, block, P, shared, [&] {
+    lltm_seq_fwd_group_kernel<T, P>(w, w_stride, bias, gates, h0, c0, out, cells, h_last,
+                                    c_last, offsets, packed, steps, batch, state, tile,
+                                    exchange, counters, tile0);
+  });
+}
+
+template <typename T, int P>
+static void lltm_bwd_group(unsigned grid, unsigned block, unsigned long long shared, const T* w,
+                           long long w_stride, const T* gates, const T* cells,
+                           const T* grad_out, const T* grad_h_n, const T* grad_c_n,
+                           T* d_gates, T* d_h0, T* d_c0, const long long* offsets, int packed,
+                           int has_grad_out, int has_grad_h_n, int has_grad_c_n, int steps,
+                           int batch, int state, int tile, typename lltm_traits<T>::acc* exchange,
+                           unsigned* counters, int tile0) {
+  shim_launch_group(grid, block, P, shared, [&] {
+    lltm_seq_bwd_group_kernel<T, P>(w, w_stride, gates, cells, grad_out, grad_h_n, grad_c_n,
+                                    d_gates, d_h0, d_c0, offsets, packed, has_grad_out,
+                                    has_grad_h_n, has_grad_c_n, steps, batch, state, tile,
+                                    exchange, counters, tile0);
   });
 }
 
@@ -67,6 +100,37 @@ static void lltm_bwd_cluster(unsigned grid, unsigned block, unsigned long long s
                         grad_out, grad_h_n, grad_c_n, d_gates, d_h0, d_c0, offsets, packed,    \
                         has_grad_out, has_grad_h_n, has_grad_c_n, steps, batch, state, tile)   \
   }
+
+#define LLTM_GROUP_ENTRY_POINTS(T, SUFFIX)                                                     \
+  extern "C" void lltm_seq_fwd_group_##SUFFIX(                                                 \
+      unsigned grid, unsigned block, unsigned cluster, unsigned long long shared, const T* w,  \
+      long long w_stride, const T* bias, T* gates, const T* h0, const T* c0, T* out,           \
+      T* cells, T* h_last, T* c_last, const long long* offsets, int packed, int steps,         \
+      int batch, int state, int tile, lltm_traits<T>::acc* exchange, unsigned* counters,       \
+      int tile0) {                                                                             \
+    shim_error = nullptr;                                                                      \
+    LLTM_CLUSTER_SWITCH(lltm_fwd_group, T, grid, block, shared, w, w_stride, bias, gates, h0,  \
+                        c0, out, cells, h_last, c_last, offsets, packed, steps, batch, state,  \
+                        tile, exchange, counters, tile0)                                       \
+  }                                                                                            \
+  extern "C" void lltm_seq_bwd_group_##SUFFIX(                                                 \
+      unsigned grid, unsigned block, unsigned cluster, unsigned long long shared, const T* w,  \
+      long long w_stride, const T* gates, const T* cells, const T* grad_out,                   \
+      const T* grad_h_n, const T* grad_c_n, T* d_gates, T* d_h0, T* d_c0,                      \
+      const long long* offsets, int packed, int has_grad_out, int has_grad_h_n,                \
+      int has_grad_c_n, int steps, int batch, int state, int tile,                             \
+      lltm_traits<T>::acc* exchange, unsigned* counters, int tile0) {                          \
+    shim_error = nullptr;                                                                      \
+    LLTM_CLUSTER_SWITCH(lltm_bwd_group, T, grid, block, shared, w, w_stride, gates, cells,     \
+                        grad_out, grad_h_n, grad_c_n, d_gates, d_h0, d_c0, offsets, packed,    \
+                        has_grad_out, has_grad_h_n, has_grad_c_n, steps, batch, state, tile,   \
+                        exchange, counters, tile0)                                             \
+  }
+
+LLTM_GROUP_ENTRY_POINTS(double, f64)
+LLTM_GROUP_ENTRY_POINTS(float, f32)
+LLTM_GROUP_ENTRY_POINTS(lltm_half, f16)
+LLTM_GROUP_ENTRY_POINTS(lltm_bf16, bf16)
 
 LLTM_CLUSTER_ENTRY_POINTS(double, f64)
 LLTM_CLUSTER_ENTRY_POINTS(float, f32)
