@@ -176,14 +176,14 @@ def test_fused_at_the_shared_memory_bound(fused_cupy, dtype, state):
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_above_the_bound_runs_the_stepped_path(fused_cupy, monkeypatch, dtype, arch):
-    """Past one block's bound on a device without clusters (before sm_90), past a 16-block
-    cluster's on sm_90 (tests/test_fused_cluster.py runs the sizes between)."""
+    """Past an 8-block group's bound on a device without clusters (sm_80 to sm_89), past a
+    16-block cluster's on sm_90 (tests/test_fused_group.py and tests/test_fused_cluster.py run
+    the sizes between)."""
     from lltm_cupy import _cuda
     from lltm_cupy._cuda import fused_cluster
 
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: arch)
-    state = (_fused.max_state(LIMIT, dtype) if arch < 90
-             else fused_cluster.max_state(LIMIT, dtype, 16)) + 1
+    state = fused_cluster.max_state(LIMIT, dtype, 8 if arch < 90 else 16) + 1
     stored, _ = make(2, 1, 2, state, dtype, seed=1)
     emu = fused_cupy.emulator
     a = {k: fused_cupy.asarray(v) for k, v in stored.items()}
