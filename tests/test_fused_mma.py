@@ -185,7 +185,8 @@ def test_a_lane_missing_from_the_warp_product_is_an_error(fused_lib, case):
 
 from lltm_cupy._cuda import fused_mma as _mma, kernels as _kernels  # noqa: E402
 from conftest import max_error  # noqa: E402
-from test_fused_sequence import LIMIT, OUT, compare, make, run, _reference  # noqa: E402
+from test_fused_sequence import (  # noqa: E402
+    LIMIT, OUT, _group_kernels_not_built, _reference, compare, make, run)
 
 DTYPES16 = {"float16": np.dtype(np.float16), "bfloat16": _kernels.BFLOAT16}
 
@@ -455,9 +456,7 @@ def test_warmup_with_fused_compiles_the_mma_kernels(mma_cupy, monkeypatch):
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 80)   # no clusters
     emu = mma_cupy.emulator
     # on sm_80 warmup also compiles the group kernels (tests/test_fused_group.py): recorded only
-    monkeypatch.setattr(_kernels, "get_group_kernels",
-                        lambda dtype, size: emu.compile("lltm_fused_cluster.cu", "group",
-                                                        np.dtype(dtype).str))
+    monkeypatch.setattr(_kernels, "get_group_kernels", _group_kernels_not_built)
     lltm_cupy.warmup(["float16", "bfloat16"])
     assert not [c for c in emu.compiles if c[0] == "lltm_fused_mma.cu"]
     lltm_cupy.warmup(["float16", "bfloat16"], fused=True)
