@@ -56,8 +56,9 @@ KERNEL_TESTS = ("tests/test_host_kernels.py", "tests/test_backends.py", "tests/t
                 "tests/test_accuracy.py")
 FUSED_TESTS = ("tests/test_fused_sequence.py", "tests/test_host_kernels.py",
                "tests/test_lltm_layers.py")
-#: lltm_fused.cu's dot products, which the cluster kernels (lltm_fused_cluster.cu) call too
-FUSED_DOT_TESTS = FUSED_TESTS + ("tests/test_fused_cluster.py",)
+#: lltm_fused.cu's dot products, which the cluster kernels (lltm_fused_cluster.cu) and their
+#: group variant call too
+FUSED_DOT_TESTS = FUSED_TESTS + ("tests/test_fused_cluster.py", "tests/test_fused_group.py")
 NUMPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
                "tests/test_torch.py", "tests/test_torch_sequence.py")
 CUPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
@@ -123,7 +124,7 @@ MUTANTS = [
            "    T* g",
            "i += (I)blockDim.x) {\n    const I b = i / S;\n    const I s = i - b * S;\n    T* g",
            KERNEL_TESTS, "forward kernel strides by one block, not the grid"),
-    # the dot products of lltm_fused.cu are the cluster kernels' too: both files' tests run
+    # lltm_fused.cu's dot products are the cluster and group kernels' too: all their tests run
     Mutant("fused-recurrent-weight-row", "cuda_src/lltm_fused.cu",
            "LLTM_FUSED_LANES; ++l) {\n      const T* wk = w + (k + l) * stride;\n"
            "      const A hk = h[k + l];\n      ai[l] += tr::load(wk[0]) * hk;\n"
