@@ -61,9 +61,11 @@ def kernel_resources(elf: bytes) -> dict:
 #: The compilers the kernels' register pins (tests/test_fused_*.py) were measured with: NVRTC
 #: 13.5 (the nvidia-cuda-nvrtc wheel CI installed then) and ptxas of nvcc 13.0 (this machine
 #: kind's toolkit). Another version allocates registers otherwise: NVRTC 13.0 gives the cluster
-#: kernels up to 35 % more on sm_100 than 13.5. Against those versions a pin holds with a margin
-#: of half the pin more, so that a compiler update does not fail CI while a change that doubles a
-#: kernel's registers still does; no local memory is required whatever the version.
+#: kernels up to 35 % more on sm_100 than 13.5, and the sm_80 group kernel's float32 forward of
+#: two blocks 96 registers where 13.5 gives 56 (+71 %). Against those versions a pin holds up to
+#: twice the pin (plus the margin), so that a compiler update does not fail CI while a change
+#: that more than doubles a kernel's registers still does; no local memory is required whatever
+#: the version.
 PINNED_COMPILERS = {"nvrtc": (13, 5), "ptxas": (13, 0)}
 #: one register allocation unit per thread: what a pinned compiler's figure may grow by
 MARGIN = 8
@@ -95,4 +97,4 @@ def register_ceiling(pin: int, compiler: str = "nvrtc") -> int:
         _versions[compiler] = compiler_version(compiler)
     if _versions[compiler] == PINNED_COMPILERS[compiler]:
         return pin + MARGIN
-    return pin + MARGIN + pin // 2
+    return 2 * pin + MARGIN
