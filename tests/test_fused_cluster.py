@@ -769,3 +769,122 @@ def test_the_fused_choice_is_made_on_the_arrays_device(emulated_cupy, monkeypatc
 
     lltm_cupy.forward_sequence(*args, fused=True)
     assert asked == [[args[0].data.device_id]], (asked, entered)
+
+
+# ------------------------------------------- a driver that refuses what the query said fits
+
+def _run_any(xp, stored, lengths, reverse, fused):
+    """test_fused_sequence.run without asserting which path ran: (results, saved.fused)."""
+    ran = []
+    return run(xp, stored, lengths, reverse, fused, ran=ran), ran[0]
+
+
+@pytest.mark.parametrize("lengths", [None, [3, 0, 2, 3, 1]], ids=["full", "packed"])
+@pytest.mark.parametrize("refused", ["seq_fwd_cluster16", "seq_bwd_cluster16"])
+def test_a_refused_16_block_launch_runs_the_stepped_path(cluster_cupy, monkeypatch, refused,
+                                                         lengths):
+    """float32 S = 512 (16 blocks, which the query says fit) on a driver that refuses the launch
+    (CUDA_ERROR_INVALID_CLUSTER_SIZE from the launch call): no error reaches the caller; a refused
+    forward gives the stepped path's results bit for bit (and its backward is the stepped one), a
+    refused backward the stepped backward on the fused forward's values; the reason is kept, the
+    size is refused on the device (later calls plan without it and do not retry, a forced 16
+    names the refusal), and the portable sizes run as before."""
+    f32 = np.dtype(np.float32)
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 32)
+    emu = cluster_cupy.emulator
+    emu.refused_launches = {refused: emu_module().CUDA_ERROR_INVALID_CLUSTER_SIZE}
+    assert _fused.usable(512, f32)
+    stored, case = make(3, 5, 2, 512, f32, seed=13)
+    emu.reset()
+    got, ran_fused = _run_any(cluster_cupy, stored, lengths, False, True)
+    assert ran_fused == (refused == "seq_bwd_cluster16")
+    assert emu.log.count("kernel:seq_fwd_cluster16") == ran_fused
+    assert "kernel:seq_bwd_cluster16" not in emu.log
+    stepped = run(cluster_cupy, stored, lengths, False, False)
+    if ran_fused:
+        compare(got, stepped, _want(case, lengths, False, 3, 5), f32, "refused backward")
+    else:
+        for name, a, b in zip(OUT, got, stepped):
+            assert np.array_equal(a, b), name
+    assert _kernels.refused_sizes == {(0, 16)}
+    reasons = [why for (_, name, what), why in _kernels.cluster_failures.items()
+               if what == "launch"]
+    assert len(reasons) == 1 and "912" in reasons[0], _kernels.cluster_failures
+    assert not _fused.usable(512, f32)
+    emu.reset()
+    again, ran_fused = _run_any(cluster_cupy, stored, lengths, False, True)
+    assert not ran_fused and not any("cluster16" in e for e in emu.log), emu.log
+    for name, a, b in zip(OUT, again, stepped):
+        assert np.array_equal(a, b), name
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", 16)
+    with pytest.raises(RuntimeError, match="holds no cluster of 16 blocks.*refused its launch.*912"):
+        _cluster.chosen_size(512, f32)
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
+    small, _ = make(3, 5, 2, 13, f32, seed=2)
+    emu.reset()
+    run(cluster_cupy, small, None, False, True)
+    assert emu.log.count("kernel:seq_fwd_cluster2") == 1
+
+
+def emu_module():
+    from helpers import emulated_cupy
+
+    return emulated_cupy
+
+
+def test_other_launch_errors_of_16_block_clusters_are_raised(cluster_cupy, monkeypatch):
+    """A launch error that is not a refusal of the cluster size (CUDA_ERROR_ILLEGAL_ADDRESS, an
+    earlier kernel's fault reported at the launch) reaches the caller; nothing is refused."""
+    f32 = np.dtype(np.float32)
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 32)
+    emu = cluster_cupy.emulator
+    emu.refused_launches = {"seq_fwd_cluster16": 700}
+    stored, _ = make(3, 5, 2, 512, f32, seed=13)
+    with pytest.raises(emu_module().CUDADriverError, match="700"):
+        _run_any(cluster_cupy, stored, None, False, True)
+    assert _kernels.refused_sizes == set() and _fused.usable(512, f32)
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["accepted", "refused"])
+def test_warmup_launches_the_16_block_clusters(cluster_cupy, monkeypatch, refuse):
+    """lltm_cupy.warmup(fused=True) on sm_90 launches the 16-block kernels once each way (so that
+    a refusal happens there, outside any graph capture); a refusal is recorded, not raised, and
+    a later call runs the stepped path without launching them."""
+    import lltm_cupy
+
+    emu = cluster_cupy.emulator
+    if refuse:
+        emu.refused_launches = {"seq_fwd_cluster16": emu_module().CUDA_ERROR_INVALID_CLUSTER_SIZE}
+    emu.reset()
+    lltm_cupy.warmup(["float32"], fused=True)
+    assert emu.log.count("kernel:seq_fwd_cluster16") == (0 if refuse else 1)
+    assert emu.log.count("kernel:seq_bwd_cluster16") == (0 if refuse else 1)
+    assert _kernels.refused_sizes == ({(0, 16)} if refuse else set())
+    assert _fused.usable(512, np.dtype(np.float32)) != refuse
+
+
+def test_a_forced_16_where_none_fits_raises(cluster_cupy, monkeypatch):
+    """A forced cluster size of 16 on a device whose GPCs hold no such cluster raises from the
+    sequence call (as other forced sizes that cannot run do) instead of running stepped
+    (float32 S = 512: one block of about 199 KB per SM, 16 of them in no GPC of 14 SMs)."""
+    emu = cluster_cupy.emulator
+    emu.gpc_sms = (14, 14)
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", 16)
+    stored, _ = make(2, 2, 2, 512, np.dtype(np.float32), seed=5)
+    with pytest.raises(RuntimeError, match="holds no cluster of 16 blocks"):
+        _run_any(cluster_cupy, stored, None, False, True)
+
+
+def test_a_portable_size_the_query_says_none_fits_is_not_launched(cluster_cupy, monkeypatch):
+    """GPCs of 6 SMs hold no cluster of 8 (the query answers 0): float32 S = 388 (8 blocks) runs
+    the stepped path and a forced 8 is refused with the query's answer, while S = 256 (4 blocks,
+    one per GPC) still runs in clusters."""
+    f32 = np.dtype(np.float32)
+    emu = cluster_cupy.emulator
+    emu.gpc_sms = (6, 6)
+    assert _cluster.cluster_size(388, f32, LIMIT) == 8 and _cluster.held(388, f32, 8) == 0
+    assert not _fused.usable(388, f32)
+    assert _fused._cluster(256, f32) == 4 and _fused.usable(256, f32)
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", 8)
+    with pytest.raises(RuntimeError, match="holds no cluster of 8 blocks.*answered 0"):
+        _cluster.chosen_size(388, f32)

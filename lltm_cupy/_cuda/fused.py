@@ -114,11 +114,13 @@ def _cluster(state: int, dtype):
     return fused_cluster.chosen_size(state, dtype)
 
 
-def _kernel_and_geometry(batch: int, state: int, dtype, backward: bool):
-    """(kernel, blocks, threads, tile, shared bytes) of the variant that runs ``state``."""
+def _kernel_and_geometry(batch: int, state: int, dtype, backward: bool, size=None):
+    """(kernel, blocks, threads, tile, shared bytes) of the variant that runs ``state`` (``size``:
+    that many blocks per tile instead of the launcher's choice). A cluster launch of a
+    non-portable size raises fused_cluster.LaunchRefused where the driver refuses it."""
     from . import fused_cluster
 
-    size = _cluster(state, dtype)
+    size = _cluster(state, dtype) if size is None else size
     if size is None and fused_mma.usable(state, dtype, backward):          # tensor cores
         fns = fused_mma.get_kernels(dtype)
         return (fns.bwd if backward else fns.fwd, *fused_mma.geometry(batch, state, backward))
@@ -128,7 +130,10 @@ def _kernel_and_geometry(batch: int, state: int, dtype, backward: bool):
     elif fused_cluster.uses_clusters(kernels.current_device()):
         fns = kernels.get_cluster_kernels(dtype, size)
         kernel = fns.bwd if backward else fns.fwd
-        return (kernel, *fused_cluster.geometry(batch, state, dtype, backward, size, kernel))
+        shape = fused_cluster.geometry(batch, state, dtype, backward, size, kernel)
+        if size > kernels.PORTABLE_CLUSTER_SIZE:
+            kernel = fused_cluster.guarded(kernel, size)
+        return (kernel, *shape)
     else:                                       # sm_80 to sm_89: groups, a cooperative launch
         fns = kernels.get_group_kernels(dtype, size)
         kernel = fused_cluster.group_launch(fns.bwd if backward else fns.fwd, size, dtype, state,
@@ -149,12 +154,16 @@ def _geometry(cupy, batch: int, state: int, dtype, backward: bool):
     return -(-batch // tile), threads, tile, shared_bytes(state, dtype, tile, backward)
 
 
-def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_rows=2048):
+def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_rows=2048,
+                  size=None):
     """The fused forward of one layer and direction. ``keep``: everything the backward reads is
     kept (one input-projection GEMM and one launch); forward only (``keep=False``): the steps
     run in blocks of the stepped path's size, one GEMM and one launch per block, into one reused
     block of pre-activations and cells, so that memory beyond the outputs does not grow with
-    the number of steps (one launch for sequences of up to 2048 / batch steps)."""
+    the number of steps (one launch for sequences of up to 2048 / batch steps). ``size``: the
+    blocks per tile to run instead of the launcher's choice (warmup). Raises
+    fused_cluster.LaunchRefused where the driver refuses a non-portable cluster launch (the
+    caller runs the call on the stepped path instead)."""
     cupy = cupy_module()
     dtype = inputs.dtype
     state = h0.shape[1]
@@ -188,7 +197,7 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
         w_x_t = weights[:, state:].T
         if batch and spans:
             kernel, blocks, threads, tile, smem = _kernel_and_geometry(batch, state, dtype,
-                                                                       backward=False)
+                                                                       False, size)
             w = cupy.ascontiguousarray(weights)
             bias_c = cupy.ascontiguousarray(bias.reshape(-1))
         for i, (t0, t1) in enumerate(spans):
@@ -220,7 +229,10 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
     return outputs, h_n, c_n, saved
 
 
-def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
+def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm, size=None):
+    """The fused backward of one layer and direction (``size`` as in :func:`forward_fused`);
+    raises fused_cluster.LaunchRefused as it does (the saved values are the stepped path's: the
+    caller runs the stepped backward on them instead)."""
     cupy = cupy_module()
     plan, x, hs, weights = saved.plan, saved.inputs, saved.hs, saved.weights
     state = weights.shape[0] // 3
@@ -245,7 +257,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
             offsets, packed = ((cupy.zeros(1, np.int64), np.int32(0)) if plan is None else
                                (d.offsets, np.int32(1)))
             kernel, blocks, threads, tile, smem = _kernel_and_geometry(batch, state, dtype,
-                                                                       backward=True)
+                                                                       True, size)
             gates = saved.gates.reshape(rows, 3 * state)
             cells = saved.cells.reshape(rows, state)
             present = [a for a in (grad_out, ghn, gcn) if a is not None]

@@ -24,6 +24,10 @@ occupancy query, ``kernels.max_active_clusters``; the kernels carry the non-port
 size attribute). A 16-block cluster is non-portable: it needs a GPC of at least 16 SMs with
 room for one block each (an H100's GPCs have up to 18 SMs), a smaller part (a MIG slice,
 another product) may hold none, or the query may fail; then those sizes run the stepped path.
+A 16-block launch that the driver refuses all the same (:func:`guarded`) runs that call on the
+stepped path and marks the size refused on the device (``kernels.refused_sizes``); warmup makes
+that first launch outside any CUDA-graph capture. A portable size of which the query says no
+cluster fits (it answers 0) is not chosen either (a failed query leaves it chosen).
 Groups (sm_80 to sm_89) are of 1, 2, 4 or 8 blocks only.
 
 The tile, as in .fused: the batch spread over SMs / P clusters, as many rows as fit; then grown
@@ -115,7 +119,10 @@ def max_state(limit: int, dtype, size: int = kernels.PORTABLE_CLUSTER_SIZE) -> i
 def held(state: int, dtype, size: int):
     """The clusters of ``size`` blocks of the kernels for ``dtype`` that the current device holds
     at once with one-row tiles of ``state`` (the occupancy query, the fewer of the two
-    directions); None where a query fails (``kernels.cluster_failures`` says why)."""
+    directions); None where a query fails or the driver refused a launch of that size on the
+    device (``kernels.cluster_failures`` says why)."""
+    if (kernels.current_device(), size) in kernels.refused_sizes:
+        return None
     fns = kernels.get_cluster_kernels(dtype, size)
     answers = [kernels.max_active_clusters(kernel, size,
                                            *_launch_shape(state, dtype, backward, size, 1))
@@ -123,13 +130,26 @@ def held(state: int, dtype, size: int):
     return None if None in answers else min(answers)
 
 
+def _runs(state: int, dtype, size: int) -> bool:
+    """Whether the current device may launch clusters of ``size`` blocks of the kernels for
+    ``dtype`` (one-row tiles of ``state``): a non-portable size only where the occupancy query
+    says at least one such cluster fits (and no launch of it was refused), a portable one unless
+    the query answers that none fits (a failed query leaves it to the launch); groups always."""
+    if not uses_clusters(kernels.current_device()):
+        return True
+    found = held(state, dtype, size)
+    return bool(found) if size > kernels.PORTABLE_CLUSTER_SIZE else found != 0
+
+
 def _choice(state: int, dtype, limit: int):
     """The cluster size of the launcher's own choice (see the module docstring), or None."""
     size = cluster_size(state, dtype, limit)
-    if size is None and uses_clusters(kernels.current_device()):
-        size = next((p for p in kernels.CLUSTER_SIZES if p > kernels.PORTABLE_CLUSTER_SIZE
-                     and _fits(state, dtype, p, limit) and held(state, dtype, p)), None)
-    return size
+    if size is not None and _runs(state, dtype, size):
+        return size
+    if uses_clusters(kernels.current_device()):
+        return next((p for p in kernels.CLUSTER_SIZES if p > (size or 0)
+                     and _fits(state, dtype, p, limit) and _runs(state, dtype, p)), None)
+    return None
 
 
 def uses_clusters(device: int) -> bool:
@@ -142,15 +162,19 @@ def usable(state: int, dtype) -> bool:
     """True when the current device (sm_80 or newer) runs ``state`` split over several blocks
     (in clusters from sm_90, in groups before)."""
     device = kernels.current_device()
-    return (kernels.compute_capability(device) >= GROUP_MIN_ARCH
-            and _choice(state, dtype, kernels.shared_memory_limit(device)) is not None)
+    if kernels.compute_capability(device) < GROUP_MIN_ARCH:
+        return False
+    if FORCED_SIZE is not None:
+        return chosen_size(state, dtype) is not None     # raises where the size cannot run
+    return _choice(state, dtype, kernels.shared_memory_limit(device)) is not None
 
 
 def chosen_size(state: int, dtype) -> int:
     """The blocks per tile the launcher runs: FORCED_SIZE if set (RuntimeError on a device older
     than sm_80, for a size above 8 before sm_90, naming the largest state sizes each size runs if
-    that size cannot run ``state``, and for a non-portable size if the device holds no such
-    cluster), else the smallest that runs it (None if none does)."""
+    that size cannot run ``state``, and where the occupancy query says the device holds no such
+    cluster, or for a non-portable size does not say it holds one), else the smallest that runs
+    it (None if none does)."""
     device = kernels.current_device()
     limit = kernels.shared_memory_limit(device)
     if FORCED_SIZE is None:
@@ -172,12 +196,15 @@ def chosen_size(state: int, dtype) -> int:
                            f"{np.dtype(dtype).name} in {FORCED_SIZE} blocks per tile with "
                            f"{limit} bytes of shared memory per block ({sizes}; at least as "
                            f"many states as blocks)")
-    if FORCED_SIZE > kernels.PORTABLE_CLUSTER_SIZE and not held(state, dtype, FORCED_SIZE):
+    if not _runs(state, dtype, FORCED_SIZE):
         why = "; ".join(f"{name}: {reason}" for (d, name, _), reason
                         in kernels.cluster_failures.items() if d == device)
+        portable = "" if FORCED_SIZE <= kernels.PORTABLE_CLUSTER_SIZE else \
+            "a non-portable cluster size; "
+        answer = ("the driver refused its launch" if (device, FORCED_SIZE) in kernels.refused_sizes
+                  else f"the occupancy query answered {held(state, dtype, FORCED_SIZE)}")
         raise RuntimeError(f"lltm_cupy: device {device} holds no cluster of {FORCED_SIZE} "
-                           f"blocks of the fused kernels (a non-portable cluster size; the "
-                           f"occupancy query answered {held(state, dtype, FORCED_SIZE)}"
+                           f"blocks of the fused kernels ({portable}{answer}"
                            f"{'; ' + why if why else ''})")
     return FORCED_SIZE
 
@@ -227,6 +254,37 @@ def _resident_tile(kernel, batch: int, state: int, dtype, backward: bool, size: 
         if -(-batch // tile) <= held or tile >= largest:
             return tile
         tile = min(largest, max(tile + 1, -(-batch // max(held, 1))))
+
+
+class LaunchRefused(Exception):
+    """The driver refused a launch of a non-portable cluster size (recorded by
+    ``kernels.refuse_cluster_size``): the call that made it runs on the stepped path."""
+
+
+#: CUresults with which the driver refuses a cluster launch it cannot run (cuda.h):
+#: CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, CUDA_ERROR_NOT_SUPPORTED,
+#: CUDA_ERROR_INVALID_CLUSTER_SIZE. Any other error of a launch is raised as it is.
+REFUSALS = (1, 701, 801, 912)
+
+
+def guarded(kernel, size: int):
+    """A launch handle for the cluster kernel ``kernel`` of a non-portable ``size`` (no NVIDIA
+    document says that every device whose occupancy query holds such a cluster accepts its
+    launch): a launch that the driver refuses (a ``CUDADriverError`` of :data:`REFUSALS`, raised
+    by the launch call itself) is recorded and raises :class:`LaunchRefused`, which the sequence
+    calls answer by running on the stepped path; the size is not planned again on the device. The
+    guard is a ``try`` around the launch (no cost where nothing is raised), kept on every launch."""
+    def launch(grid, block, args, shared_mem=0):
+        try:
+            kernel(grid, block, args, shared_mem=shared_mem)
+        except kernels.cupy_module().cuda.driver.CUDADriverError as exc:
+            if getattr(exc, "status", None) not in REFUSALS:
+                raise
+            kernels.refuse_cluster_size(kernel, size, exc)
+            raise LaunchRefused(f"lltm_cupy: the driver refused a launch in clusters of {size} "
+                                f"blocks ({exc})") from exc
+
+    return launch
 
 
 def exchange_elements(state: int, tile: int, backward: bool, size: int) -> int:

@@ -32,7 +32,8 @@ __all__ = ["cupy_module", "current_device", "on_device", "Launch", "launch", "FL
            "cluster_name_expression", "get_cluster_kernels", "compile_offline_cluster",
            "compute_capability", "PORTABLE_CLUSTER_SIZE", "NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
            "CUlaunchConfig", "OCCUPANCY_PROTOTYPE", "cluster_failures", "max_active_clusters",
-           "allow_cluster_size", "GROUP_KERNEL_NAMES", "get_group_kernels", "compile_offline_group",
+           "allow_cluster_size", "refused_sizes", "refuse_cluster_size",
+           "GROUP_KERNEL_NAMES", "get_group_kernels", "compile_offline_group",
            "resident_blocks", "GROUP_SIZES"]
 
 SOURCE_NAME = "lltm.cu"
@@ -417,10 +418,14 @@ def _occupancy_function():
 
 
 _occupancy: dict = {}
-#: Why a query or setting for the cluster kernels failed, kept for inspection:
-#: ``{(device, kernel name, what): reason}``, ``what`` being ("occupancy", threads, shared bytes)
-#: or "non-portable". A failed occupancy query leaves the launch as planned without it.
+#: Why a query, setting or launch for the cluster kernels failed, kept for inspection:
+#: ``{(device, kernel name, what): reason}``, ``what`` being ("occupancy", threads, shared bytes),
+#: "non-portable" or "launch" (the driver refused a launch of a non-portable cluster size). A
+#: failed occupancy query leaves the launch as planned without it.
 cluster_failures: dict = {}
+#: ``{(device, cluster size)}``: the non-portable cluster sizes whose launch the driver refused on
+#: that device; the launcher plans without them from then on (the reason in cluster_failures).
+refused_sizes: set = set()
 
 
 def allow_cluster_size(fns, size: int) -> None:
@@ -443,6 +448,15 @@ def allow_cluster_size(fns, size: int) -> None:
 def _failed(device: int, kernel, what, exc: Exception) -> None:
     name = getattr(kernel, "__name__", None) or repr(kernel)
     cluster_failures[(device, name, what)] = f"{type(exc).__name__}: {exc}"
+
+
+def refuse_cluster_size(kernel, size: int, exc: Exception) -> None:
+    """Record that the driver refused a launch of ``kernel`` in clusters of ``size`` blocks on
+    the current device (``exc``, kept in :data:`cluster_failures`): that size is not planned on
+    this device again (:data:`refused_sizes`)."""
+    device = current_device()
+    _failed(device, kernel, "launch", exc)
+    refused_sizes.add((device, size))
 
 
 def max_active_clusters(kernel, size: int, threads: int, shared: int):

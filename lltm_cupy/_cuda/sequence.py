@@ -8,7 +8,10 @@ bias and input gradients as one GEMM (or reduction) each over all steps.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from . import fused as _fused, packed as _packed
+from .fused_cluster import LaunchRefused
 from .gemm import gemm, parameter_grads, steps as gemm_steps
 from .kernels import FLAG, cupy_module, launch, on_device
 from .._packing import block_steps
@@ -36,7 +39,11 @@ def _fused_usable(device_id: int, state: int, dtype) -> bool:
 def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=True,
                      fused=False):
     if fused and _fused_usable(inputs.data.device_id, h0.shape[1], inputs.dtype):
-        return _fused.forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep, _BLOCK_ROWS)
+        try:
+            return _fused.forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep,
+                                        _BLOCK_ROWS)
+        except LaunchRefused:   # recorded, the size not planned again: this call runs stepped
+            pass
     cupy = cupy_module()
     if plan is not None:
         return _packed.forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep,
@@ -92,7 +99,10 @@ def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=T
 
 def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, gemm=gemm):
     if saved.fused:
-        return _fused.backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
+        try:
+            return _fused.backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
+        except LaunchRefused:   # the fused forward saved what the stepped backward reads
+            saved = dataclasses.replace(saved, fused=False)
     cupy = cupy_module()
     if saved.plan is not None:
         return _packed.backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed,

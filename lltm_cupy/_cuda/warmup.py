@@ -45,7 +45,10 @@ def warmup(dtypes, device_id=None, fused=False) -> None:
     module of the cluster variant
     (``cuda_src/lltm_fused_cluster.cu``, every cluster size), on sm_80 to sm_89 that of its
     group variant (the same file's group kernels, every group size), which the calls launch
-    with the same CuPy kernels around it.
+    with the same CuPy kernels around it. On sm_90 and newer it also launches, once each way,
+    the cluster sizes past the portable size that the device holds (16 blocks), so that a
+    driver that refuses them does so here, outside any CUDA-graph capture: the size is then
+    recorded as refused and the calls that would use it run on the stepped path.
     """
     cupy = cupy_module()
     with cupy.cuda.Device(device_id):
@@ -59,9 +62,30 @@ def warmup(dtypes, device_id=None, fused=False) -> None:
             arch = kernels.compute_capability(cupy.cuda.Device().id)
             if fused and arch >= MIN_ARCH:
                 kernels.get_cluster_kernels(dtype, 1)   # one module holds every cluster size
+                _launch_non_portable(cupy, dtype)
             elif fused and arch >= GROUP_MIN_ARCH:
                 kernels.get_group_kernels(dtype, 1)     # and one every group size
         cupy.cuda.Device().synchronize()
+
+
+def _launch_non_portable(cupy, dtype):
+    """One forward and backward launch (one row, one step, as many states as blocks) of each
+    non-portable cluster size the occupancy query holds; a refusal is recorded, not raised."""
+    from . import fused as _fused, fused_cluster
+    from .gemm import gemm
+
+    for size in kernels.CLUSTER_SIZES:
+        if size <= kernels.PORTABLE_CLUSTER_SIZE or not fused_cluster.held(size, dtype, size):
+            continue
+        weights = cupy.zeros((3 * size, size + 1), dtype)
+        h, c = cupy.zeros((1, size), dtype), cupy.zeros((1, size), dtype)
+        try:
+            *_, saved = _fused.forward_fused(cupy.zeros((1, 1, 1), dtype), weights,
+                                             cupy.zeros(3 * size, dtype), h, c, gemm, None,
+                                             size=size)
+            _fused.backward_fused(None, h, c, saved, (True,) * 5, gemm, size=size)
+        except fused_cluster.LaunchRefused:
+            pass            # kernels.cluster_failures says why; the size is not planned again
 
 
 def _exercise_fused(cupy, dtype, batch, features, state):

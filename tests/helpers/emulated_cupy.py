@@ -68,13 +68,19 @@ H100-like 132 SMs in eight GPCs of 16 or 18), each SM holding as many blocks as 
 larger than 8 blocks only where the function's non-portable attribute is set (else
 CUDA_ERROR_INVALID_CLUSTER_SIZE), and never more blocks than a GPC has SMs' room for.
 ``occupancy_error`` (a CUresult, 0 by default) makes every query fail with it; ``occupancy_queries``
-records each query (kernel name, cluster, grid, threads, shared bytes, answer).
+records each query (kernel name, cluster, grid, threads, shared bytes, answer). ``contexts``
+(None by default: every thread has a CUDA context) is a set of the host threads that have one:
+a query from another fails with CUDA_ERROR_INVALID_CONTEXT, and ``runtime.memGetInfo`` (as
+CuPy's runtime calls) binds the calling thread's. ``refused_launches``: {kernel name
+(tests/helpers/host_cluster.py's, "seq_fwd_cluster16"): CUresult} of the launches the driver
+refuses, raised by the launch call as CuPy does (CUDADriverError).
 What it cannot show: real concurrency, and the NVRTC-compiled code itself.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 import types
 import weakref
 
@@ -132,6 +138,8 @@ class _State:
         self.sm_shared_bytes = 228 * 1024
         self.occupancy_error = 0
         self.occupancy_queries = []
+        self.contexts = None
+        self.refused_launches = {}
 
     def count(self, what, n=1):
         self.counts[what] += n
@@ -562,10 +570,22 @@ def _from_dlpack(obj):
 # ------------------------------------------------------------------------------ CUDA driver
 
 class CUDADriverError(RuntimeError):
-    """cupy_backends.cuda.api.driver.CUDADriverError's stand-in."""
+    """cupy_backends.cuda.api.driver.CUDADriverError's stand-in (``status``: the CUresult)."""
+
+    def __init__(self, message, status=None):
+        super().__init__(message)
+        self.status = status
 
 
 CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_CLUSTER_SIZE = 1, 912
+CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+def _mem_get_info():
+    """cudaMemGetInfo: binds the calling thread's context (see ``contexts``)."""
+    if _state.contexts is not None:
+        _state.contexts.add(threading.get_ident())
+    return (1 << 34, 1 << 35)
 
 
 class Function:
@@ -606,6 +626,8 @@ def _max_active_clusters(count, func, config):
     answer = None
     if _state.occupancy_error:
         status = _state.occupancy_error
+    elif _state.contexts is not None and threading.get_ident() not in _state.contexts:
+        status = CUDA_ERROR_INVALID_CONTEXT
     elif entry is None or num_attrs != 0 or block_y != 1 or block_z != 1 or grid_y != 1 \
             or grid_z != 1 or grid_x % entry["cluster"]:
         status = CUDA_ERROR_INVALID_VALUE
@@ -783,6 +805,7 @@ def make_module() -> types.ModuleType:
         runtime_error=CUDARuntimeError,
         runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceProperties=lambda device_id: {
             "name": b"emulated CuPy (host memory)"}, memcpyAsync=_memcpy_async,
+            memGetInfo=_mem_get_info,
             **_RUNTIME_CONSTANTS),
         Event=Event, get_elapsed_time=_elapsed_time,
         device=types.SimpleNamespace(get_cublas_handle=lambda: 1),

@@ -25,6 +25,7 @@ def install_cupy(patch, get_kernels):
     patch.setattr(kernels, "_occupancy_function", emu._occupancy_function)
     patch.setattr(kernels, "_occupancy", {})
     patch.setattr(kernels, "cluster_failures", {})
+    patch.setattr(kernels, "refused_sizes", set())
     return fake
 
 

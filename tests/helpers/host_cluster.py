@@ -52,6 +52,9 @@ def host_get_cluster_kernels(lib, limit: int):
             assert block[0] <= 1024, "more than 1024 threads per block"
             assert grid[0] % size == 0, "the grid is not a whole number of clusters"
             assert 0 <= shared_mem <= limit, f"{shared_mem} bytes of shared memory > {limit}"
+            if name in emu._state.refused_launches:
+                status = emu._state.refused_launches[name]
+                raise emu.CUDADriverError(f"CUresult {status}", status=status)
             emu._state.log.append(f"kernel:{name}")
             fn(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), ctypes.c_uint(size),
                ctypes.c_ulonglong(shared_mem), *convert(args, dtype, kinds, outputs))
