@@ -30,10 +30,11 @@
 // (forward), so each block keeps its rows' states in shared memory and stops when none is left.
 //
 // Per step and element, the dot products (lltm_fused_dot3 forward, lltm_fused_dot backward) run
-// in LLTM_FUSED_LANES independent partial sums (term k goes to sum k mod LLTM_FUSED_LANES), added
-// in a fixed tree order at the end: shorter dependent chains than one running sum, and a rounding
-// error that grows with S / LLTM_FUSED_LANES instead of S. The order is fixed by the source, so
-// results do not depend on the launch geometry or the thread schedule.
+// in chunks of LLTM_FUSED_CHUNK terms, each in LLTM_FUSED_LANES independent partial sums (term k
+// goes to sum k mod LLTM_FUSED_LANES) added as a tree into a running sum: shorter dependent
+// chains than one running sum, and a float32 rounding error that grows with CHUNK / LANES +
+// S / CHUNK additions (12 at S = 128) instead of S / LANES (32). The order is fixed by the source,
+// so results do not depend on the launch geometry or the thread schedule.
 //
 // Prefetch: the global values an element of a step needs besides the dot product (the input
 // projection and bias forward; the saved pre-activations, cell and output gradient backward) are
@@ -64,8 +65,10 @@ extern __shared__ __align__(16) unsigned char lltm_dynamic_smem[];
 #define LLTM_UNROLL _Pragma("GCC unroll 4")
 #endif
 
-// The partial sums of a dot product (the tree below adds four).
+// The partial sums of a dot product (the tree below adds four), and the terms of one chunk: each
+// chunk's four partial sums are added as a tree into the running sum (lltm_fused_dot3).
 #define LLTM_FUSED_LANES 4
+#define LLTM_FUSED_CHUNK 32
 
 // Row stride (elements) of the forward's transposed W_h: at least 3S, and such that 32 consecutive
 // rows start in 32 different banks: an odd number of 4-byte words for 2-byte types (stride = 2
@@ -115,10 +118,13 @@ __device__ __forceinline__ long long lltm_fused_offset(const long long* __restri
 }
 
 // The recurrent dot products of one element, the one place their summation order is written:
-// term k goes to partial sum k mod LLTM_FUSED_LANES, in increasing k, and the four partial sums
-// are added as (0 + 1) + (2 + 3). The kernels of this file and of lltm_fused_cluster.cu call
-// these, so that the claims of both (results independent of the launch geometry and the thread
-// schedule; a float32 error growing with terms / LLTM_FUSED_LANES) rest on this code alone.
+// the terms in chunks of LLTM_FUSED_CHUNK (the last chunk shorter, then the terms - terms mod
+// LLTM_FUSED_LANES ... terms - 1 alone); within a chunk term k goes to partial sum k mod
+// LLTM_FUSED_LANES, in increasing k, the four partial sums added as (0 + 1) + (2 + 3), and each
+// chunk's tree is added to the running sum in chunk order (the remainder's last). The kernels of
+// this file and of lltm_fused_cluster.cu call these, so that the claims of both (results
+// independent of the launch geometry and the thread schedule; a float32 error growing with
+// CHUNK / LANES + terms / CHUNK additions, not terms / LANES) rest on this code alone.
 //
 // Forward: the three gates' sums over `terms` terms of a transposed W_h, term k of gate q
 // (0 i, 1 o, 2 c) w[k * stride + q * gate] * h[k], w pointing at the element's column of row 0
@@ -134,16 +140,26 @@ __device__ __forceinline__ void lltm_fused_dot3(const T* w, int stride, int gate
   A ai[LLTM_FUSED_LANES], ao[LLTM_FUSED_LANES], ac[LLTM_FUSED_LANES];
 LLTM_UNROLL
   for (int l = 0; l < LLTM_FUSED_LANES; ++l) ai[l] = ao[l] = ac[l] = A(0);
+  A ti = A(0), to = A(0), tc = A(0);
+  const int whole = terms - terms % LLTM_FUSED_LANES;
   int k = 0;
-  for (; k + LLTM_FUSED_LANES <= terms; k += LLTM_FUSED_LANES) {
+  while (k < whole) {
+    const int end = min(k + LLTM_FUSED_CHUNK, whole);
+    for (; k < end; k += LLTM_FUSED_LANES) {
 LLTM_UNROLL
-    for (int l = 0; l < LLTM_FUSED_LANES; ++l) {
-      const T* wk = w + (k + l) * stride;
-      const A hk = h[k + l];
-      ai[l] += tr::load(wk[0]) * hk;
-      ao[l] += tr::load(wk[gate]) * hk;
-      ac[l] += tr::load(wk[2 * gate]) * hk;
+      for (int l = 0; l < LLTM_FUSED_LANES; ++l) {
+        const T* wk = w + (k + l) * stride;
+        const A hk = h[k + l];
+        ai[l] += tr::load(wk[0]) * hk;
+        ao[l] += tr::load(wk[gate]) * hk;
+        ac[l] += tr::load(wk[2 * gate]) * hk;
+      }
     }
+    ti += (ai[0] + ai[1]) + (ai[2] + ai[3]);
+    to += (ao[0] + ao[1]) + (ao[2] + ao[3]);
+    tc += (ac[0] + ac[1]) + (ac[2] + ac[3]);
+LLTM_UNROLL
+    for (int l = 0; l < LLTM_FUSED_LANES; ++l) ai[l] = ao[l] = ac[l] = A(0);
   }
 LLTM_UNROLL
   for (int l = 0; l < LLTM_FUSED_LANES - 1; ++l) {     // the last terms mod LANES terms
@@ -155,9 +171,9 @@ LLTM_UNROLL
       ac[l] += tr::load(wk[2 * gate]) * hk;
     }
   }
-  *sum_i = (ai[0] + ai[1]) + (ai[2] + ai[3]);
-  *sum_o = (ao[0] + ao[1]) + (ao[2] + ao[3]);
-  *sum_c = (ac[0] + ac[1]) + (ac[2] + ac[3]);
+  *sum_i = ti + ((ai[0] + ai[1]) + ai[2]);
+  *sum_o = to + ((ao[0] + ao[1]) + ao[2]);
+  *sum_c = tc + ((ac[0] + ac[1]) + ac[2]);
 }
 
 // Backward: one sum over `terms` terms of W_h (rows of `stride` elements), term g
@@ -171,16 +187,26 @@ __device__ __forceinline__ typename lltm_traits<T>::acc lltm_fused_dot(
   A acc[LLTM_FUSED_LANES];
 LLTM_UNROLL
   for (int l = 0; l < LLTM_FUSED_LANES; ++l) acc[l] = A(0);
+  A total = A(0);
+  const int whole = terms - terms % LLTM_FUSED_LANES;
   int g = 0;
-  for (; g + LLTM_FUSED_LANES <= terms; g += LLTM_FUSED_LANES) {
+  while (g < whole) {
+    const int end = min(g + LLTM_FUSED_CHUNK, whole);
+    for (; g < end; g += LLTM_FUSED_LANES) {
 LLTM_UNROLL
-    for (int l = 0; l < LLTM_FUSED_LANES; ++l) acc[l] += a[g + l] * tr::load(w[(g + l) * stride]);
+      for (int l = 0; l < LLTM_FUSED_LANES; ++l) {
+        acc[l] += a[g + l] * tr::load(w[(g + l) * stride]);
+      }
+    }
+    total += (acc[0] + acc[1]) + (acc[2] + acc[3]);
+LLTM_UNROLL
+    for (int l = 0; l < LLTM_FUSED_LANES; ++l) acc[l] = A(0);
   }
 LLTM_UNROLL
   for (int l = 0; l < LLTM_FUSED_LANES - 1; ++l) {     // the last terms mod LANES terms
     if (g + l < terms) acc[l] += a[g + l] * tr::load(w[(g + l) * stride]);
   }
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  return total + ((acc[0] + acc[1]) + acc[2]);
 }
 
 // w: the weights (3S, S + F) row-major, of which columns 0..S-1 are W_h (row stride w_stride).

@@ -45,10 +45,10 @@
 // block barrier (no peer's shared memory is written).
 //
 // Numerics: as lltm_fused.cu. The forward's dot products are lltm_fused_dot3 over all S terms
-// (LLTM_FUSED_LANES partial sums, term k in sum k mod 4, added in a fixed tree order), the same
-// sums as the one-block forward's: the forward's results do not depend on P. The backward's sums
-// are lltm_fused_dot over each block's 3L terms, then the blocks' partial sums in rank order:
-// fixed for a given P (deterministic).
+// (chunks of LLTM_FUSED_CHUNK terms in LLTM_FUSED_LANES partial sums each, added in a fixed
+// order), the same sums as the one-block forward's: the forward's results do not depend on P.
+// The backward's sums are lltm_fused_dot over each block's 3L terms, then the blocks' partial
+// sums in rank order: fixed for a given P (deterministic).
 // Rounding points, packed layout, inactive rows: as lltm_fused.cu.
 //
 // Shared memory (dynamic, bytes, the same layout in every block of the cluster, so that an offset

@@ -126,19 +126,19 @@ MUTANTS = [
            KERNEL_TESTS, "forward kernel strides by one block, not the grid"),
     # lltm_fused.cu's dot products are the cluster and group kernels' too: all their tests run
     Mutant("fused-recurrent-weight-row", "cuda_src/lltm_fused.cu",
-           "LLTM_FUSED_LANES; ++l) {\n      const T* wk = w + (k + l) * stride;\n"
-           "      const A hk = h[k + l];\n      ai[l] += tr::load(wk[0]) * hk;\n"
-           "      ao[l] += tr::load(wk[gate]) * hk;",
-           "LLTM_FUSED_LANES; ++l) {\n      const T* wk = w + (k + l) * stride;\n"
-           "      const A hk = h[k + l];\n      ai[l] += tr::load(wk[0]) * hk;\n"
-           "      ao[l] += tr::load(wk[2 * gate]) * hk;",
+           "LLTM_FUSED_LANES; ++l) {\n        const T* wk = w + (k + l) * stride;\n"
+           "        const A hk = h[k + l];\n        ai[l] += tr::load(wk[0]) * hk;\n"
+           "        ao[l] += tr::load(wk[gate]) * hk;",
+           "LLTM_FUSED_LANES; ++l) {\n        const T* wk = w + (k + l) * stride;\n"
+           "        const A hk = h[k + l];\n        ai[l] += tr::load(wk[0]) * hk;\n"
+           "        ao[l] += tr::load(wk[2 * gate]) * hk;",
            FUSED_DOT_TESTS, "fused sequence kernels (one block and cluster): the output gate's "
            "recurrent product uses the candidate's weights"),
     Mutant("fused-partial-sum-dropped", "cuda_src/lltm_fused.cu",
-           "  return (acc[0] + acc[1]) + (acc[2] + acc[3]);",
-           "  return (acc[0] + acc[1]) + acc[2];",
-           FUSED_DOT_TESTS, "fused sequence backward (one block and cluster): one of the four "
-           "partial sums of d_h left out"),
+           "    total += (acc[0] + acc[1]) + (acc[2] + acc[3]);",
+           "    total += (acc[0] + acc[1]) + acc[2];",
+           FUSED_DOT_TESTS, "fused sequence backward (one block and cluster): one of a chunk's "
+           "four partial sums of d_h left out"),
     Mutant("fused-remainder-term-skipped", "cuda_src/lltm_fused.cu",
            "    if (k + l < terms) {", "    if (k + l < terms - 1) {",
            FUSED_DOT_TESTS, "fused sequence forward (one block and cluster): the last recurrent "
