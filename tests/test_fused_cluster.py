@@ -863,6 +863,23 @@ def test_warmup_launches_the_16_block_clusters(cluster_cupy, monkeypatch, refuse
     assert _fused.usable(512, np.dtype(np.float32)) != refuse
 
 
+def test_a_query_without_a_context_binds_one_and_a_failure_is_asked_again(cluster_cupy):
+    """A thread with no current CUDA context (the emulated driver answers
+    CUDA_ERROR_INVALID_CONTEXT there): the query binds one first (cudaMemGetInfo) and answers;
+    a query that fails once (the invalid-context status) is asked again at the next call rather
+    than disabling the size for good."""
+    f32 = np.dtype(np.float32)
+    emu = cluster_cupy.emulator
+    emu.contexts = set()
+    assert _cluster.held(512, f32, 16)
+    assert _fused.usable(512, f32)
+    _kernels._occupancy.clear()
+    emu.occupancy_error = 201
+    assert _cluster.held(512, f32, 16) is None and not _fused.usable(512, f32)
+    emu.occupancy_error = 0
+    assert _cluster.held(512, f32, 16) and _fused.usable(512, f32)
+
+
 def test_a_forced_16_where_none_fits_raises(cluster_cupy, monkeypatch):
     """A forced cluster size of 16 on a device whose GPCs hold no such cluster raises from the
     sequence call (as other forced sizes that cannot run do) instead of running stepped

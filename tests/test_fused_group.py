@@ -15,6 +15,7 @@ Runs everywhere (g++, the NVRTC wheel and nvcc, no GPU). No GPU has run the grou
 from __future__ import annotations
 
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -349,9 +350,13 @@ def test_group_kernels_compile_once_per_dtype_in_a_cooperative_module(emulated_c
         def get_function(self, name):
             return Function(name)
 
-    def occupancy(ptr, threads, shared):
+    def occupancy(ptr, threads, shared):     # a driver call: needs the thread's context
+        if threading.get_ident() not in emulated_cupy.emulator.contexts:
+            raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT: invalid device context")
         asked.append((ptr, threads, shared))
         return 2
+
+    emulated_cupy.emulator.contexts = set()     # none bound yet (the library binds one first)
 
     monkeypatch.setattr(emulated_cupy, "RawModule", RawModule, raising=False)
     monkeypatch.setattr(emulated_cupy.cuda, "driver",

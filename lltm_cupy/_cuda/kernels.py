@@ -32,7 +32,7 @@ __all__ = ["cupy_module", "current_device", "on_device", "Launch", "launch", "FL
            "cluster_name_expression", "get_cluster_kernels", "compile_offline_cluster",
            "compute_capability", "PORTABLE_CLUSTER_SIZE", "NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
            "CUlaunchConfig", "OCCUPANCY_PROTOTYPE", "cluster_failures", "max_active_clusters",
-           "allow_cluster_size", "refused_sizes", "refuse_cluster_size",
+           "allow_cluster_size", "refused_sizes", "refuse_cluster_size", "ensure_context",
            "GROUP_KERNEL_NAMES", "get_group_kernels", "compile_offline_group",
            "resident_blocks", "GROUP_SIZES"]
 
@@ -421,7 +421,7 @@ _occupancy: dict = {}
 #: Why a query, setting or launch for the cluster kernels failed, kept for inspection:
 #: ``{(device, kernel name, what): reason}``, ``what`` being ("occupancy", threads, shared bytes),
 #: "non-portable" or "launch" (the driver refused a launch of a non-portable cluster size). A
-#: failed occupancy query leaves the launch as planned without it.
+#: failed occupancy query leaves the launch as planned without it (and is asked again next time).
 cluster_failures: dict = {}
 #: ``{(device, cluster size)}``: the non-portable cluster sizes whose launch the driver refused on
 #: that device; the launcher plans without them from then on (the reason in cluster_failures).
@@ -459,15 +459,28 @@ def refuse_cluster_size(kernel, size: int, exc: Exception) -> None:
     refused_sizes.add((device, size))
 
 
+def ensure_context() -> None:
+    """Make sure the calling host thread has a current CUDA context before a call to the driver
+    that CuPy does not wrap (or wraps without binding one): CuPy binds the device's primary
+    context lazily, inside its own runtime calls, so a thread that has made none yet (autograd's
+    backward thread, for one) has no context, and such a call fails with
+    CUDA_ERROR_INVALID_CONTEXT. ``cudaMemGetInfo`` (``cupy.cuda.runtime.memGetInfo``) is a
+    runtime call that needs the context and so binds it; it enqueues nothing on a stream."""
+    import cupy
+
+    cupy.cuda.runtime.memGetInfo()
+
+
 def max_active_clusters(kernel, size: int, threads: int, shared: int):
     """How many clusters of ``size`` blocks of ``kernel`` (a ``cupy.RawKernel`` of the cluster
     kernels, whose cluster shape is its compile-time ``__cluster_dims__``: no launch attribute
     given, as cuOccupancyMaxActiveClusters asks of such a function) the current device can hold
     at once, each block of ``threads`` threads with ``shared`` bytes of dynamic shared memory;
     the driver's answer (``cuOccupancyMaxActiveClusters`` on the function CuPy loaded for the
-    current device: ``RawKernel.kernel.ptr``), cached per (device, function, threads, bytes).
-    None where the query fails (no driver library, an error status); the reason is kept in
-    :data:`cluster_failures`."""
+    current device: ``RawKernel.kernel.ptr``, after :func:`ensure_context`), cached per (device,
+    function, threads, bytes). None where the query fails (no driver library, an error status);
+    the reason is kept in :data:`cluster_failures`, and a failure is not cached (the next call
+    asks again: a failure may be the calling thread's, not the device's)."""
     device = current_device()
     try:
         handle = kernel.kernel.ptr
@@ -482,6 +495,7 @@ def max_active_clusters(kernel, size: int, threads: int, shared: int):
         config = CUlaunchConfig(gridDimX=size, gridDimY=1, gridDimZ=1, blockDimX=threads,
                                 blockDimY=1, blockDimZ=1, sharedMemBytes=shared)
         count = ctypes.c_int(-1)
+        ensure_context()
         status = _occupancy_function()(ctypes.byref(count), handle, ctypes.byref(config))
         if status != 0 or count.value < 0:
             raise RuntimeError(f"cuOccupancyMaxActiveClusters returned CUresult {status}, "
@@ -489,7 +503,7 @@ def max_active_clusters(kernel, size: int, threads: int, shared: int):
         found = count.value
     except Exception as exc:    # noqa: BLE001 (any failure leaves the launch as planned)
         _failed(device, kernel, ("occupancy", threads, shared), exc)
-        found = None
+        return None
     _occupancy[key] = found
     return found
 
@@ -535,13 +549,15 @@ def resident_blocks(kernel, threads: int, shared: int) -> int:
     driver's cuOccupancyMaxActiveBlocksPerMultiprocessor times the SMs (what CuPy checks a
     cooperative launch against, cupy/cuda/function.pyx v14.2, which, for a one-dimensional grid
     past it, shrinks the grid with a warning instead of failing: the launcher never launches one
-    past it). Cached per (device, kernel, threads, shared)."""
+    past it). Cached per (device, kernel, threads, shared); the query made after
+    :func:`ensure_context` (CuPy's driver call binds no context to the calling thread)."""
     import cupy
 
     device = current_device()
     key = (device, id(kernel), threads, shared)
     found = _resident.get(key)
     if found is None:
+        ensure_context()
         per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
             kernel.kernel.ptr, threads, shared)
         found = _resident[key] = per_sm * _sm_count(device)
