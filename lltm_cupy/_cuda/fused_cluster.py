@@ -51,10 +51,12 @@ and in groups on sm_80 (166,912 bytes per block):
 
 The group variant (:func:`group_launch`) needs every block of its grid resident at once (its
 blocks wait for each other): it is launched cooperatively (cuLaunchCooperativeKernel, which the
-driver refuses for a grid the device cannot hold at once; CuPy would first shrink a
-one-dimensional grid to that size with a warning, leaving tiles half launched), each launch at
-most as many tiles as the device holds at once (the driver's occupancy figure,
-kernels.resident_blocks); a batch of more tiles runs in several launches. Its exchange buffer and
+driver refuses for a grid the device cannot hold at once; but CuPy first shrinks a
+one-dimensional grid to that size with a warning, which would leave tiles half launched and
+their blocks waiting forever), each launch at most as many tiles as the device holds at once
+(the driver's occupancy figure, kernels.resident_blocks, which each launch's grid is checked
+against right before it: an error, never a shrunk grid); a batch of more tiles runs in several
+launches. Its exchange buffer and
 counters are allocated per call on the current stream, the counters zeroed there (one memset
 per call, none per step: the n-th barrier of a launch waits for n P arrivals).
 """
@@ -302,7 +304,10 @@ def group_launch(kernel, size: int, dtype, state: int, backward: bool):
     exchange buffer, the tiles' counters (zeroed) and the first tile of each launch, and runs the
     grid in launches of at most as many tiles as the device holds at once
     (kernels.resident_blocks; RuntimeError if not even one tile fits, rather than a launch that
-    would wait for blocks that never run)."""
+    would wait for blocks that never run). Each launch's grid is checked against that figure
+    right before the launch (RuntimeError past it): CuPy's cooperative launch does not fail for a
+    grid past the device's figure but shrinks it with a warning, and the blocks of the tiles cut
+    off would be waited for forever."""
     acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
     def launch(grid, block, args, shared_mem=0):
@@ -317,6 +322,12 @@ def group_launch(kernel, size: int, dtype, state: int, backward: bool):
         counters = cupy.zeros(tiles, np.uint32)
         for first in range(0, tiles, wave):
             blocks = min(wave, tiles - first) * size
+            resident = kernels.resident_blocks(kernel, block[0], shared_mem)
+            if blocks > resident:
+                raise RuntimeError(f"lltm_cupy: a cooperative launch of {blocks} blocks of the "
+                                   f"fused group kernels, more than the {resident} the device "
+                                   f"holds at once (CuPy would shrink the grid, and the blocks "
+                                   f"left out would be waited for forever)")
             kernel((blocks,), block, (*args, exchange, counters[first:], np.int32(first)),
                    shared_mem=shared_mem)
 

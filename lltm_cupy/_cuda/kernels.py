@@ -525,9 +525,10 @@ def get_group_kernels(dtype, size: int):
     (``lltm_fused_cluster.cu``'s group kernels: no cluster, the blocks of a tile exchanging
     through global memory; sm_80 and newer) for ``dtype`` in groups of ``size`` blocks on the
     current device: every size's kernels compiled at the first call for the dtype, in a module
-    whose launches are cooperative (every block of the grid resident, or the launch fails:
-    :func:`resident_blocks` says how many may be), each allowed the device's whole opt-in shared
-    memory per block."""
+    whose launches are cooperative (every block of the grid resident at once:
+    :func:`resident_blocks` says how many may be; CuPy shrinks a larger one-dimensional grid to
+    that with a warning rather than failing, so the launcher never launches one), each allowed
+    the device's whole opt-in shared memory per block."""
     import cupy
 
     def build():
