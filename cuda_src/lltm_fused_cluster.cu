@@ -61,7 +61,10 @@
 //   backward: 3 LM S sizeof(T)  (W_h's rows of the block's gates, (3L, S))
 //             + tile * (3 LM + 2 P LM + 2 LM) sizeof(A)  (the block's d_gates; the receive
 //             buffers (2, P, tile, LM); carried d_h (before a row's first step) and d_c)
-// The weights' region is padded to 16 bytes so that the A arrays are aligned.
+// The weights' region is padded to 16 bytes so that the A arrays are aligned. The group kernels
+// lay out less (the exchange's h_buffers and recv_slots): one h buffer forward (S instead of 2 S
+// per row: the next h is copied in after the step's barrier, when every read of the step's h is
+// done) and no receive buffers backward (2 P LM fewer per row: they are in global memory).
 
 #ifndef LLTM_HOST_SHIM
 #define LLTM_CLUSTER_DIMS(P) __cluster_dims__(P, 1, 1)
@@ -211,6 +214,10 @@ __device__ __forceinline__ long long lltm_cluster_w_bytes(int state, int most, i
 // in its own shared memory and the blocks store into each other's (see the top of this file).
 template <typename A, int P>
 struct lltm_cluster_exchange {
+  // the layout's buffers in shared memory: the step's h and the next (peers store into the
+  // next while this block still reads the step's); the receive buffers, (2, P, tile, LM)
+  static constexpr int h_buffers = 2;
+  static constexpr int recv_slots = 2 * P;
   lltm_dsmem peer[P];    // the step's next-h buffer in every block of the cluster (forward)
   A* dst;                // this block's slot of the step's receive buffers (backward)
 
@@ -256,6 +263,10 @@ LLTM_UNROLL
 // buffer again only after the barrier that follows every block's reads of it).
 template <typename A, int P>
 struct lltm_group_exchange {
+  // one h buffer in shared memory: fwd_end copies the next h in after lltm_group_sync, whose
+  // first block barrier follows every read of the step's h; no receive buffers (global memory)
+  static constexpr int h_buffers = 1;
+  static constexpr int recv_slots = 0;
   A* x;                  // the tile's region: (2, half)
   unsigned* counter;     // the tile's counter, zero before the launch
   unsigned arrivals;     // the barriers this block passed
@@ -317,10 +328,11 @@ lltm_seq_fwd_split(X& x, const T* __restrict__ w, long long w_stride, const T* _
   const int LM = (S + P - 1) / P;
   const int Q = lltm_fused_wt_stride(LM, sizeof(T));
   const long long w_bytes = lltm_cluster_wt_bytes(S, LM, sizeof(T));
-  if (!LLTM_SHARED_FITS(w_bytes + (2LL * S + LM) * tile * sizeof(A))) return;
+  const int hb = X::h_buffers - 1;   // the h buffers taken in turn: t & hb (one: always 0)
+  if (!LLTM_SHARED_FITS(w_bytes + ((long long)X::h_buffers * S + LM) * tile * sizeof(A))) return;
   T* w_t = (T*)lltm_dynamic_smem;                                   // (S, Q)
-  A* h_buf = (A*)(lltm_dynamic_smem + w_bytes);                     // (2, tile, S)
-  A* c_buf = h_buf + 2 * tile * S;                                  // (tile, L)
+  A* h_buf = (A*)(lltm_dynamic_smem + w_bytes);                     // (h_buffers, tile, S)
+  A* c_buf = h_buf + X::h_buffers * tile * S;                       // (tile, L)
   const int row0 = x.tile_index() * tile;
   const int rows = min(tile, batch - row0);
   const int n = rows * L;
@@ -349,8 +361,8 @@ lltm_seq_fwd_split(X& x, const T* __restrict__ w, long long w_stride, const T* _
     const long long edge = lltm_fused_offset(offsets, packed, t + 1, batch);
     const int active = min(rows, (int)(edge - first) - row0);   // the same for the tile
     if (active <= 0) break;
-    const A* h_cur = h_buf + (t & 1) * tile * S;
-    A* h_next = h_buf + ((t + 1) & 1) * tile * S;
+    const A* h_cur = h_buf + (t & hb) * tile * S;
+    A* h_next = h_buf + ((t + 1) & hb) * tile * S;
     x.fwd_step(h_next, t);
     int r = walk.r0, j = walk.s0;
     for (int i = threadIdx.x; i < n; i += blockDim.x, walk.next(L, &r, &j)) {
@@ -381,7 +393,7 @@ lltm_seq_fwd_split(X& x, const T* __restrict__ w, long long w_stride, const T* _
     first = edge;
     x.fwd_end(h_next, rows * S);
   }
-  const A* h_fin = h_buf + (t & 1) * tile * S;
+  const A* h_fin = h_buf + (t & hb) * tile * S;
   int r = walk.r0, j = walk.s0;
   for (int i = threadIdx.x; i < n; i += blockDim.x, walk.next(L, &r, &j)) {
     const long long dst = (long long)(row0 + r) * S + lo + j;
@@ -410,11 +422,11 @@ lltm_seq_bwd_split(X& x, const T* __restrict__ w, long long w_stride,
   const int L = (rank + 1) * S / P - lo;
   const int LM = (S + P - 1) / P;
   const long long w_bytes = lltm_cluster_w_bytes(S, LM, sizeof(T));
-  if (!LLTM_SHARED_FITS(w_bytes + (5LL + 2 * P) * LM * tile * sizeof(A))) return;
+  if (!LLTM_SHARED_FITS(w_bytes + (5LL + X::recv_slots) * LM * tile * sizeof(A))) return;
   T* w_s = (T*)lltm_dynamic_smem;                                   // (3L, S)
   A* dg_buf = (A*)(lltm_dynamic_smem + w_bytes);                    // (tile, 3L)
-  A* recv = dg_buf + 3 * tile * LM;                                 // (2, P, tile, LM)
-  A* dh_buf = recv + 2 * P * tile * LM;                             // (tile, L)
+  A* recv = dg_buf + 3 * tile * LM;                                 // (recv_slots, tile, LM)
+  A* dh_buf = recv + X::recv_slots * tile * LM;                     // (tile, L)
   A* dc_buf = dh_buf + tile * LM;                                   // (tile, L)
   const int slot = tile * LM;                                       // one block's partial sums
   const int row0 = x.tile_index() * tile;

@@ -216,8 +216,9 @@ def test_no_cluster_before_sm_90(cluster_cupy, monkeypatch):
         assert _cluster.uses_clusters(0) == clusters
     assert not _fused.usable(_cluster.max_state(LIMIT, dtype, 16) + 1, dtype)
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 80)   # groups of 8
-    assert _fused.usable(_cluster.max_state(LIMIT, dtype, 8), dtype)
-    assert not _fused.usable(_cluster.max_state(LIMIT, dtype, 8) + 1, dtype)
+    top = _cluster.max_state(LIMIT, dtype, 8, group=True)     # the group kernels' layout
+    assert _fused.usable(top, dtype)
+    assert not _fused.usable(top + 1, dtype)
 
 
 def test_a_forced_size_that_cannot_run_says_which_sizes_can(cluster_cupy, monkeypatch):
@@ -602,8 +603,8 @@ def test_a_launch_with_too_little_shared_memory_is_reported(cluster_cupy, monkey
     """The host build checks the launch's shared memory against the kernels' layout."""
     real = _cluster.shared_bytes
     monkeypatch.setattr(_cluster, "shared_bytes",
-                        lambda state, dtype, tile, backward, size:
-                        real(state, dtype, tile, backward, size) - 8)
+                        lambda state, dtype, tile, backward, size, group=False:
+                        real(state, dtype, tile, backward, size, group) - 8)
     monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
     stored, _ = make(3, 2, 2, 6, np.dtype(np.float32), seed=3)
     with pytest.raises(AssertionError, match="more dynamic shared memory than the launch"):

@@ -170,6 +170,44 @@ def test_a_launch_past_the_resident_figure_is_an_error(group_cupy, monkeypatch):
     assert not any("group" in e for e in emu.log), emu.log
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_the_group_kernels_lay_out_what_the_launcher_gives(group_cupy, monkeypatch, backward):
+    """The group kernels' shared memory is their own layout (one h buffer forward, no receive
+    buffers backward), exactly: tiles of 3 rows at P = 2 run with the launcher's figure, and one
+    arithmetic value less in either direction is reported by the host build."""
+    real = _cluster.shared_bytes
+    f32 = np.dtype(np.float32)
+    monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 6)
+    stored, case = make(3, 7, 2, 9, f32, seed=3)
+    assert _cluster.geometry(7, 9, f32, backward, 2)[2] == 3
+    fused = run(group_cupy, stored, None, False, True)
+    compare(fused, run(group_cupy, stored, None, False, False), _want(case, None, False, 3, 7),
+            f32, "group layout")
+    monkeypatch.setattr(_cluster, "shared_bytes",
+                        lambda state, dtype, tile, b, size, group=False:
+                        real(state, dtype, tile, b, size, group) - 4 * (b == backward))
+    with pytest.raises(AssertionError, match="more dynamic shared memory than the launch"):
+        run(group_cupy, stored, None, False, True)
+
+
+def test_groups_hold_more_rows_per_tile_than_clusters():
+    """The group kernels keep neither the cluster's second h buffer nor its receive buffers in
+    shared memory: at float32 S = 328 in 8 blocks on an A100 (163 KiB per block) a tile holds 3
+    rows forward and 6 backward, where the cluster layout holds 1 each way; the largest state
+    sizes are the same (W_h's share bounds them)."""
+    f32 = np.dtype(np.float32)
+
+    def rows(backward, group):
+        empty = _cluster.shared_bytes(328, f32, 0, backward, 8, group)
+        return (LIMIT80 - empty) // (_cluster.shared_bytes(328, f32, 1, backward, 8, group) - empty)
+
+    assert [rows(False, True), rows(True, True)] == [3, 6]
+    assert [rows(False, False), rows(True, False)] == [1, 1]
+    for dtype in DTYPES.values():
+        assert _cluster.max_state(LIMIT80, dtype, 8, True) == _cluster.max_state(LIMIT80, dtype)
+
+
 def _large_sizes():
     """Past the one-block bound on sm_80 (S = 117 float32, 165 16-bit, 82 float64)."""
     cases = []
@@ -208,7 +246,7 @@ def test_the_split_needs_sm_80(group_cupy, monkeypatch):
     dtype = np.dtype(np.float32)
     state = _fused.max_state(LIMIT80, dtype) + 1
     assert _fused.usable(state, dtype)
-    assert not _fused.usable(_cluster.max_state(LIMIT80, dtype) + 1, dtype)
+    assert not _fused.usable(_cluster.max_state(LIMIT80, dtype, group=True) + 1, dtype)
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 75)
     assert not _fused.usable(state, dtype)
     monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
@@ -417,7 +455,7 @@ def test_warmup_with_fused_compiles_the_group_kernels_on_sm_80(group_cupy, monke
 def test_group_size_table():
     """The largest state sizes on sm_80 documented in lltm_cupy/_cuda/fused_cluster.py and
     docs/api.md."""
-    tops = [_cluster.max_state(LIMIT80, d) for d in DTYPES.values()]
+    tops = [_cluster.max_state(LIMIT80, d, group=True) for d in DTYPES.values()]
     assert tops[0] == tops[1]
     assert re.search(rf"on sm_80 \(166,912 bytes per block\):\n\n.*\n\s+8\s+{tops[0]}\s+"
                      rf"{tops[2]}\s+{tops[3]}\n", _cluster.__doc__), tops

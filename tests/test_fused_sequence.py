@@ -203,7 +203,8 @@ def test_above_the_bound_runs_the_stepped_path(fused_cupy, monkeypatch, dtype, a
     from lltm_cupy._cuda import fused_cluster
 
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: arch)
-    state = fused_cluster.max_state(LIMIT, dtype, 8 if arch < 90 else 16) + 1
+    state = (fused_cluster.max_state(LIMIT, dtype, 8, group=True) if arch < 90
+             else fused_cluster.max_state(LIMIT, dtype, 16)) + 1
     stored, _ = make(2, 1, 2, state, dtype, seed=1)
     emu = fused_cupy.emulator
     a = {k: fused_cupy.asarray(v) for k, v in stored.items()}

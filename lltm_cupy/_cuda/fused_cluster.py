@@ -10,12 +10,13 @@ distributed shared memory, with one cluster barrier per step; in a group through
 global memory (in L2), with one barrier per step on a counter per tile in global memory (the
 group kernels, one kernel source with the cluster ones: the same cell and dot products, the same
 results). Shared memory per block (bytes; T the storage type, A the arithmetic type, float32 for
-the 16-bit types; the layout is the same in every block and in both variants, the group's
-leaving the receive buffers unused):
+the 16-bit types; the layout is the same in every block):
 
     forward:  S * Q sizeof(T), Q = 3 LM rounded up as wt_stride (.fused) does for 3S, to 16,
-              plus per row of the tile (2 S + LM) sizeof(A)
-    backward: 3 LM S sizeof(T), rounded up to 16, plus per row (5 + 2 P) LM sizeof(A)
+              plus per row of the tile (2 S + LM) sizeof(A) in a cluster, (S + LM) sizeof(A)
+              in a group (one h buffer: the next h is copied in after the step's barrier)
+    backward: 3 LM S sizeof(T), rounded up to 16, plus per row (5 + 2 P) LM sizeof(A) in a
+              cluster, 5 LM sizeof(A) in a group (its receive buffers are in global memory)
 
 The cluster (or group) size is the smallest of 1, 2, 4 and 8 (the portable sizes: every sm_90
 device runs them) that runs a one-row tile both ways. Where 8 blocks cannot hold W_h, 16 blocks run it if
@@ -82,18 +83,23 @@ MIN_ARCH = 90
 GROUP_MIN_ARCH = 80
 
 
-def shared_bytes(state: int, dtype, tile: int, backward: bool, size: int) -> int:
-    """Dynamic shared memory of one block of the cluster kernels (see the module docstring)."""
+def shared_bytes(state: int, dtype, tile: int, backward: bool, size: int,
+                 group: bool = False) -> int:
+    """Dynamic shared memory of one block of the cluster kernels (``group``: of the group
+    kernels; see the module docstring)."""
     item = np.dtype(dtype).itemsize
     most = -(-state // size)
     elements = 3 * most * state if backward else state * wt_stride(most, item)
     weights = -(-elements * item // 16) * 16
-    per_row = (5 + 2 * size) * most if backward else 2 * state + most
+    if backward:
+        per_row = (5 + (0 if group else 2 * size)) * most
+    else:
+        per_row = (1 if group else 2) * state + most
     return weights + tile * per_row * _acc_size(dtype)
 
 
-def _fits(state: int, dtype, size: int, limit: int) -> bool:
-    return size <= state and all(shared_bytes(state, dtype, 1, b, size) <= limit
+def _fits(state: int, dtype, size: int, limit: int, group: bool = False) -> bool:
+    return size <= state and all(shared_bytes(state, dtype, 1, b, size, group) <= limit
                                  for b in (False, True))
 
 
@@ -101,19 +107,21 @@ def _fits(state: int, dtype, size: int, limit: int) -> bool:
 PORTABLE_SIZES = tuple(p for p in kernels.CLUSTER_SIZES if p <= kernels.PORTABLE_CLUSTER_SIZE)
 
 
-def cluster_size(state: int, dtype, limit: int):
+def cluster_size(state: int, dtype, limit: int, group: bool = False):
     """The smallest portable cluster size (:data:`PORTABLE_SIZES`) that runs ``state`` in
-    ``dtype`` with ``limit`` bytes of shared memory per block (a one-row tile both ways); None if
-    none does."""
-    return next((p for p in PORTABLE_SIZES if _fits(state, dtype, p, limit)), None)
+    ``dtype`` with ``limit`` bytes of shared memory per block (a one-row tile both ways; ``group``:
+    in the group kernels); None if none does."""
+    return next((p for p in PORTABLE_SIZES if _fits(state, dtype, p, limit, group)), None)
 
 
 @functools.lru_cache(maxsize=None)
-def max_state(limit: int, dtype, size: int = kernels.PORTABLE_CLUSTER_SIZE) -> int:
-    """The largest state size a cluster of ``size`` blocks runs with ``limit`` bytes per block."""
+def max_state(limit: int, dtype, size: int = kernels.PORTABLE_CLUSTER_SIZE,
+              group: bool = False) -> int:
+    """The largest state size a cluster (``group``: a group) of ``size`` blocks runs with
+    ``limit`` bytes per block."""
     state = 0
-    while shared_bytes(state + 1, dtype, 1, True, size) <= limit and \
-            shared_bytes(state + 1, dtype, 1, False, size) <= limit:
+    while shared_bytes(state + 1, dtype, 1, True, size, group) <= limit and \
+            shared_bytes(state + 1, dtype, 1, False, size, group) <= limit:
         state += 1
     return state
 
@@ -145,7 +153,7 @@ def _runs(state: int, dtype, size: int) -> bool:
 
 def _choice(state: int, dtype, limit: int):
     """The cluster size of the launcher's own choice (see the module docstring), or None."""
-    size = cluster_size(state, dtype, limit)
+    size = cluster_size(state, dtype, limit, not uses_clusters(kernels.current_device()))
     if size is not None and _runs(state, dtype, size):
         return size
     if uses_clusters(kernels.current_device()):
@@ -190,8 +198,9 @@ def chosen_size(state: int, dtype) -> int:
         raise RuntimeError(f"lltm_cupy: before compute capability {MIN_ARCH // 10}.0 the fused "
                            f"kernels run in groups of {kernels.GROUP_SIZES} blocks, not "
                            f"{FORCED_SIZE}")
-    if not _fits(state, dtype, FORCED_SIZE, limit):
-        sizes = ", ".join(f"{p} blocks: S <= {max_state(limit, dtype, p)}"
+    group = not uses_clusters(device)
+    if not _fits(state, dtype, FORCED_SIZE, limit, group):
+        sizes = ", ".join(f"{p} blocks: S <= {max_state(limit, dtype, p, group)}"
                           for p in (kernels.CLUSTER_SIZES if uses_clusters(device)
                                     else kernels.GROUP_SIZES))
         raise RuntimeError(f"lltm_cupy: the fused kernels cannot run state size {state} in "
@@ -211,15 +220,16 @@ def chosen_size(state: int, dtype) -> int:
     return FORCED_SIZE
 
 
-def _launch_shape(state: int, dtype, backward: bool, size: int, tile: int):
+def _launch_shape(state: int, dtype, backward: bool, size: int, tile: int, group: bool = False):
     """(threads, shared bytes) of a block running a tile of ``tile`` rows."""
     width = state if backward else -(-state // size)    # the widest phase's elements per row
     threads = min(THREADS, -(-tile * width // 32) * 32)
-    return threads, shared_bytes(state, dtype, tile, backward, size)
+    return threads, shared_bytes(state, dtype, tile, backward, size, group)
 
 
 def geometry(batch: int, state: int, dtype, backward: bool, size: int, kernel=None):
-    """(blocks, threads, tile, shared bytes) of a cluster launch; blocks = tiles * size.
+    """(blocks, threads, tile, shared bytes) of a cluster launch (a group launch on a device
+    without clusters, in the group kernels' layout); blocks = tiles * size.
 
     The batch is spread over the device's clusters, one tile each (at most SMs / size of them,
     one block per SM), as many rows per tile as shared memory holds. With ``kernel`` (the
@@ -230,15 +240,16 @@ def geometry(batch: int, state: int, dtype, backward: bool, size: int, kernel=No
     ``kernels.cluster_failures``)."""
     device = kernels.current_device()
     limit = kernels.shared_memory_limit(device)
-    empty = shared_bytes(state, dtype, 0, backward, size)
-    per_row = shared_bytes(state, dtype, 1, backward, size) - empty
+    group = not uses_clusters(device)
+    empty = shared_bytes(state, dtype, 0, backward, size, group)
+    per_row = shared_bytes(state, dtype, 1, backward, size, group) - empty
     fits = max(1, (limit - empty) // per_row)
     clusters = max(1, kernels._sm_count(device) // size)
     tile = max(1, min(-(-batch // clusters), fits))
     if kernel is not None:
         tile = _resident_tile(kernel, batch, state, dtype, backward, size, tile,
                               min(fits, max(batch, 1)))
-    threads, shared = _launch_shape(state, dtype, backward, size, tile)
+    threads, shared = _launch_shape(state, dtype, backward, size, tile, group)
     return -(-batch // tile) * size, threads, tile, shared
 
 
