@@ -483,12 +483,15 @@ def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatc
             f"barrier {which} deleted, {label}: every result matches: {errors}"
 
 
-def _mutation_runs(xp, lib, monkeypatch):
+def _mutation_runs(xp, lib, monkeypatch, sm_count=None):
     """(label, results or None, {name: error against the reference} or the launch's error) of
-    the mutation check's runs: 2 and 4 blocks per cluster, ascending and descending order."""
+    the mutation check's runs: 2 and 4 blocks per cluster (or group), ascending and descending
+    order; ``sm_count(size)``, if given, the device's SMs for each size."""
     stored, case = make(4, 3, 3, 8, np.dtype(np.float64), seed=1)
     want = _want(case, None, False, 4, 3)
     for size in (2, 4):
+        if sm_count is not None:
+            monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: sm_count(size))
         for order in ("ascending", "descending"):
             monkeypatch.setattr(_cluster, "FORCED_SIZE", size)
             host_cluster.set_schedule(lib, order)

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from lltm_cupy._cuda import fused as _fused, fused_cluster as _cluster, kernels as _kernels
-from conftest import max_error
 from helpers import cubin as _cubin, host_cluster, host_fused
 from test_fused_sequence import DTYPES, OUT, _run_ptxas, compare, make, run
-from test_fused_cluster import _use as _use_cluster, _want
+from test_fused_cluster import (_mutation_runs as _cluster_mutation_runs, _use as _use_cluster,
+                                _want)
 
 SIZES = _kernels.GROUP_SIZES
 #: the emulated sm_80 device's opt-in shared memory per block (A100)
@@ -305,20 +305,8 @@ def test_deleting_a_barrier_of_the_group_kernels_is_caught(which, tmp_path, emul
 
 
 def _mutation_runs(xp, lib, monkeypatch):
-    stored, case = make(4, 3, 3, 8, np.dtype(np.float64), seed=1)
-    want = _want(case, None, False, 4, 3)
-    for size in (2, 4):
-        monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 2 * size)
-        for order in ("ascending", "descending"):
-            monkeypatch.setattr(_cluster, "FORCED_SIZE", size)
-            host_cluster.set_schedule(lib, order)
-            try:
-                got = run(xp, stored, None, False, True)
-            except AssertionError as exc:
-                yield f"P={size} {order}", None, str(exc)
-                continue
-            yield f"P={size} {order}", got, {name: max_error(g, w)
-                                              for name, g, w in zip(OUT, got, want)}
+    """The cluster check's runs (test_fused_cluster), on a device of two tiles' SMs."""
+    return _cluster_mutation_runs(xp, lib, monkeypatch, sm_count=lambda size: 2 * size)
 
 
 def test_unmutated_source_passes_the_group_mutation_check(group_cupy, group_lib, monkeypatch):
