@@ -280,7 +280,7 @@ def _elementwise_ulps(xp, case, dtype) -> dict:
     batch, state = new_cell.shape
     if xp is np:  # the NumPy backend saves products, not z: its projection again, bit for bit
         X = np.concatenate((args[3], args[0]), axis=1)
-        z = _numpy._project(X, args[1], args[2], np.matmul, 1, batch)[0]
+        z = _numpy.step._project(X, args[1], args[2], np.matmul, 1, batch)[0]
     else:
         z = to_numpy(saved.gates).reshape(batch, 3, state).transpose(1, 0, 2)
     flat = {"z_i": z[0], "z_o": z[1], "z_c": z[2], "old_cell": args[4], "grad_h": gh,

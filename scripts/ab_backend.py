@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """A/B of the NumPy backend: the working tree's against an earlier revision's, in one process.
 
-A change to ``lltm_cupy/_numpy.py`` is judged by the step it costs, and on a shared machine only
-a comparison within one process means anything: this loads the backend of ``--base`` (a git
-revision) next to the current one and times the same step with each, swapped every 20 steps,
+A change to the NumPy backend (``lltm_cupy/_numpy/``) is judged by the step it costs, and on a
+shared machine only a comparison within one process means anything: this loads the backend of
+``--base`` (a git revision) next to the current one and times the same step with each, swapped every 20 steps,
 timing every step on its own. It prints the 10th, 25th and 50th percentiles per backend and
 their ratios; the low percentiles are the least disturbed by other tenants.
 
@@ -19,9 +19,8 @@ Examples:
     python scripts/ab_backend.py --base 554f7e2 --cell -d       # LLTMCell, float64
     OPENBLAS_NUM_THREADS=1 python scripts/ab_backend.py --base HEAD~1 --seconds 20
 
-Needs git and a checkout. The earlier backend is imported as it was, its relative imports
-(``from ._types``, ``from . import _packing``) resolved in today's ``lltm_cupy``: revisions whose
-backend needs helpers that have changed since cannot be loaded.
+Needs git and a checkout. The earlier backend is imported as it was, from a copy of that
+revision's whole ``lltm_cupy`` (so its own helpers, ``_types`` and ``_packing``, come with it).
 """
 from __future__ import annotations
 
@@ -37,26 +36,37 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
 import numpy as np  # noqa: E402
 
-import lltm_cupy  # noqa: E402
 from lltm_cupy import _numpy  # noqa: E402
 
-BACKEND_PATH = "lltm_cupy/_numpy.py"
+BACKEND_PATH = "lltm_cupy/_numpy"
 
 
 def load_backend(revision: str) -> types.ModuleType:
-    """lltm_cupy/_numpy.py as of ``revision``, as a module of its own."""
+    """The NumPy backend as of ``revision`` (a package ``lltm_cupy/_numpy/``, or the one module
+    ``lltm_cupy/_numpy.py`` of older revisions), imported from a copy of that revision's
+    ``lltm_cupy`` under a name of its own, so that its relative imports resolve in its own
+    package."""
+    import importlib
+    import io
+    import tarfile
+    import tempfile
+
     try:
-        source = subprocess.run(["git", "show", f"{revision}:{BACKEND_PATH}"], cwd=ROOT,
-                                check=True, capture_output=True, text=True).stdout
+        archive = subprocess.run(["git", "archive", "--format=tar", revision, "lltm_cupy"],
+                                 cwd=ROOT, check=True, capture_output=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
+        detail = getattr(exc, "stderr", b"") or str(exc)
+        detail = detail.decode(errors="replace") if isinstance(detail, bytes) else detail
         raise SystemExit(f"ab_backend.py: cannot read {BACKEND_PATH} at {revision!r}: "
                          f"{detail.strip()}")
-    module = types.ModuleType(f"lltm_cupy_numpy_at_{revision}")
-    module.__file__ = f"{revision}:{BACKEND_PATH}"
-    module.__package__ = "lltm_cupy"   # its relative imports resolve in today's package
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
-    return module
+    name = "lltm_cupy_at_" + "".join(c if c.isalnum() else "_" for c in revision)
+    folder = Path(tempfile.mkdtemp(prefix="ab_backend_"))
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data") if hasattr(tarfile, "data_filter") \
+            else tar.extractall(folder)
+    (folder / "lltm_cupy").rename(folder / name)
+    sys.path.insert(0, str(folder))
+    return importlib.import_module(f"{name}._numpy")
 
 
 def _parameters(rng, size, randn: bool):
@@ -70,7 +80,8 @@ def _parameters(rng, size, randn: bool):
 
 
 def array_step(size, dtype, randn: bool):
-    """The step through the array API, and a function that selects the backend it runs."""
+    """The step through the backend's own forward and backward (as the array API calls them,
+    without its checks), and a function that selects the backend it runs."""
     batch, features, state = size
     rng = np.random.default_rng(0)
     weights, bias = _parameters(rng, size, randn)
@@ -80,14 +91,15 @@ def array_step(size, dtype, randn: bool):
     ones = np.ones((batch, state), dtype)
     needed = (False, False, True, True, False)
 
-    def step():
-        saved = lltm_cupy.forward(*args)[2]
-        lltm_cupy.backward(ones, ones, saved, needed=needed)
+    current = [_numpy]
 
-    original = lltm_cupy._backend
+    def step():     # the backend's own entry points (each revision's types pass its own checks)
+        backend = current[0]
+        saved = backend.forward(*args)[2]
+        backend.backward(ones, ones, saved, needed)
 
     def use(backend):
-        lltm_cupy._backend = original if backend is None else (lambda name: backend)
+        current[0] = _numpy if backend is None else backend
 
     return step, use
 

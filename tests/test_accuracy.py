@@ -190,7 +190,7 @@ def test_gemm_outputs_within_the_standard_bound(mm_name, dtype, batch):
     X = rng.standard_normal((batch, S + F)).astype(dtype)
     W = (rng.standard_normal((3 * S, S + F)) * 3).astype(dtype)
     b = rng.standard_normal(3 * S).astype(dtype)
-    z = _numpy._project(X, W, b, mm, 1, batch)[0]              # (3, B, S), bias added
+    z = _numpy.step._project(X, W, b, mm, 1, batch)[0]              # (3, B, S), bias added
     want = (_exact_product(X, W.T) + b.astype(np.longdouble)).reshape(batch, 3, S)
     bound = _gemm_bound(X, W.T, dtype, extra_terms=1) + np.abs(b.astype(np.float64))
     bound = bound * (1 + 1e-12)  # the bound's own float64 evaluation

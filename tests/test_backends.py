@@ -65,7 +65,7 @@ def check_against_reference(xp, case, dtype, kind="contiguous"):
     return saved
 
 
-# 128 and 129 rows straddle the NumPy backend's switch of GEMM orientation (see _numpy._project).
+# 128 and 129 rows straddle the NumPy backend's switch of GEMM orientation (see _numpy.step._project).
 @pytest.mark.parametrize("batch", [0, 1, 3, 16, 128, 129])
 @pytest.mark.parametrize("state", [1, 5, 129])
 @pytest.mark.parametrize("features", [1, 17])

@@ -24,7 +24,7 @@ SEQ = ("inputs", "weights", "bias", "h0", "c0")
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Projection blocks of 8 rows on both backends (several blocks at the tests' sizes)."""
-    monkeypatch.setattr(_numpy, "_BLOCK_ROWS", 8)
+    monkeypatch.setattr(_numpy.sequence, "_BLOCK_ROWS", 8)
     monkeypatch.setattr(_sequence, "_BLOCK_ROWS", 8)
 
 
@@ -140,7 +140,7 @@ def test_blocks_give_the_same_bits_as_one_block(monkeypatch):
     case = _sequence_case(20, 3, 4, 5, np.float64, seed=9)
     args = [case[n] for n in SEQ]
     one = lltm_cupy.forward_sequence(*args)
-    monkeypatch.setattr(_numpy, "_BLOCK_ROWS", 3)
+    monkeypatch.setattr(_numpy.sequence, "_BLOCK_ROWS", 3)
     many = lltm_cupy.forward_sequence(*args, return_saved=False)
     for name, a, b in zip(("outputs", "h_n", "c_n"), many, one):
         assert max_error(a, b) <= 1e-13, name
@@ -166,7 +166,7 @@ def test_numpy_memory_beyond_the_outputs_does_not_grow_with_steps(monkeypatch, l
     """Peak bytes of the call minus its outputs' bytes, at 50 and 200 steps: forward only, the
     same but for the packed copy of the inputs and the packing plan's index arrays (F floats and
     three integers per packed row); the training forward keeps 5 * B * S values per step more."""
-    monkeypatch.setattr(_numpy, "_BLOCK_ROWS", 64)
+    monkeypatch.setattr(_numpy.sequence, "_BLOCK_ROWS", 64)
     B, F, S = 16, 8, 32
     extra, rows = {}, {}
     lltm_cupy.forward_sequence(*(_sequence_case(2, B, F, S, np.float32)[n] for n in SEQ),

@@ -163,7 +163,7 @@ def test_cpu_memory_beyond_the_output_does_not_grow_with_steps(monkeypatch):
     """Every array the CPU path makes is NumPy's (torch views it), so tracemalloc sees them:
     under no_grad the peak beyond the output is the same at 50 and 200 steps; with grad the
     layer keeps 5 * B * S values per step for the backward."""
-    monkeypatch.setattr(_numpy, "_BLOCK_ROWS", 64)     # blocks of 8 steps: full at 50 too
+    monkeypatch.setattr(_numpy.sequence, "_BLOCK_ROWS", 64)     # blocks of 8 steps: full at 50 too
     torch.manual_seed(2)
     B, F, S = 8, 4, 32
     model = LLTM(F, S)

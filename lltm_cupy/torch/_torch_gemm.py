@@ -2,7 +2,7 @@
 
 - CPU: torch's BLAS (one BLAS thread pool per process, not two that fight over the cores):
   ``torch_mm`` and ``TORCH_GEMM``, which the torch layer passes to the NumPy backend as its
-  ``mm`` (:mod:`lltm_cupy._cpu_gemm` has the interface, and NumPy's own).
+  ``mm`` (:mod:`lltm_cupy._numpy.gemm` has the interface, and NumPy's own).
 - CUDA: torch's cuBLAS on torch views of the CuPy arrays' memory: ``TORCH_CUDA_GEMM``, which the
   torch layer passes to the CUDA backend as its ``gemm``, eagerly and under CUDA-graph capture
   (see :class:`TorchCudaGemm` for why one engine, and why not CuPy's).
@@ -24,7 +24,7 @@ def torch_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 class TorchGemm:
-    """The NumPy backend's GEMMs (``lltm_cupy._cpu_gemm``'s interface) by torch's BLAS, on
+    """The NumPy backend's GEMMs (``lltm_cupy._numpy.gemm``'s interface) by torch's BLAS, on
     tensors over the NumPy arrays' memory: ``operand`` / ``rows`` wrap once per call (``rows``
     with one ``unbind``), so that a step's GEMM costs one torch call."""
 

@@ -24,8 +24,8 @@ def run_numpy(inputs, dtype) -> dict:
     factors = np.empty((4, 1, n), dtype)
     d = np.empty((3, 1, n), dtype)
     with np.errstate(all="ignore"):     # as the backend's entry points run them
-        _numpy._activate(z, a["old_cell"].reshape(1, n), new_h, new_cell, factors)
-        d_new_cell = _numpy._d_gates(a["grad_h"].reshape(1, n), a["grad_cell"].reshape(1, n),
+        _numpy.step._activate(z, a["old_cell"].reshape(1, n), new_h, new_cell, factors)
+        d_new_cell = _numpy.step._d_gates(a["grad_h"].reshape(1, n), a["grad_cell"].reshape(1, n),
                                      factors, d)
     return _named(new_h, new_cell, d_new_cell, d[0], d[1], d[2])
 

@@ -1,0 +1,291 @@
+"""The CPU backend's step: one LLTM step each way, and the element-wise forms every loop runs.
+
+- :func:`forward` / :func:`backward`: one step into buffers the caller gives (the torch layer's
+  tensors, or the array API's arrays), with one GEMM forward and one per needed gradient;
+- :func:`cell_forward` / :func:`cell_backward`: the element-wise cell alone;
+- the element-wise forward (:func:`_step_views`, :func:`_step_on`, :func:`_step_factors`) and
+  backward (:func:`_d_gates`), which the sequence loops (``sequence``, ``packed``) run step
+  after step on buffers made once per call.
+
+The gate values live gate-major, as (3, batch, state), so that every element-wise call runs on
+contiguous memory (a NumPy ufunc on a column slice of a (batch, 3 * state) array costs 2-3 us
+more per call at the tutorial's size): one step's layout change is folded into the bias add
+(forward) and into one copy of the gate gradients back to (batch, 3 * state) for the GEMMs
+(backward). The forward computes what the backward multiplies by and keeps those four products
+(4, batch, state) instead of the activations, so the backward is five multiplications and an
+addition.
+
+Every entry point runs with NumPy's floating-point errors ignored (:func:`quiet`): infinities
+and NaN in the arguments give IEEE results (the reference's), and the library, not NumPy,
+decides what is an error.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._types import LLTMCellGrads, LLTMCellSaved, LLTMGrads
+from .gemm import NUMPY_GEMM
+
+__all__ = ["forward", "backward", "cell_forward", "cell_backward", "quiet", "loud"]
+
+try:    # NumPy 2: the error state is a context variable; setting it is one C call
+    from numpy._core.umath import _extobj_contextvar as _ERROR_STATE, _make_extobj
+
+    _IGNORE = _make_extobj(all="ignore")
+
+    def quiet():
+        """Ignore floating-point errors in this thread until :func:`loud` of the token returned
+        (what ``np.errstate(all="ignore")`` does, in one C call instead of a context manager's
+        several Python ones)."""
+        return _ERROR_STATE.set(_IGNORE)
+
+    loud = _ERROR_STATE.reset
+except ImportError:     # pragma: no cover -- a NumPy without it
+    def quiet():
+        return np.seterr(all="ignore")
+
+    def loud(token):
+        np.seterr(**token)
+
+_ZERO = {np.dtype(t): t(0) for t in (np.float32, np.float64)}   # typed: 0.5 us less than int 0
+
+def _project(x, w, bias, mm, steps, batch, out=None):
+    """Gate pre-activations ``x @ w.T + bias`` of ``steps * batch`` rows, as a C-ordered
+    gate-major array (steps, 3, batch, state) (``out``, or a new one); the bias add writes the
+    layout.
+
+    For up to 128 rows the product is taken as ``w @ x.T``: OpenBLAS runs it up to 2x faster than
+    ``x @ w.T`` at small batch, and the bias add transposes it anyway. For more rows, ``x @ w.T``,
+    whose (batch, 3, state) rows the bias add moves whole (transposing a large product costs more
+    than the GEMM: 43 ms against 20 ms at 4096 x 1536).
+    """
+    state = w.shape[0] // 3
+    out = np.empty((steps, 3, batch, state), x.dtype) if out is None else out
+    if x.shape[0] <= 128:
+        product = mm(w, x.T).reshape(3, state, steps, batch).transpose(2, 0, 3, 1)
+    else:
+        product = mm(x, w.T).reshape(steps, batch, 3, state).transpose(0, 2, 1, 3)
+    np.add(product, bias.reshape(3, 1, state), out=out)
+    return out
+
+
+def _d_tanh(c, out):
+    """tanh'(c) = (1 / cosh(c))^2 into ``out``: relatively accurate where 1 - tanh(c)^2 cancels
+    (|tanh c| near 1). cosh overflows to inf for |c| > ~710 (float64) / ~89 (float32), where the
+    exact value underflows to 0 anyway (1 / inf = 0). The square comes after the reciprocal, so
+    it can only underflow."""
+    np.cosh(c, out)
+    np.reciprocal(out, out)
+    np.square(out, out)
+
+
+def _activate(z, old_cell, new_h, new_cell, factors=None) -> None:
+    """Element-wise forward of one step: :func:`_step` and, unless ``factors`` is None,
+    :func:`_step_factors` (for callers with one step; the sequence loops call the two apart)."""
+    scratch = np.empty((6,) + new_cell.shape, z.dtype)
+    _step(z, old_cell, new_h, new_cell, scratch, factors is not None)
+    if factors is not None:
+        _step_factors(z[1:], scratch, new_h, new_cell, factors)
+
+
+def _step(z, old_cell, new_h, new_cell, scratch, derivatives) -> None:
+    """Element-wise forward of one step. z (3, B, S): the gate pre-activations, used as scratch
+    (the callers' own temporary; z[1:] holds p + q below afterwards). Writes new_h, new_cell
+    (B, S) (``new_cell`` may be ``old_cell`` itself: updated in place), and leaves in
+    ``scratch`` (6, B, S) [q_i, q_o, input_gate, output_gate, p_c, candidate_cell * input_gate]
+    what :func:`_step_factors` computes the backward's factors from (p_c only with
+    ``derivatives``; without, the outputs are the same bits).
+
+    Forms that keep relative accuracy for every finite input, on both sides, and never overflow,
+    from p = exp(min(z, 0)) and q = exp(-max(z, 0)) (both in (0, 1], one of them exactly 1):
+
+        sigmoid(z) = p / (p + q)           sigmoid(-z) = q / (p + q)
+        sigmoid'(z) = sigmoid(z) * sigmoid(-z)
+        elu(z) = max(expm1(min(z, 0)), z)  elu'(z) = p  (expm1(z) > z for z < 0)
+        tanh'(c) = (1 / cosh(c))^2
+
+    (the tutorial's (1 + tanh(z / 2)) / 2, s (1 - s) and 1 - tanh^2 are accurate only to about
+    one unit in the last place of 1, which is no relative accuracy at all once a gate saturates).
+    Values multiplied by the same factor sit side by side, so that one NumPy call does two
+    gates; outputs are passed positionally (0.3 us less per call than ``out=``), except to
+    minimum/maximum, where NumPy deprecates that.
+    """
+    _step_on(_step_views(z, scratch, derivatives), old_cell, new_h, new_cell)
+
+
+def _step_views(z, scratch, derivatives) -> tuple:
+    """The views :func:`_step_on` works on, of a step's z (3, B, S) and scratch (6, B, S): made
+    once per buffer by the sequence loops, which reuse their buffers step after step (a dozen
+    views cost about 2 us, a step at B * S = 2k about 20)."""
+    qp = scratch[:5]
+    q, p = qp[:2], qp[2:]
+    io = p[:2]
+    zero = _ZERO[z.dtype]
+    # z_i's row takes the candidate cell, z_o's and z_c's p + q, once no longer needed
+    return (z, zero, p, z[:2], q, p[2], z[0], z[2], qp if derivatives else qp[:4], z[1:], io,
+            scratch[5], io[0], io[1])
+
+
+def _step_on(views, old_cell, new_h, new_cell) -> None:
+    """:func:`_step` on views made by :func:`_step_views`."""
+    z, zero, p, z_io, q, p_c, g, z_c, e, total, io, a, input_gate, output_gate = views
+    np.minimum(z, zero, out=p)
+    np.maximum(z_io, zero, out=q)
+    np.negative(q, q)                       # -max(z, 0) (min(z, 0) - z is NaN at z = -inf)
+    np.expm1(p_c, g)
+    np.maximum(g, z_c, out=g)               # candidate_cell = elu(z_c) (expm1(z) > z for z < 0)
+    # q = exp(-max(z, 0)), p = exp(min(z, 0)); p_c = elu'(z_c) only for the backward
+    np.exp(e, e)
+    np.add(io, q, total)                    # p + q
+    np.divide(io, total, io)                # [input_gate, output_gate]
+    np.multiply(g, input_gate, a)           # candidate_cell * input_gate
+    np.add(a, old_cell, new_cell)
+    np.tanh(new_cell, new_h)
+    np.multiply(new_h, output_gate, new_h)  # new_h = tanh(new_cell) * output_gate
+
+
+def _step_factors(total, scratch, new_h, new_cell, factors) -> None:
+    """What the backward multiplies by, from what :func:`_step` left (``total`` = its z[1:],
+    ``scratch``, its outputs), for one step or, with a leading steps axis on every argument,
+    for K steps in one call each (fewer calls: at small sizes a call costs more than its
+    arithmetic):
+
+        factors = [candidate_cell * sigmoid'(z_i),  tanh(c) * sigmoid'(z_o),
+                   input_gate * elu'(z_c),          output_gate * tanh'(c)]
+
+    The first two reuse the outputs' products: candidate_cell * input_gate * sigmoid(-z_i) and
+    new_h * sigmoid(-z_o). Overwrites ``scratch``."""
+    gate = lambda a, i: a[..., i, :, :]     # noqa: E731 -- row i of (..., rows, B, S)
+    q = scratch[..., :2, :, :]
+    np.divide(q, total, q)                  # sigmoid(-z) of both
+    np.multiply(gate(scratch, 5), gate(scratch, 0), gate(factors, 0))
+    np.multiply(new_h, gate(scratch, 1), gate(factors, 1))
+    _d_tanh(new_cell, gate(scratch, 5))     # next to p_c = elu'(z_c)
+    np.multiply(scratch[..., 2:4, :, :], scratch[..., 4:6, :, :], factors[..., 2:4, :, :])
+
+
+def _d_gates(grad_h, grad_cell, factors, d_gates, d_new_cell=None):
+    """Element-wise backward of one step from the forward's ``factors`` (4, B, S): writes
+    d_gates (3, B, S) (any strides) and returns d_new_cell (B, S), written into
+    ``d_new_cell`` when given (it may be ``grad_cell`` itself); grad_h / grad_cell may be None
+    (zero).
+
+        d_new_cell = output_gate * tanh'(c) * grad_h + grad_cell     (= d_old_cell)
+        d_z_i = candidate_cell * sigmoid'(z_i) * d_new_cell
+        d_z_o = tanh(c) * sigmoid'(z_o) * grad_h
+        d_z_c = input_gate * elu'(z_c) * d_new_cell
+    """
+    if grad_h is not None:
+        if grad_cell is None:
+            d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
+        elif d_new_cell is grad_cell:       # in place; d_z_i's row as the product's scratch
+            np.add(d_new_cell, np.multiply(factors[3], grad_h, d_gates[0]), d_new_cell)
+        else:
+            d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
+            np.add(d_new_cell, grad_cell, d_new_cell)
+        np.multiply(factors[1], grad_h, d_gates[1])
+    else:
+        if d_new_cell is None:
+            d_new_cell = np.empty_like(factors[3])
+        if grad_cell is None:
+            d_new_cell[...] = 0
+        elif d_new_cell is not grad_cell:
+            np.copyto(d_new_cell, grad_cell)
+        d_gates[1] = 0
+    np.multiply(factors[0::2], d_new_cell, d_gates[0::2])   # d_z_i and d_z_c: one call
+    return d_new_cell
+
+
+def _gate_major_to_rows(d_gates, out) -> None:
+    """Copy gate-major (3, B, S) values into ``out`` (B, 3 * S), the GEMMs' layout."""
+    batch, state = d_gates.shape[1:]
+    np.copyto(out.reshape(batch, 3, state), d_gates.transpose(1, 0, 2))
+
+
+# Every entry point runs under np.errstate(all="ignore"): infinities and NaN in the arguments
+# give IEEE results (the reference's), and the library, not NumPy, decides what is an error.
+
+
+# ------------------------------------------------------------------------------- one step
+
+def forward(input, weights, bias, old_h, old_cell, new_h, new_cell, factors=None, X=None,
+            mm=NUMPY_GEMM) -> None:
+    """One step into the caller's buffers: new_h, new_cell (batch, state) and, for a backward,
+    ``factors`` (4, batch, state) (None: forward only, the outputs the same bits). ``X``
+    (batch, state + features) receives [old_h, input], the GEMM's operand (None: a temporary).
+
+    input (batch, features), weights (3 * state, state + features), bias (3 * state,) or
+    (1, 3 * state), old_h and old_cell (batch, state): one dtype, checked by the caller;
+    ``new_cell`` may be ``old_cell`` itself (updated in place) where no backward follows."""
+    token = quiet()
+    try:
+        batch, state = old_h.shape
+        if X is None:
+            X = np.empty((batch, state + input.shape[1]), old_h.dtype)
+        np.concatenate((old_h, input), axis=1, out=X)
+        z = _project(X, weights, bias, mm, 1, batch)[0]
+        scratch = np.empty((6, batch, state), z.dtype)
+        _step(z, old_cell, new_h, new_cell, scratch, factors is not None)
+        if factors is not None:
+            _step_factors(z[1:], scratch, new_h, new_cell, factors)
+    finally:
+        loud(token)
+
+
+def backward(grad_h, grad_cell, factors, weights, bias_shape, X=None, old_h=None, input=None,
+             needed=(True,) * 5, mm=NUMPY_GEMM) -> LLTMGrads:
+    """The gradients of one step (:class:`LLTMGrads`, None where ``needed`` says so) from the
+    forward's ``factors`` and [old_h, input]: ``X`` as the forward wrote it, or (X None) the
+    two arrays, concatenated here only if the weights' gradient is needed. grad_h / grad_cell
+    (batch, state), either None (zero)."""
+    token = quiet()
+    try:
+        _, batch, state = factors.shape
+        dtype = factors.dtype
+        d_acts = np.empty((3, batch, state), dtype)
+        d_new_cell = _d_gates(grad_h, grad_cell, factors, d_acts)
+        d_gates = np.empty((batch, 3 * state), dtype)
+        _gate_major_to_rows(d_acts, d_gates)
+        need_h, need_x, need_w, need_b, need_c = needed
+        if need_w and X is None:
+            X = np.concatenate((old_h, input), axis=1)
+        return LLTMGrads(
+            mm(d_gates, weights[:, :state]) if need_h else None,
+            mm(d_gates, weights[:, state:]) if need_x else None,
+            mm(d_gates.T, X) if need_w else None,
+            d_gates.sum(axis=0).reshape(bias_shape) if need_b else None,
+            d_new_cell if need_c else None)
+    finally:
+        loud(token)
+
+
+# ------------------------------------------------------------------ the fused cell alone
+
+def cell_forward(gates, old_cell):
+    """The element-wise step on gate pre-activations (batch, 3 * state) the caller computed;
+    ``saved`` holds the four products the backward multiplies by (``_activate``)."""
+    token = quiet()
+    try:
+        batch, state = old_cell.shape
+        z = np.empty((3, batch, state), gates.dtype)       # _activate's scratch: a copy
+        np.copyto(z, gates.reshape(batch, 3, state).transpose(1, 0, 2))
+        new_h = np.empty((batch, state), z.dtype)
+        new_cell = np.empty((batch, state), z.dtype)
+        factors = np.empty((4, batch, state), z.dtype)
+        _activate(z, old_cell, new_h, new_cell, factors)
+    finally:
+        loud(token)
+    return new_h, new_cell, LLTMCellSaved("numpy", factors, new_cell)
+
+
+def cell_backward(grad_h, grad_cell, saved):
+    token = quiet()
+    try:
+        batch, state = saved.new_cell.shape
+        d_acts = np.empty((3, batch, state), saved.new_cell.dtype)
+        d_old_cell = _d_gates(grad_h, grad_cell, saved.gates, d_acts)
+        d_gates = np.empty((batch, 3 * state), d_acts.dtype)
+        _gate_major_to_rows(d_acts, d_gates)
+    finally:
+        loud(token)
+    return LLTMCellGrads(d_gates, d_old_cell)
