@@ -108,7 +108,7 @@ def cell_step(size, dtype, randn: bool):
     """The step through LLTMCell, and a function that selects the backend it runs."""
     import torch
 
-    from lltm_cupy.torch import LLTMCell, _interop
+    from lltm_cupy.torch import LLTMCell, _functions
 
     batch, features, state = size
     torch_dtype = torch.float64 if dtype == np.float64 else torch.float32
@@ -124,12 +124,23 @@ def cell_step(size, dtype, randn: bool):
         new_h, new_cell = cell(x, (h, c))
         (new_h.sum() + new_cell.sum()).backward()
 
-    original = _interop._CPU_CALL.backend
+    original = _functions._step
 
     def use(backend):
-        _interop._CPU_CALL.backend = original if backend is None else backend
+        _functions._step = original if backend is None else _step_module(backend)
 
     return step, use
+
+
+def _step_module(backend):
+    """The backend's one-step entry points the torch layer calls (``step.forward`` and
+    ``step.backward`` into given buffers), which older revisions lack."""
+    step = getattr(backend, "step", None)
+    if step is None or not hasattr(step, "forward"):
+        raise SystemExit(f"ab_backend.py --cell: the backend at {backend.__name__} has no "
+                         f"step.forward/step.backward (the torch layer's entry points): compare "
+                         f"it through the array API (without --cell)")
+    return step
 
 
 def measure(step, use, backends: dict, seconds: float, chunk: int = 20) -> dict:

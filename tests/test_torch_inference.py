@@ -25,16 +25,32 @@ from test_torch import CUDA_REASON, needs_cuda  # noqa: E402
 
 @pytest.fixture
 def kept(monkeypatch):
-    """The ``keep`` of every backend forward call (both backends), in call order."""
+    """Whether each forward of a step or sequence (both backends) keeps what a backward reads,
+    in call order: the sequences' ``keep``, the CPU step's ``factors`` (None: forward only),
+    the CUDA step's ``keep``."""
+    from lltm_cupy.torch import _functions
+
     seen = []
     for backend in (_numpy, _cuda):
-        for name in ("forward", "forward_sequence"):
-            real = getattr(backend, name)
+        real = backend.forward_sequence
 
-            def spy(*args, _real=real, keep=True, **kw):
-                seen.append(keep)
-                return _real(*args, keep=keep, **kw)
-            monkeypatch.setattr(backend, name, spy)
+        def spy(*args, _real=real, keep=True, **kw):
+            seen.append(keep)
+            return _real(*args, keep=keep, **kw)
+        monkeypatch.setattr(backend, "forward_sequence", spy)
+    real_step = _numpy.step.forward
+
+    def step_spy(*args, **kw):
+        factors = kw["factors"] if "factors" in kw else (args[7] if len(args) > 7 else None)
+        seen.append(factors is not None)
+        return real_step(*args, **kw)
+    monkeypatch.setattr(_numpy.step, "forward", step_spy)
+    real_cuda = _functions._cuda_step_forward
+
+    def cuda_spy(*args, keep=True):
+        seen.append(keep)
+        return real_cuda(*args, keep=keep)
+    monkeypatch.setattr(_functions, "_cuda_step_forward", cuda_spy)
     return seen
 
 

@@ -29,7 +29,8 @@ from .gemm import d_bias as _d_bias, gemm
 from .kernels import FLAG, cupy_module, launch, on_device
 from .._types import LLTMCellGrads, LLTMCellSaved, LLTMGrads, LLTMSaved
 
-__all__ = ["forward", "backward", "cell_forward", "cell_backward", "step_backward"]
+__all__ = ["forward", "backward", "cell_forward", "cell_backward", "step_backward",
+           "launch_concat", "launch_forward", "launch_backward"]
 
 
 def forward(input, weights, bias, old_h, old_cell, gemm=gemm, keep=True):
@@ -125,3 +126,36 @@ def step_backward(cupy, grad_h, grad_cell, gates, new_cell):
             d_old_cell.data.ptr,
             FLAG[grad_h is not None], FLAG[grad_cell is not None], run.n, run.state))
     return d_gates, d_old_cell
+
+
+# ------------------------------------------------------------------- on device pointers
+
+def launch_concat(dtype, batch, features, state, old_h, input, X) -> None:
+    """X = [old_h, input] (batch, state + features) on device pointers (ints) of C-contiguous
+    buffers, on the current device and CuPy's current stream. ``batch`` > 0."""
+    run = launch(dtype, batch * (state + features), state)
+    run.kernels.concat(run.grid, run.block, (old_h, input, X, run.n, run.state,
+                                             np.int32(features)))
+
+
+def launch_forward(dtype, batch, state, gates, bias, old_cell, new_h, new_cell) -> None:
+    """The fused forward kernel on device pointers (ints) of C-contiguous buffers, on the
+    current device and CuPy's current stream: new_h and new_cell (batch, state) from the gate
+    pre-activations X @ W.T (batch, 3 * state), the bias (3 * state) and old_cell. ``batch`` >
+    0."""
+    run = launch(dtype, batch * state, state)
+    run.kernels.fwd(run.grid, run.block, (gates, bias, old_cell, new_h, new_cell, run.n,
+                                          run.state))
+
+
+def launch_backward(dtype, batch, state, grad_h, grad_cell, gates, new_cell, d_gates,
+                    d_old_cell) -> None:
+    """One step's element-wise backward kernel on device pointers (ints) of C-contiguous
+    buffers, on the current device and CuPy's current stream: d_gates (batch, 3 * state) and
+    d_old_cell (batch, state) from grad_h, grad_cell (None: zero), the forward's gates and
+    new_cell. ``batch`` > 0."""
+    run = launch(dtype, batch * state, state)
+    run.kernels.bwd(run.grid, run.block, (
+        new_cell if grad_h is None else grad_h, new_cell if grad_cell is None else grad_cell,
+        gates, new_cell, d_gates, d_old_cell, FLAG[grad_h is not None],
+        FLAG[grad_cell is not None], run.n, run.state))

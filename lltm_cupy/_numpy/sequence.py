@@ -54,7 +54,7 @@ def forward_sequence(inputs, weights, bias, h0, c0, mm, keep):
     buffer = np.empty(3 * min(block, steps) * batch * state, dtype)
     # keep: the backward's factors of a group of steps in one call each (_step_factors) from
     # what each step's _step left in its scratch and z, as many steps as keep that in cache
-    group = 1 if not keep else min(block, max(
+    group = 1 if not keep else min(block, max(steps, 1), max(
         1, _GROUP_BYTES // (_GROUP_ROWS * max(batch * state, 1) * dtype.itemsize)))
     scratch = np.empty((group, 6, batch, state), dtype)
     zs = np.empty((group, 3, batch, state), dtype)

@@ -155,12 +155,11 @@ def _step_factors(total, scratch, new_h, new_cell, factors) -> None:
 
     The first two reuse the outputs' products: candidate_cell * input_gate * sigmoid(-z_i) and
     new_h * sigmoid(-z_o). Overwrites ``scratch``."""
-    gate = lambda a, i: a[..., i, :, :]     # noqa: E731 -- row i of (..., rows, B, S)
-    q = scratch[..., :2, :, :]
+    q = scratch[..., :2, :, :]              # (row i of (..., rows, B, S): [..., i, :, :])
     np.divide(q, total, q)                  # sigmoid(-z) of both
-    np.multiply(gate(scratch, 5), gate(scratch, 0), gate(factors, 0))
-    np.multiply(new_h, gate(scratch, 1), gate(factors, 1))
-    _d_tanh(new_cell, gate(scratch, 5))     # next to p_c = elu'(z_c)
+    np.multiply(scratch[..., 5, :, :], scratch[..., 0, :, :], factors[..., 0, :, :])
+    np.multiply(new_h, scratch[..., 1, :, :], factors[..., 1, :, :])
+    _d_tanh(new_cell, scratch[..., 5, :, :])    # next to p_c = elu'(z_c)
     np.multiply(scratch[..., 2:4, :, :], scratch[..., 4:6, :, :], factors[..., 2:4, :, :])
 
 

@@ -283,13 +283,13 @@ def _make_runners(cfg: Config, impls, quiet, strict=False):
                     runner.backward(runner.forward())
                 runners[name] = runner
             elif name == "cell-op":
-                from ..torch._cell_op import _lltm_forward_op
+                from ..torch._custom_ops import lltm_forward_op
 
                 class CustomOpCell(lt.LLTMCell):
                     """LLTMCell through the custom operator even in eager mode."""
 
                     def forward(self, input, state=None):
-                        new_h, new_cell, _, _ = _lltm_forward_op(*self._args(input, state))
+                        new_h, new_cell, _, _ = lltm_forward_op(*self._args(input, state))
                         return new_h, new_cell
 
                 cell = CustomOpCell(cfg.features, cfg.state, device=device, dtype=dtype)

@@ -8,22 +8,28 @@ a training step can be captured in a CUDA graph (``torch.cuda.graph``, or
 ``torch.compile(mode="reduce-overhead")``). On the CPU the NumPy backend's GEMMs run through
 torch's BLAS, so that the process has one BLAS thread pool.
 
-One file per job:
+One file per job, read top to bottom, each importing only files below it:
 
-- ``_interop``: checks, conversions, device, stream, memory and GEMM of a backend call;
-- ``_dispatch``: what every call decides before the backend runs (autocast, forward only);
-- ``_cell_op`` / ``_sequence_op``: the autograd Functions (eager) and custom operators
-  (torch.compile) of one step and of whole sequences;
-- ``_module_args``, ``_cell_module``, ``_lltm_module``: ``LLTMCell`` and ``LLTM``, their checks;
-- ``reference``: the pure-torch reference (:func:`lltm_reference`, :class:`ReferenceLLTMCell`),
-  the tutorial's Python LLTM differentiated by autograd.
+- ``_cell_module``, ``_lltm_module``: the modules ``LLTMCell`` and ``LLTM``; ``_module_args``:
+  what they share (their checks, the one-step modules' parameters);
+- ``_ops``: the public functions ``lltm``, ``lltm_sequence``, ``lltm_packed``: the eager fast
+  path's one cheap test, and the general path (autocast, checks, export, compile);
+- ``_custom_ops``: the custom operators torch.compile and shape inference run;
+- ``_functions``, ``_sequence_function``: the autograd Functions, one per operation (a step, a
+  sequence), and their backward with grad mode on (second derivatives);
+- ``_export``: what the layer computes while torch.export or jit.trace records it;
+  ``reference``: the pure-torch reference (:func:`lltm_reference`, :class:`ReferenceLLTMCell`,
+  the backward's formulas in torch operations);
+- ``_interop``, ``_cuda_arrays``, ``_torch_gemm``: the bridge to the backends (conversions,
+  device, stream, memory, GEMMs).
 """
 from __future__ import annotations
 
 from ._cell_module import LLTMCell
-from ._cell_op import LLTMFunction, lltm
+from ._functions import LLTMFunction
 from ._lltm_module import LLTM
-from ._sequence_op import LLTMSequenceFunction, lltm_sequence
+from ._ops import lltm, lltm_sequence
+from ._sequence_function import LLTMSequenceFunction
 from .reference import ReferenceLLTMCell, lltm_reference
 
 __all__ = ["lltm", "LLTMFunction", "LLTMCell", "lltm_sequence", "LLTMSequenceFunction", "LLTM",

@@ -1,5 +1,5 @@
-"""How the torch layer calls a backend: argument checks, zero-copy conversions, device, stream,
-memory and GEMM.
+"""The bridge from the torch layer to the backends: zero-copy conversions, device, stream, memory
+and GEMM of a backend call, and the pointer launches of the CUDA step.
 
 CPU tensors run the NumPy backend on ``Tensor.numpy()`` views, with the GEMMs through torch's
 BLAS (one BLAS thread pool per process). CUDA tensors run the CuPy backend:
@@ -33,69 +33,55 @@ BLAS (one BLAS thread pool per process). CUDA tensors run the CuPy backend:
   GEMM, which must not happen inside a capture (``cublasCreate`` fails there): an eager call
   makes it, and ``lltm_cupy.warmup`` makes it for the calling thread and autograd's.
 
+The CUDA step (``_functions``) launches the kernels on the tensors' device pointers instead
+(:func:`launching`: the device current and torch's current stream CuPy's, nothing else), into
+``torch.empty`` tensors, with torch's GEMMs (:func:`mm`).
+
 Autocast is switched off inside a call: the backend's GEMMs must run in the dtype the cell
 computes in (``lltm_cupy.torch`` casts the arguments first, as autocast would).
 """
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 
 import numpy as np
 import torch
 from torch import Tensor
 from .. import _numpy
-from .._checks import check_shapes
+from . import _torch_gemm
 from ._cuda_arrays import imports as _imports, to_array as _array_cuda, to_tensor as _tensor_cuda
 from ._torch_gemm import TORCH_CUDA_GEMM, TORCH_GEMM
 
-__all__ = ["check", "backend_call", "uses_cupy", "DTYPES"]
+__all__ = ["backend_call", "uses_cupy", "launching", "mm", "DTYPES", "KERNEL_DTYPE",
+           "EMULATED_CUDA", "fused_kw", "use_plans", "prepare_capture"]
 
-NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 #: What each backend computes in. bfloat16 CPU tensors are computed in float32 by the layer above
-#: (lltm_cupy.torch._dispatch), so they never reach the NumPy backend.
+#: (lltm_cupy.torch._ops), so they never reach the NumPy backend.
 DTYPES = {"cpu": (torch.float32, torch.float64),
           "cuda": (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 
+#: The tests' emulated CUDA path (tests/helpers/emulated_torch.py) sets this: CPU tensors then
+#: run the CUDA backend's code, on the emulated CuPy.
+EMULATED_CUDA = False
 
-def check(tensors, names=NAMES, check_shapes=check_shapes) -> None:
-    """Torch-level checks, before any conversion or kernel: type, device, dtype, shapes."""
-    for name, t in zip(names, tensors):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"lltm_cupy.torch: {name} must be a torch.Tensor, got {type(t).__qualname__}")
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        listing = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
-        raise ValueError(f"lltm_cupy.torch: all tensors must be on one device, got {listing}")
-    device = tensors[0].device
-    if device.type not in DTYPES and device.type != "meta":
-        raise ValueError(f"lltm_cupy.torch: tensors on {device} are not supported (CPU or CUDA only)")
-    # meta: shape inference only (the custom operators' fake implementations), any CUDA dtype
-    kind = "cuda" if uses_cupy(device) or device.type == "meta" else "cpu"
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        listing = ", ".join(f"{n}={t.dtype}" for n, t in zip(names, tensors))
-        raise TypeError(f"lltm_cupy.torch: all tensors must have the same dtype, got {listing}")
-    dtype = tensors[0].dtype
-    if dtype not in DTYPES[kind]:
-        allowed = ", ".join(str(d) for d in DTYPES[kind])
-        hint = " (float16 runs on CUDA only)" if dtype == torch.float16 else ""
-        raise TypeError(f"lltm_cupy.torch: unsupported dtype {dtype} on {device.type}; expected one "
-                        f"of {allowed}{hint}")
-    check_shapes(*tensors)
+#: torch dtype -> the CUDA kernels' dtype (bfloat16: its bits, lltm_cupy._cuda.kernels.BFLOAT16)
+KERNEL_DTYPE = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(np.uint16),
+                torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
 
 
 def uses_cupy(device: torch.device) -> bool:
-    """Whether tensors on ``device`` run the CuPy backend (the tests' emulated CUDA path
-    replaces this)."""
-    return device.type == "cuda"
+    """Whether tensors on ``device`` run the CuPy backend."""
+    return device.type == "cuda" or EMULATED_CUDA
 
 
 # ------------------------------------------------------------------------------------ CPU
 
 
-def _array_cpu(t: Tensor) -> np.ndarray:
-    return t.detach().numpy()
+#: a CPU tensor's NumPy view, detached (``t.numpy(force=True)``: for a CPU tensor of a real
+#: dtype no copy, and one C call)
+_array_cpu = operator.methodcaller("numpy", force=True)
 
 
 # ----------------------------------------------------------------------------------- CUDA
@@ -259,10 +245,11 @@ class Call:
     and the two conversions (tensor -> array, array -> tensor). Also a do-nothing context
     manager, so that the common CPU case costs no generator."""
 
-    __slots__ = ("backend", "kw", "array", "tensor")
+    __slots__ = ("backend", "name", "kw", "array", "tensor")
 
-    def __init__(self, backend, kw, array, tensor):
-        self.backend, self.kw, self.array, self.tensor = backend, kw, array, tensor
+    def __init__(self, backend, name, kw, array, tensor):
+        self.backend, self.name, self.kw = backend, name, kw
+        self.array, self.tensor = array, tensor
 
     def optional(self, t):
         return None if t is None else self.array(t)
@@ -274,19 +261,16 @@ class Call:
         return False
 
 
-_CPU_CALL = Call(_numpy, {"mm": TORCH_GEMM}, _array_cpu, torch.from_numpy)
+CPU_CALL = Call(_numpy, "numpy", {"mm": TORCH_GEMM}, _array_cpu, torch.from_numpy)
 
 
 def backend_call(device: torch.device):
     """The context of one backend call for tensors on ``device``; ``with`` it gives a
-    :class:`Call`. Autocast is off inside (see the module docstring)."""
-    if torch.jit.is_tracing():     # jit.trace would record the results as constants
-        from ._export import refusal
-
-        raise refusal("a call into lltm_cupy's NumPy/CuPy backends")
+    :class:`Call`. Autocast is off inside (see the module docstring). (``torch.jit.trace`` is
+    refused before: it would record the results as constants.)"""
     cupy_path = uses_cupy(device)
     if not torch.is_autocast_enabled(device.type):
-        return _CudaCall(device) if cupy_path else _CPU_CALL
+        return _CudaCall(device) if cupy_path else CPU_CALL
     return _autocast_off(device, cupy_path)
 
 
@@ -294,7 +278,7 @@ def backend_call(device: torch.device):
 def _autocast_off(device: torch.device, cupy_path: bool):
     with torch.autocast(device.type, enabled=False):
         if not cupy_path:
-            yield _CPU_CALL
+            yield CPU_CALL
             return
         with _CudaCall(device) as call:
             yield call
@@ -343,5 +327,51 @@ def _cuda_call() -> Call:
     if not _CUDA_CALL:
         from .. import _cuda
 
-        _CUDA_CALL.append(Call(_cuda, {"gemm": TORCH_CUDA_GEMM}, _array_cuda, _tensor_cuda))
+        _CUDA_CALL.append(Call(_cuda, "cupy", {"gemm": TORCH_CUDA_GEMM}, _array_cuda,
+                               _tensor_cuda))
     return _CUDA_CALL[0]
+
+
+def backend_name(device: torch.device) -> str:
+    """The name of the backend tensors on ``device`` run ("cupy" or "numpy")."""
+    return "cupy" if uses_cupy(device) else "numpy"
+
+
+def fused_kw(call) -> dict:
+    """The backend keyword of ``fused=True``: only the GPU backend has the fused sequence
+    kernels."""
+    return {"fused": True} if call.name == "cupy" else {}
+
+
+# ---------------------------------------------------------------- the CUDA step's launches
+
+class launching:
+    """``with launching(device):`` the tensors' device is CuPy's current device (entered only
+    when it is not already) and torch's current stream there CuPy's current stream (its handle
+    read now, never cached): what a pointer launch of the step's kernels needs, and nothing
+    else (no allocator, no conversion)."""
+
+    __slots__ = ("_index", "_device", "_stream")
+
+    def __init__(self, device: torch.device):
+        self._index = _device_index(device)
+
+    def __enter__(self):
+        from .._cuda import kernels
+
+        self._device = kernels.on_device(self._index)
+        self._device.__enter__()
+        self._stream = _torch_stream(self._index)
+        self._stream.__enter__()
+
+    def __exit__(self, *exc):
+        self._stream.__exit__(None, None, None)
+        self._device.__exit__(None, None, None)
+        return False
+
+
+def mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """``out = a @ b`` by torch (the CUDA step's GEMMs: torch's cuBLAS, on torch's current
+    stream, under torch's matmul settings, as the sequences' GEMMs through
+    ``_torch_gemm.TORCH_CUDA_GEMM``)."""
+    return _torch_gemm._mm(a, b, out=out)

@@ -11,11 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from .._parameters import layer_plan
-from ._dispatch import eager_only
 from ._export import recording, refusal
 from ._module_args import (_check_bool, _check_input, _check_packed, _check_pair,
                            _refuse_torchscript, _rename_old_keys, _sizes)
-from ._sequence_op import lltm_packed, lltm_sequence
+from ._ops import eager_only, lltm_packed, lltm_sequence
 
 __all__ = ["LLTM"]
 

@@ -1,9 +1,14 @@
-"""The modules' argument checks and helpers: sizes and flags checked as nn.LSTM checks them, the
-input and state checks with messages naming the module, older state-dict keys renamed, and the
-TorchScript refusal."""
+"""What the modules share: their argument checks (sizes and flags checked as nn.LSTM checks them,
+the input and state checks with messages naming the module), older state-dict keys renamed,
+the TorchScript refusal, and :class:`_CellBase`, the parameters of the one-step modules
+(``LLTMCell`` and the pure-torch ``ReferenceLLTMCell``)."""
 from __future__ import annotations
 
-from torch import Tensor
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
 
 def _rename_old_keys(state_dict, prefix: str, renames: dict) -> None:
     """Rename keys of an older layout (old name -> new name) under ``prefix``, in place, before
@@ -102,3 +107,79 @@ def _check_pair(name, state) -> None:
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: {part} of state must be a torch.Tensor, got "
                             f"{type(t).__qualname__}")
+
+
+class _CellBase(nn.Module):
+    """Parameters named, shaped and initialised like the tutorial's ``LLTM`` module."""
+
+    def __init__(self, input_size: Optional[int] = None, hidden_size: Optional[int] = None,
+                 bias: bool = True, device=None, dtype=None, *, input_features=None,
+                 state_size=None):
+        super().__init__()
+        name = type(self).__name__
+        input_size, hidden_size = _sizes(name, input_size, hidden_size, input_features,
+                                         state_size, min_input=0)
+        bias = _check_bool(name, "bias", bias)
+        factory = {"device": device, "dtype": dtype}
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.weights = nn.Parameter(torch.empty(3 * hidden_size, input_size + hidden_size, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(1, 3 * hidden_size, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a one-layer LLTM's state_dict (weights_l0, bias_l0) loads too
+        _rename_old_keys(state_dict, prefix, {"weights_l0": "weights", "bias_l0": "bias"})
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @property
+    def input_features(self) -> int:
+        """The tutorial's name of ``input_size``."""
+        return self.input_size
+
+    @property
+    def state_size(self) -> int:
+        """The tutorial's name of ``hidden_size``."""
+        return self.hidden_size
+
+    def reset_parameters(self) -> None:
+        stdv = 1.0 / math.sqrt(self.hidden_size)
+        for weight in self.parameters():
+            weight.data.uniform_(-stdv, stdv)
+
+    __prepare_scriptable__ = _refuse_torchscript   # torch.jit.script calls it first
+
+    def _check_input(self, input, dims: str) -> None:
+        """input: a tensor of ``len(dims)`` dimensions whose last is input_size."""
+        _check_input(type(self).__name__, input, dims, self.input_size)
+
+    def _state(self, state, batch: int, like: Tensor, layered_ok: bool = False):
+        """(h, c) from ``state``: None (zeros) or two tensors, each (batch, hidden_size) (or
+        (1, batch, hidden_size) where ``layered_ok``); clear errors for anything else."""
+        name = type(self).__name__
+        if state is None:
+            zeros = like.new_zeros(batch, self.hidden_size)
+            return zeros, zeros
+        _check_pair(name, state)
+        expected = (batch, self.hidden_size)
+        for part, t in zip("hc", state):
+            shape = tuple(t.shape)
+            if shape != expected and not (layered_ok and shape == (1, *expected)):
+                also = f" or {(1, *expected)}" if layered_ok else ""
+                raise ValueError(f"{name}: {part} of state must have shape {expected}{also} "
+                                 f"(batch, hidden_size), got {shape}")
+        return tuple(state)
+
+    def _bias(self):
+        return self.bias if self.bias is not None else self.weights.new_zeros(3 * self.hidden_size)
+
+    def _args(self, input: Tensor, state):
+        self._check_input(input, "(batch, input_size)")
+        old_h, old_cell = self._state(state, input.shape[0], input)
+        return input, self.weights, self._bias(), old_h, old_cell
+
+    def extra_repr(self) -> str:
+        return f"{self.input_size}, {self.hidden_size}, bias={self.bias is not None}"

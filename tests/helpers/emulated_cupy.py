@@ -96,8 +96,9 @@ class CUDARuntimeError(RuntimeError):
 class _Log(list):
     """The device-work log; every entry also records its stream in ``_state.streams``."""
 
-    def append(self, what):
-        stream = _current_stream().ptr
+    def append(self, what, stream=None):
+        """``what`` on CuPy's current stream (or on ``stream``, a handle: torch's work)."""
+        stream = _current_stream().ptr if stream is None else stream
         expected = _state.torch_stream() if _state.torch_stream is not None else stream
         assert stream == expected, \
             f"{what} launched on stream {stream:#x}, torch's current stream is {expected:#x}"

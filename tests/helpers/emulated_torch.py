@@ -76,7 +76,19 @@ def install_torch(patch, fake):
                   raising=False)
     patch.setattr(torch.cuda, "Stream", TorchStream)
     patch.setattr(torch.cuda, "stream", stream)
-    patch.setattr(_interop, "uses_cupy", lambda device: True)
+    patch.setattr(_interop, "EMULATED_CUDA", True)    # CPU tensors run the CUDA backend's code
+    # The CUDA step launches its kernels on tensors' data_ptr(): a tensor whose pointer is taken
+    # is device memory to the emulator for as long as the tensor object lives (a kernel given a
+    # pointer into a tensor already freed fails the emulator's live-memory check).
+    real_data_ptr = torch.Tensor.data_ptr
+
+    def data_ptr(t):
+        storage = t.untyped_storage()
+        if getattr(t, "_emulated_memory", None) is None and storage.nbytes():
+            t._emulated_memory = emu.BaseMemory(storage.data_ptr(), storage.nbytes())
+        return real_data_ptr(t)
+
+    patch.setattr(torch.Tensor, "data_ptr", data_ptr)
     patch.setattr(_interop, "_ALLOCATORS", {})     # made over this emulated CuPy's classes
     # record_stream of a CPU tensor raises: noted instead
     patch.setattr(_interop, "record_stream",
@@ -108,8 +120,8 @@ def torch_blas(emulator, interop, patch):
                 raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling "
                                    "`cublasCreate(handle)`")
             emulator.torch_blas_threads.add(threading.get_ident())
-        if out.numel():
-            emulator.log.append("gemm")
+        if out.numel():     # torch's work: on torch's current stream, whatever CuPy's is
+            emulator.log.append("gemm", emulator.torch_stream())
             emulator.gemm_engines.append("torch")
         return not emulator.noop
 

@@ -1,0 +1,228 @@
+"""The torch layer's autograd Functions, one per operation: :class:`LLTMFunction` (one step,
+here, with what both share) and :class:`LLTMSequenceFunction` (a whole sequence, padded or
+packed by a plan: ``_sequence_function``).
+
+Each forward allocates what it returns and what its backward keeps, has the backend write into
+it, and saves every tensor the backward reads with ``ctx.save_for_backward`` as it is (so
+``torch.utils.checkpoint``, ``save_on_cpu`` and any saved-tensor hooks see, drop, move or
+compress it; no state is kept on ``ctx`` by other means):
+
+- one step on the CPU: the NumPy backend's step on ``Tensor.numpy()`` views, into NumPy arrays
+  the results are views of (``torch.from_numpy``); the backward's four factors (4, batch,
+  state) are kept, [old_h, input] is not (the backward concatenates it again if the weights
+  need a gradient);
+- one step on CUDA: the kernels of ``cuda_src/lltm.cu`` launched on the tensors' device
+  pointers, on torch's current stream, into ``torch.empty`` tensors (torch's allocator owns
+  every byte), the GEMMs torch's; X = [old_h, input], the gate pre-activations and new_cell
+  are kept;
+- a sequence: the backend's sequence loop on arrays over the tensors' memory (``_interop``),
+  its saved arrays kept as tensors over the same memory.
+
+Every argument is saved too, as it is: an in-place change of one before the backward raises
+(autograd's version check), and a backward run with grad mode on (``create_graph=True``, and
+the ``torch.func`` transforms) computes the gradients from them with differentiable torch
+operations (:mod:`lltm_cupy.torch.reference`'s backward formulas), so second derivatives
+(Hessians, gradient penalties) are right. With grad mode off, the backend's backward runs, and
+that path costs nothing more.
+
+The Functions are written in the style ``torch.func`` asks for (``setup_context``); the public
+functions call them through torch's C++ ``apply`` (:func:`apply`), which skips the Python
+``Function.apply``'s per-call binding of default arguments, except under ``torch.func``'s
+transforms, which need it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .._cuda import step as _cuda_step
+from .._numpy import step as _step
+from . import _interop, reference
+from ._torch_gemm import TORCH_GEMM
+
+__all__ = ["LLTMFunction", "apply", "step_forward_only", "INPLACE_MESSAGE"]
+
+INPLACE_MESSAGE = (
+    "lltm_cupy.torch: a tensor that the LLTM's backward reads was modified in place after the "
+    "forward (see which in the error above): an argument (the weights, the input or the "
+    "state), or an output whose memory the backward reads (the outputs of a sequence; "
+    "new_cell of an LLTMCell on CUDA). Modify a copy instead (out = out.clone(); "
+    "out.relu_()), or use the out-of-place operation (out = out.relu()).")
+
+_from_numpy = torch.from_numpy
+_autocast_on = torch.is_autocast_enabled
+#: the CPU step's GEMM engine (the NumPy backend's ``mm``): torch's BLAS
+CPU_MM = TORCH_GEMM
+
+
+def apply(cls, *args):
+    """``cls.apply(*args)``: through torch's C++ ``apply`` outside torch.func's transforms
+    (it runs forward, then setup_context), through the Python one under them."""
+    if torch._C._are_functorch_transforms_active():
+        return torch.autograd.Function.apply.__func__(cls, *args)
+    return super(torch.autograd.Function, cls).apply(*args)
+
+
+def _saved(ctx):
+    """``ctx.saved_tensors``, with the library's advice added to autograd's in-place error."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as error:
+        if "modified by an inplace operation" in str(error):
+            raise RuntimeError(f"{error}\n{INPLACE_MESSAGE}") from error
+        raise
+
+
+_tracing = torch._C._is_tracing
+
+
+def _refusal() -> RuntimeError:
+    """torch.jit.trace would record a backend call's results as constants."""
+    from ._export import refusal
+
+    return refusal("a call into lltm_cupy's NumPy/CuPy backends")
+
+
+def _refuse_vmap(info, in_dims, *args):
+    raise RuntimeError(
+        "lltm_cupy.torch: torch.func.vmap over the LLTM is not supported (its kernels have no "
+        "batching rule): the LLTM takes a batch dimension already; put the mapped dimension "
+        "into it (or loop). torch.func.grad, vjp and jacrev work.")
+
+
+def _refuse_jvp(ctx, *tangents):
+    raise RuntimeError(
+        "lltm_cupy.torch: forward-mode AD (torch.func.jvp, jacfwd, torch.func.hessian, "
+        "torch.autograd.forward_ad) is not supported by the LLTM, whose kernels have no "
+        "forward derivative; use reverse mode (backward(), torch.func.grad, vjp, jacrev; "
+        "second derivatives by reverse over reverse, e.g. torch.autograd.functional.hessian).")
+
+
+# ---------------------------------------------------------------------------------------------
+# One step
+
+class LLTMFunction(torch.autograd.Function):
+    """One LLTM step with autograd: ``apply(input, weights, bias, old_h, old_cell)`` returns
+    ``(new_h, new_cell)`` followed by what the backward keeps (the CPU's factors; CUDA's X and
+    gate pre-activations). Prefer :func:`lltm_cupy.torch.lltm`, which checks the arguments,
+    handles autocast and torch.compile, and returns the two outputs only. ``torch.func.grad``,
+    ``vjp`` and ``jacrev`` work; ``vmap`` and forward-mode AD are refused."""
+
+    @staticmethod
+    def forward(input, weights, bias, old_h, old_cell):
+        if _tracing():
+            raise _refusal()
+        cuda = input.is_cuda or _interop.EMULATED_CUDA
+        if _autocast_on("cuda" if cuda else "cpu"):  # the general path under autocast: the
+            with torch.autocast("cuda" if cuda else "cpu", enabled=False):   # GEMMs as cast
+                return LLTMFunction.forward(input, weights, bias, old_h, old_cell)
+        if cuda:
+            return _cuda_step_forward(input, weights, bias, old_h, old_cell)
+        h = old_h.detach().numpy()
+        shape, dtype = h.shape, h.dtype
+        new_h, new_cell = np.empty(shape, dtype), np.empty(shape, dtype)
+        factors = np.empty((4,) + shape, dtype)
+        _step.forward(input.detach().numpy(), weights.detach().numpy(), bias.detach().numpy(),
+                      h, old_cell.detach().numpy(), new_h, new_cell, factors, mm=CPU_MM)
+        return _from_numpy(new_h), _from_numpy(new_cell), _from_numpy(factors)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        kept = output[2:]
+        ctx.mark_non_differentiable(*kept)
+        ctx.set_materialize_grads(False)
+        if len(kept) == 1:          # the CPU's factors
+            ctx.save_for_backward(*inputs, *kept)
+        else:                       # CUDA: X, gates, and new_cell, which its kernel reads
+            ctx.save_for_backward(*inputs, *kept, output[1])
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_cell, *_):
+        saved = _saved(ctx)
+        if grad_h is None and grad_cell is None:
+            return None, None, None, None, None
+        if torch.is_grad_enabled():     # create_graph=True, torch.func: the formulas
+            return _differentiable_step_backward(ctx, grad_h, grad_cell, saved)
+        cuda = len(saved) > 6
+        if _autocast_on("cuda" if cuda else "cpu"):
+            with torch.autocast("cuda" if cuda else "cpu", enabled=False):
+                return LLTMFunction.backward(ctx, grad_h, grad_cell)
+        if cuda:
+            return _cuda_step_backward(ctx, grad_h, grad_cell, saved)
+        input, weights, bias, old_h, old_cell, factors = saved
+        need_x, need_w, need_b, need_h, need_c = ctx.needs_input_grad
+        d_old_h, d_input, d_weights, d_bias, d_old_cell = _step.backward(
+            None if grad_h is None else grad_h.numpy(),
+            None if grad_cell is None else grad_cell.numpy(), factors.numpy(),
+            weights.detach().numpy(), bias.shape, old_h=old_h.detach().numpy(),
+            input=input.detach().numpy(), needed=(need_h, need_x, need_w, need_b, need_c),
+            mm=CPU_MM)
+        return (None if d_input is None else _from_numpy(d_input),
+                None if d_weights is None else _from_numpy(d_weights),
+                None if d_bias is None else _from_numpy(d_bias),
+                None if d_old_h is None else _from_numpy(d_old_h),
+                None if d_old_cell is None else _from_numpy(d_old_cell))
+
+    vmap = staticmethod(_refuse_vmap)
+    jvp = staticmethod(_refuse_jvp)
+
+
+def step_forward_only(input, weights, bias, old_h, old_cell):
+    """One step with no backward to follow (grad mode off, or nothing requires grad):
+    ``(new_h, new_cell)``, the same bits as :class:`LLTMFunction`'s."""
+    if input.is_cuda or _interop.EMULATED_CUDA:
+        return _cuda_step_forward(input, weights, bias, old_h, old_cell, keep=False)
+    h = old_h.detach().numpy()
+    new_h, new_cell = np.empty(h.shape, h.dtype), np.empty(h.shape, h.dtype)
+    _step.forward(input.detach().numpy(), weights.detach().numpy(), bias.detach().numpy(), h,
+                  old_cell.detach().numpy(), new_h, new_cell, mm=CPU_MM)
+    return _from_numpy(new_h), _from_numpy(new_cell)
+
+
+def _differentiable_step_backward(ctx, grad_h, grad_cell, saved):
+    input, weights, bias, old_h, old_cell = saved[:5]
+    return reference.lltm_backward_reference(grad_h, grad_cell, input, weights, bias, old_h,
+                                             old_cell, ctx.needs_input_grad)
+
+
+# -- CUDA: the kernels on device pointers, torch's GEMMs and allocator, torch's current stream
+
+def _cuda_step_forward(input, weights, bias, old_h, old_cell, keep=True):
+    batch, state = old_h.shape
+    features = input.shape[1]
+    new = old_h.new_empty
+    X, gates = new((batch, state + features)), new((batch, 3 * state))
+    new_h, new_cell = new((batch, state)), new((batch, state))
+    if batch:   # state >= 1: nothing to launch exactly when batch == 0
+        h, x, b, c = (t.contiguous() for t in (old_h, input, bias, old_cell))
+        dtype = _interop.KERNEL_DTYPE[input.dtype]
+        with _interop.launching(input.device):
+            _cuda_step.launch_concat(dtype, batch, features, state, h.data_ptr(), x.data_ptr(),
+                                     X.data_ptr())
+            _interop.mm(X, weights.t(), gates)
+            _cuda_step.launch_forward(dtype, batch, state, gates.data_ptr(), b.data_ptr(),
+                                      c.data_ptr(), new_h.data_ptr(), new_cell.data_ptr())
+    return (new_h, new_cell, X, gates) if keep else (new_h, new_cell)
+
+
+def _cuda_step_backward(ctx, grad_h, grad_cell, saved):
+    input, weights, bias, old_h, old_cell, X, gates, new_cell = saved
+    need_x, need_w, need_b, need_h, need_c = ctx.needs_input_grad
+    batch, state = new_cell.shape
+    new = new_cell.new_empty
+    d_gates, d_old_cell = new((batch, 3 * state)), new((batch, state))
+    if batch:
+        gh = None if grad_h is None else grad_h.contiguous()
+        gc = None if grad_cell is None else grad_cell.contiguous()
+        with _interop.launching(new_cell.device):
+            _cuda_step.launch_backward(
+                _interop.KERNEL_DTYPE[new_cell.dtype], batch, state,
+                None if gh is None else gh.data_ptr(), None if gc is None else gc.data_ptr(),
+                gates.data_ptr(), new_cell.data_ptr(), d_gates.data_ptr(), d_old_cell.data_ptr())
+    mm = _interop.mm
+    return (mm(d_gates, weights[:, state:], new((batch, input.shape[1]))) if need_x else None,
+            mm(d_gates.t(), X, new(weights.shape)) if need_w else None,
+            d_gates.sum(0).reshape(bias.shape) if need_b else None,
+            mm(d_gates, weights[:, :state], new((batch, state))) if need_h else None,
+            d_old_cell if need_c else None)
