@@ -133,13 +133,13 @@ def cell_step(size, dtype, randn: bool):
 
 
 def _step_module(backend):
-    """The backend's one-step entry points the torch layer calls (``step.forward`` and
-    ``step.backward`` into given buffers), which older revisions lack."""
+    """The backend's element-wise step the torch layer calls (``step.cell_forward_into`` and
+    ``step.cell_backward_into``, into given buffers), which older revisions lack."""
     step = getattr(backend, "step", None)
-    if step is None or not hasattr(step, "forward"):
+    if step is None or not hasattr(step, "cell_forward_into"):
         raise SystemExit(f"ab_backend.py --cell: the backend at {backend.__name__} has no "
-                         f"step.forward/step.backward (the torch layer's entry points): compare "
-                         f"it through the array API (without --cell)")
+                         f"step.cell_forward_into/cell_backward_into (the torch layer's entry "
+                         f"points): compare it through the array API (without --cell)")
     return step
 
 

@@ -94,58 +94,59 @@ def test_gradcheck_float64(device):
 
 
 def test_zero_copy_in_and_out(monkeypatch):
-    """On the CPU the NumPy backend's step reads the tensors' memory and writes the results'
-    (no copy either way), and its backward reads the incoming gradients' memory and returns
-    the arrays the gradients are. (CUDA: the kernels take the tensors' device pointers,
+    """On the CPU the NumPy backend's element-wise step reads the tensors' memory (old_cell;
+    the GEMM is torch's on the tensors themselves) and writes the results' (no copy either
+    way), and its backward reads the incoming gradients' memory and returns the array
+    d_old_cell is. (CUDA: the kernels take the tensors' device pointers,
     tests/test_torch_cuda_path.py.)"""
     seen = {}
     step = lltm_cupy._numpy.step
-    real_forward, real_backward = step.forward, step.backward
+    real_forward, real_backward = step.cell_forward_into, step.cell_backward_into
 
     def ptr(a):
         return a.ctypes.data
 
-    def forward(*arrays, **kw):
-        seen["in"] = [ptr(a) for a in arrays[:5]]
-        seen["out"] = [ptr(arrays[5]), ptr(arrays[6])]
-        return real_forward(*arrays, **kw)
+    def forward(gates, old_cell, new_h, new_cell, factors=None):
+        seen["in"] = ptr(old_cell)
+        seen["out"] = [ptr(new_h), ptr(new_cell)]
+        return real_forward(gates, old_cell, new_h, new_cell, factors)
 
-    def backward(gh, gc, *args, **kw):
+    def backward(gh, gc, factors, d_gates=None, bias=False):
         seen["grad_in"] = [ptr(gh), ptr(gc)]
-        grads = real_backward(gh, gc, *args, **kw)
-        seen["grad_out"] = [ptr(g) for g in grads]
-        return grads
+        d_gates, d_old_cell, d_bias = real_backward(gh, gc, factors, d_gates, bias)
+        seen["d_old_cell"] = ptr(d_old_cell)
+        return d_gates, d_old_cell, d_bias
 
-    monkeypatch.setattr(step, "forward", forward)
-    monkeypatch.setattr(step, "backward", backward)
+    monkeypatch.setattr(step, "cell_forward_into", forward)
+    monkeypatch.setattr(step, "cell_backward_into", backward)
     args = tensors(make_case(3, 4, 5, np.float32), "cpu")
     h, c = lt.lltm(*args)
-    assert seen["in"] == [a.data_ptr() for a in args]
+    assert seen["in"] == args[4].data_ptr()
     assert seen["out"] == [h.data_ptr(), c.data_ptr()]
     gh, gc = torch.randn_like(h), torch.randn_like(c)
     torch.autograd.backward((h, c), (gh, gc))
     assert seen["grad_in"] == [gh.data_ptr(), gc.data_ptr()]
-    grads = dict(zip(GRAD_NAMES, seen["grad_out"]))
     # autograd accumulates a leaf's first gradient by stealing the tensor when it can.
-    assert args[0].grad.data_ptr() == grads["d_input"]
-    assert args[1].grad.data_ptr() == grads["d_weights"]
+    assert args[4].grad.data_ptr() == seen["d_old_cell"]
 
 
 def test_only_needed_gradients_are_computed(monkeypatch):
+    from lltm_cupy.torch import _functions
+
     calls = []
-    real = lltm_cupy._numpy.step.backward
+    real = _functions.cpu_step_backward
 
-    def spy(*args, needed, **kw):
-        calls.append(needed)
-        return real(*args, needed=needed, **kw)
+    def spy(*args, **kw):
+        calls.append(args[5])
+        return real(*args, **kw)
 
-    monkeypatch.setattr(lltm_cupy._numpy.step, "backward", spy)
+    monkeypatch.setattr(_functions, "cpu_step_backward", spy)
     case = make_case(3, 4, 5, np.float64)
     args = tensors(case, "cpu", requires_grad=False)
     args[1].requires_grad_()  # weights only
     h, c = lt.lltm(*args)
     h.sum().backward()
-    assert calls == [(False, False, True, False, False)]
+    assert calls == [(False, True, False, False, False)]     # (the arguments' order)
     assert args[1].grad is not None and all(a.grad is None for i, a in enumerate(args) if i != 1)
 
 

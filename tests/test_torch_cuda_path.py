@@ -168,10 +168,10 @@ def test_captured_training_step_equals_the_eager_one_bit_for_bit(emulated_cuda_t
 
 def test_memory_comes_from_torch_and_results_are_torch_allocations(emulated_cuda_torch,
                                                                    monkeypatch):
-    """A step allocates nothing through CuPy (its buffers are torch.empty tensors, the kernels
-    take their pointers); a sequence's every CuPy allocation is a torch allocation (the
-    allocator installed for the call), and its results are views of them; nothing comes back
-    through DLPack."""
+    """A step and a sequence of one length allocate nothing through CuPy (their buffers are
+    torch.empty tensors, the kernels take their pointers); with variable lengths (the CuPy
+    backend's arrays) every CuPy allocation is a torch allocation (the allocator installed for
+    the call), and the results are views of them; nothing comes back through DLPack."""
     emu = emulated_cuda_torch.emulator
     from lltm_cupy.torch import _interop
 
@@ -199,6 +199,11 @@ def test_memory_comes_from_torch_and_results_are_torch_allocations(emulated_cuda
     xs = torch.randn(6, 4, 3, requires_grad=True)
     emu.reset()
     out, h_n, c_n = lt.lltm_sequence(xs, *args[1:])
+    (out.sum() + c_n.pow(2).sum()).backward()
+    assert emu.pool_allocations == 0 and emu.allocations == [] and made == []
+    xs.grad = None
+    emu.reset()
+    out, h_n, c_n = lt.lltm_sequence(xs, *args[1:], lengths=[6, 3, 6, 1])
     (out.sum() + c_n.pow(2).sum()).backward()
     assert emu.pool_allocations == 0, "CuPy's own pool was used"
     assert len(made) == len(emu.allocations) > 0

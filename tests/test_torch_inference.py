@@ -26,9 +26,10 @@ from test_torch import CUDA_REASON, needs_cuda  # noqa: E402
 @pytest.fixture
 def kept(monkeypatch):
     """Whether each forward of a step or sequence (both backends) keeps what a backward reads,
-    in call order: the sequences' ``keep``, the CPU step's ``factors`` (None: forward only),
-    the CUDA step's ``keep``."""
-    from lltm_cupy.torch import _functions
+    in call order: the sequences' ``keep`` (the backends', and the torch layer's CUDA
+    sequences of one length), the CPU step's ``factors`` (None: forward only), the CUDA
+    step's ``keep``."""
+    from lltm_cupy.torch import _cuda_sequence, _functions
 
     seen = []
     for backend in (_numpy, _cuda):
@@ -38,19 +39,25 @@ def kept(monkeypatch):
             seen.append(keep)
             return _real(*args, keep=keep, **kw)
         monkeypatch.setattr(backend, "forward_sequence", spy)
-    real_step = _numpy.step.forward
+    real_step = _numpy.step.cell_forward_into
 
-    def step_spy(*args, **kw):
-        factors = kw["factors"] if "factors" in kw else (args[7] if len(args) > 7 else None)
+    def step_spy(gates, old_cell, new_h, new_cell, factors=None):
         seen.append(factors is not None)
-        return real_step(*args, **kw)
-    monkeypatch.setattr(_numpy.step, "forward", step_spy)
-    real_cuda = _functions._cuda_step_forward
+        return real_step(gates, old_cell, new_h, new_cell, factors)
+    monkeypatch.setattr(_numpy.step, "cell_forward_into", step_spy)
+    real_array_step = _numpy.forward        # (the compiled path's custom operators)
 
-    def cuda_spy(*args, keep=True):
+    def array_step_spy(*args, keep=True, **kw):
         seen.append(keep)
-        return real_cuda(*args, keep=keep)
-    monkeypatch.setattr(_functions, "_cuda_step_forward", cuda_spy)
+        return real_array_step(*args, keep=keep, **kw)
+    monkeypatch.setattr(_numpy, "forward", array_step_spy)
+    for module, name in ((_functions, "cuda_step_forward"), (_cuda_sequence, "forward")):
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, keep=True):
+            seen.append(keep)
+            return _real(*args, keep=keep)
+        monkeypatch.setattr(module, name, spy)
     return seen
 
 
@@ -199,11 +206,20 @@ def test_cpu_memory_beyond_the_output_does_not_grow_with_steps(monkeypatch):
 
 
 def test_emulated_cuda_path_forward_only(emulated_cuda_torch, kept, monkeypatch):
-    """The CUDA path (CuPy backend on the emulated CuPy): forward only under no_grad, the same
-    bits as the training forward, and no allocation that grows with steps beyond the output
-    and its [h0, outputs] buffer."""
+    """The CUDA path (torch's buffers and GEMMs, the kernels on the emulated CuPy): forward
+    only under no_grad, the same bits as the training forward, nothing allocated through CuPy,
+    and no buffer that grows with steps beyond each layer's [h0, outputs]."""
     monkeypatch.setattr(_sequence, "_BLOCK_ROWS", 12)      # blocks of 4 steps
     emu = emulated_cuda_torch.emulator
+    made = []
+    real_new_empty = torch.Tensor.new_empty
+
+    def new_empty(t, *args, **kw):
+        out = real_new_empty(t, *args, **kw)
+        made.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
     torch.manual_seed(3)
     B, F, S = 3, 4, 6
     model = LLTM(F, S, num_layers=2, dtype=torch.float32)
@@ -213,11 +229,13 @@ def test_emulated_cuda_path_forward_only(emulated_cuda_torch, kept, monkeypatch)
         want, _ = model(xs)
         emu.reset()
         kept.clear()
+        made.clear()
         with torch.no_grad():
             got, _ = model(xs)
         assert kept == [False, False]
         assert torch.equal(got, want.detach())
-        extra[steps] = sum(emu.allocations) - 2 * (steps + 1) * B * S * 4
+        assert emu.allocations == []
+        extra[steps] = sum(made) - 2 * (steps + 1) * B * S * 4
     assert extra[40] == extra[20], extra
 
 

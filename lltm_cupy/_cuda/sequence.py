@@ -17,7 +17,7 @@ from .kernels import FLAG, cupy_module, launch, on_device
 from .._packing import block_steps
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 
-__all__ = ["forward_sequence", "backward_sequence"]
+__all__ = ["forward_sequence", "backward_sequence", "forward_steps", "backward_steps"]
 
 
 #: Rows of one block of a sequence's input projection (one GEMM per block of steps; the same
@@ -66,26 +66,16 @@ def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=T
         w_x_t = weights[:, state:].T
         if steps and n:
             bias_c, c0_c = cupy.ascontiguousarray(bias), cupy.ascontiguousarray(c0)
-            run = launch(dtype, n, state)
-            fwd, grid, block_dim, n64, s32 = run.kernels.fwd, run.grid, run.block, run.n, run.state
-            # every step's operands as pointers: a base and a stride per buffer, read once
-            g_at, g_step = gates.data.ptr, gates.strides[0]
-            h_at, h_step = hs.data.ptr, hs.strides[0]
-            c_at, c_step = cells.data.ptr, cells.strides[0]
-            b_ptr, c_in = bias_c.data.ptr, c0_c.data.ptr
+
+            def project(t0, k, j0):     # the input projection of a block of steps, one GEMM
+                gemm(x[t0 * batch: (t0 + k) * batch], w_x_t,
+                     gates[j0: j0 + k].reshape(k * batch, 3 * state))
+
             with gemm_steps(gemm, hs, weights[:, :state].T, gates, accumulate=True) as recurrent:
-                for t0 in range(0, steps, block):
-                    k = min(block, steps - t0)
-                    g = gates[t0: t0 + k] if keep else gates[:k]
-                    # the input projection of a block of steps in one GEMM
-                    gemm(x[t0 * batch: (t0 + k) * batch], w_x_t, g.reshape(k * batch, 3 * state))
-                    for t in range(t0, t0 + k):
-                        j = t if keep else t - t0          # this step's gates
-                        c_out = c_at + (t if keep else t % 2) * c_step
-                        recurrent(t, j)                    # gates[j] += hs[t] @ W_h.T
-                        fwd(grid, block_dim, (g_at + j * g_step, b_ptr, c_in,
-                                              h_at + (t + 1) * h_step, c_out, n64, s32))
-                        c_in = c_out
+                forward_steps(launch(dtype, n, state), steps, block, keep, project, recurrent,
+                              (gates.data.ptr, gates.strides[0]), (hs.data.ptr, hs.strides[0]),
+                              (cells.data.ptr, cells.strides[0]), bias_c.data.ptr,
+                              c0_c.data.ptr)
         h_n = hs[steps].copy() if steps else cupy.array(h0, dtype=dtype)
         if not steps:
             c_n = cupy.array(c0, dtype=dtype)
@@ -126,27 +116,17 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
         d_c = None if grad_c_n is None else cupy.ascontiguousarray(grad_c_n)
         w_h = weights[:, :state]
         if steps and n:
-            run = launch(dtype, n, state)
-            bwd, grid, block, n64, s32 = run.kernels.bwd, run.grid, run.block, run.n, run.state
             # the cell gradient of each step, two (batch, state) buffers taken in turn: never
             # the one read as grad_cell (restrict)
             buffers = cupy.empty((2, batch, state), dtype)
-            out_c = (buffers.data.ptr, buffers.data.ptr + buffers.strides[0])
-            # every step's operands as pointers: a base and a stride per buffer, read once
-            gh_at, gh_step = grad_h.data.ptr, grad_h.strides[0]
-            cell_at, cell_step = cells.data.ptr, cells.strides[0]
-            g_at, g_step = gates.data.ptr, gates.strides[0]
-            dg_at, dg_step = d_gates.data.ptr, d_gates.strides[0]
-            dc_in = None if d_c is None else d_c.data.ptr
             with gemm_steps(gemm, d_gates, w_h, grad_h, accumulate=True) as recurrent:
-                for i, t in enumerate(range(steps - 1, -1, -1)):
-                    cell_t = cell_at + t * cell_step
-                    bwd(grid, block, (gh_at + t * gh_step, cell_t if dc_in is None else dc_in,
-                                      g_at + t * g_step, cell_t, dg_at + t * dg_step, out_c[i % 2],
-                                      FLAG[1], FLAG[dc_in is not None], n64, s32))
-                    dc_in = out_c[i % 2]
-                    if t:
-                        recurrent(t, t - 1)        # grad_h[t - 1] += d_gates[t] @ W_h
+                backward_steps(launch(dtype, n, state), steps, recurrent,
+                               (grad_h.data.ptr, grad_h.strides[0]),
+                               (cells.data.ptr, cells.strides[0]),
+                               (gates.data.ptr, gates.strides[0]),
+                               (d_gates.data.ptr, d_gates.strides[0]),
+                               (buffers.data.ptr, buffers.strides[0]),
+                               None if d_c is None else d_c.data.ptr)
             d_h0 = gemm(d_gates[0], w_h, cupy.empty((batch, state), dtype))
             d_c0 = buffers[(steps - 1) % 2].copy()
         elif steps:
@@ -163,3 +143,59 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
             d_inputs = d_inputs.reshape(steps, batch, features)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)
+
+
+# ---------------------------------------------- the per-step loops, on pointers (any engine)
+
+def forward_steps(run, steps, block, keep, project, recurrent, gates, hs, cells, bias,
+                  c0) -> None:
+    """The fixed-length forward's loop, on the current device and CuPy's current stream: per
+    block of ``block`` steps ``project(t0, k, j0)`` (the input projection of steps t0 .. t0 + k
+    into the gate rows j0 .., bias not included), then per step ``recurrent(t, j)`` (gates[j]
+    += hs[t] @ W_h.T) and the fused kernel of ``run`` (a :class:`kernels.Launch`). ``gates``,
+    ``hs``, ``cells``: (device pointer, stride in bytes) of the (steps or a block, B, 3S)
+    pre-activations, the (steps + 1, B, S) hidden states [h0, h_1, ...] and the (steps or 2,
+    B, S) cells; ``keep``: every step's gates and cell kept (else one block's gates, two cells
+    in turn); ``bias``, ``c0``: pointers. Shared by the array API (CuPy arrays, cuBLAS) and the
+    torch layer (torch tensors, torch's GEMMs)."""
+    fwd, grid, block_dim, n64, s32 = run.kernels.fwd, run.grid, run.block, run.n, run.state
+    g_at, g_step = gates
+    h_at, h_step = hs
+    c_at, c_step = cells
+    c_in = c0
+    for t0 in range(0, steps, block):
+        k = min(block, steps - t0)
+        project(t0, k, t0 if keep else 0)
+        for t in range(t0, t0 + k):
+            j = t if keep else t - t0          # this step's gates
+            c_out = c_at + (t if keep else t % 2) * c_step
+            recurrent(t, j)                    # gates[j] += hs[t] @ W_h.T
+            fwd(grid, block_dim, (g_at + j * g_step, bias, c_in, h_at + (t + 1) * h_step, c_out,
+                                  n64, s32))
+            c_in = c_out
+
+
+def backward_steps(run, steps, recurrent, grad_h, cells, gates, d_gates, buffers,
+                   grad_c) -> None:
+    """The fixed-length backward's loop, on the current device and CuPy's current stream: per
+    step, last first, the backward kernel of ``run`` and (but for step 0) ``recurrent(t, t -
+    1)`` (grad_h[t - 1] += d_gates[t] @ W_h). (pointer, stride) pairs: ``grad_h`` (steps, B, S),
+    the outputs' gradient with the final state's added (accumulated into), ``cells``,
+    ``gates`` (steps, B, 3S), ``d_gates`` (steps, B, 3S), written, ``buffers`` (2, B, S), the
+    cell gradient of each step in turn (the last step 0's); ``grad_c``: the pointer of the
+    final cell state's gradient, or None (zero)."""
+    bwd, grid, block, n64, s32 = run.kernels.bwd, run.grid, run.block, run.n, run.state
+    gh_at, gh_step = grad_h
+    cell_at, cell_step = cells
+    g_at, g_step = gates
+    dg_at, dg_step = d_gates
+    out_c = (buffers[0], buffers[0] + buffers[1])
+    dc_in = grad_c
+    for i, t in enumerate(range(steps - 1, -1, -1)):
+        cell_t = cell_at + t * cell_step
+        bwd(grid, block, (gh_at + t * gh_step, cell_t if dc_in is None else dc_in,
+                          g_at + t * g_step, cell_t, dg_at + t * dg_step, out_c[i % 2],
+                          FLAG[1], FLAG[dc_in is not None], n64, s32))
+        dc_in = out_c[i % 2]
+        if t:
+            recurrent(t, t - 1)        # grad_h[t - 1] += d_gates[t] @ W_h

@@ -5,6 +5,7 @@ layer can run them with torch's BLAS instead (``lltm_cupy.torch._torch_gemm.Torc
 BLAS thread pool per process, not two that fight over the cores). Besides ``mm(a, b)`` (a new
 array ``a @ b``), the sequence loops use:
 
+- ``into(a, b, out)``: ``a @ b`` written into the C-contiguous array ``out`` (returned);
 - ``operand(a)``: the array ``a`` as the GEMM calls take it (NumPy: the array itself; torch: a
   tensor over the same memory); ``rows(op)``: the operand's ``op[i]`` for every i, made in one
   call before a loop, not one per step;
@@ -39,6 +40,9 @@ class NumpyGemm:
 
     def __call__(self, a, b):
         return np.matmul(a, b)
+
+    def into(self, a, b, out):
+        return np.matmul(a, b, out=out)
 
     def operand(self, a):
         return a

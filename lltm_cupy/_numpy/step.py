@@ -21,12 +21,16 @@ decides what is an error.
 """
 from __future__ import annotations
 
+import mmap
+import threading
+
 import numpy as np
 
 from .._types import LLTMCellGrads, LLTMCellSaved, LLTMGrads
 from .gemm import NUMPY_GEMM
 
-__all__ = ["forward", "backward", "cell_forward", "cell_backward", "quiet", "loud"]
+__all__ = ["forward", "backward", "cell_forward", "cell_backward", "cell_forward_into",
+           "cell_backward_into", "scratch", "quiet", "loud"]
 
 try:    # NumPy 2: the error state is a context variable; setting it is one C call
     from numpy._core.umath import _extobj_contextvar as _ERROR_STATE, _make_extobj
@@ -49,22 +53,53 @@ except ImportError:     # pragma: no cover -- a NumPy without it
 
 _ZERO = {np.dtype(t): t(0) for t in (np.float32, np.float64)}   # typed: 0.5 us less than int 0
 
-def _project(x, w, bias, mm, steps, batch, out=None):
+_local = threading.local()
+
+
+def scratch(count: int, dtype) -> np.ndarray:
+    """``count`` elements of ``dtype`` from this thread's scratch buffer, reused call after call:
+    for what a step needs only while it runs (fresh memory of a step's size costs a page fault
+    per 4 KiB touched on every call once the allocator hands it back to the system: at (64, 256,
+    512) about 800 faults, a quarter of the step). Nothing that outlives the call may live
+    there; the buffer grows to the largest request and stays (per thread, per dtype)."""
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.size < count:
+        # its own mapping, outside the heap: a long-lived block among the heap's short-lived
+        # ones would change where they land and when the heap is trimmed
+        memory = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+        buffer = buffers[dtype] = np.frombuffer(memory, dtype, count)
+    return buffer[:count]
+
+
+def _project(x, w, bias, mm, steps, batch, out=None, product=None):
     """Gate pre-activations ``x @ w.T + bias`` of ``steps * batch`` rows, as a C-ordered
     gate-major array (steps, 3, batch, state) (``out``, or a new one); the bias add writes the
     layout.
 
-    For up to 128 rows the product is taken as ``w @ x.T``: OpenBLAS runs it up to 2x faster than
-    ``x @ w.T`` at small batch, and the bias add transposes it anyway. For more rows, ``x @ w.T``,
-    whose (batch, 3, state) rows the bias add moves whole (transposing a large product costs more
-    than the GEMM: 43 ms against 20 ms at 4096 x 1536).
+    For up to 128 rows the product is taken as ``w @ x.T`` (OpenBLAS runs it up to 2x faster than
+    ``x @ w.T`` at small batch) and the bias add transposes it; for more rows ``x @ w.T``, whose
+    (batch, 3, state) rows the bias add moves whole (transposing a large product costs more than
+    the GEMM: 43 ms against 20 ms at 4096 x 1536). ``product``: a scratch for the GEMM's result
+    (3 * state * steps * batch elements; the engine's ``into`` writes it), or None.
     """
     state = w.shape[0] // 3
     out = np.empty((steps, 3, batch, state), x.dtype) if out is None else out
+    into = None if product is None else getattr(mm, "into", None)
     if x.shape[0] <= 128:
-        product = mm(w, x.T).reshape(3, state, steps, batch).transpose(2, 0, 3, 1)
+        if into is None:
+            product = mm(w, x.T)
+        else:
+            product = into(w, x.T, product.reshape(3 * state, steps * batch))
+        product = product.reshape(3, state, steps, batch).transpose(2, 0, 3, 1)
     else:
-        product = mm(x, w.T).reshape(steps, batch, 3, state).transpose(0, 2, 1, 3)
+        if into is None:
+            product = mm(x, w.T)
+        else:
+            product = into(x, w.T, product.reshape(steps * batch, 3 * state))
+        product = product.reshape(steps, batch, 3, state).transpose(0, 2, 1, 3)
     np.add(product, bias.reshape(3, 1, state), out=out)
     return out
 
@@ -219,14 +254,18 @@ def forward(input, weights, bias, old_h, old_cell, new_h, new_cell, factors=None
     token = quiet()
     try:
         batch, state = old_h.shape
+        n, width = batch * state, state + input.shape[1]
+        # the step's temporaries in this thread's scratch: z and the element-wise scratch
+        # (9 rows of (batch, state)), the GEMM's product (3), and X unless it is kept
+        buffer = scratch(12 * n + (0 if X is not None else batch * width), old_h.dtype)
         if X is None:
-            X = np.empty((batch, state + input.shape[1]), old_h.dtype)
+            X = buffer[12 * n:].reshape(batch, width)
         np.concatenate((old_h, input), axis=1, out=X)
-        z = _project(X, weights, bias, mm, 1, batch)[0]
-        scratch = np.empty((6, batch, state), z.dtype)
-        _step(z, old_cell, new_h, new_cell, scratch, factors is not None)
+        rows = buffer[:9 * n].reshape(9, batch, state)
+        z = _project(X, weights, bias, mm, 1, batch, rows[None, :3], buffer[9 * n: 12 * n])[0]
+        _step(z, old_cell, new_h, new_cell, rows[3:], factors is not None)
         if factors is not None:
-            _step_factors(z[1:], scratch, new_h, new_cell, factors)
+            _step_factors(z[1:], rows[3:], new_h, new_cell, factors)
     finally:
         loud(token)
 
@@ -240,14 +279,18 @@ def backward(grad_h, grad_cell, factors, weights, bias_shape, X=None, old_h=None
     token = quiet()
     try:
         _, batch, state = factors.shape
-        dtype = factors.dtype
-        d_acts = np.empty((3, batch, state), dtype)
-        d_new_cell = _d_gates(grad_h, grad_cell, factors, d_acts)
-        d_gates = np.empty((batch, 3 * state), dtype)
-        _gate_major_to_rows(d_acts, d_gates)
+        n = batch * state
         need_h, need_x, need_w, need_b, need_c = needed
-        if need_w and X is None:
-            X = np.concatenate((old_h, input), axis=1)
+        width = state + input.shape[1] if need_w and X is None else 0
+        # d_gates gate-major and as the GEMMs' rows, and X where it is concatenated again
+        buffer = scratch(6 * n + batch * width, factors.dtype)
+        d_acts = buffer[:3 * n].reshape(3, batch, state)
+        d_new_cell = _d_gates(grad_h, grad_cell, factors, d_acts)
+        d_gates = buffer[3 * n: 6 * n].reshape(batch, 3 * state)
+        _gate_major_to_rows(d_acts, d_gates)
+        if width:
+            X = buffer[6 * n:].reshape(batch, width)
+            np.concatenate((old_h, input), axis=1, out=X)
         return LLTMGrads(
             mm(d_gates, weights[:, :state]) if need_h else None,
             mm(d_gates, weights[:, state:]) if need_x else None,
@@ -258,33 +301,61 @@ def backward(grad_h, grad_cell, factors, weights, bias_shape, X=None, old_h=None
         loud(token)
 
 
-# ------------------------------------------------------------------ the fused cell alone
+# -------------------------------------------- the element-wise cell alone (GEMMs elsewhere)
+
+def cell_forward_into(gates, old_cell, new_h, new_cell, factors=None) -> None:
+    """The element-wise forward of one step on the gate pre-activations ``gates`` (batch,
+    3 * state) the caller computed (bias included): writes new_h, new_cell (batch, state) and,
+    for a backward, ``factors`` (4, batch, state) (None: forward only, the same outputs).
+    What the torch layer calls around torch's GEMMs."""
+    token = quiet()
+    try:
+        batch, state = old_cell.shape
+        n = batch * state
+        rows = scratch(9 * n, gates.dtype).reshape(9, batch, state)
+        z = rows[:3]
+        np.copyto(z, gates.reshape(batch, 3, state).transpose(1, 0, 2))
+        _step(z, old_cell, new_h, new_cell, rows[3:], factors is not None)
+        if factors is not None:
+            _step_factors(z[1:], rows[3:], new_h, new_cell, factors)
+    finally:
+        loud(token)
+
+
+def cell_backward_into(grad_h, grad_cell, factors, d_gates=None, bias=False):
+    """The element-wise backward of one step from the forward's ``factors``: ``(d_gates,
+    d_old_cell, d_bias)``, the pre-activations' gradient (batch, 3 * state), written into
+    ``d_gates`` (None: into this thread's scratch, valid until the thread's next step),
+    d_old_cell (batch, state), a new array, and with ``bias`` the sum of d_gates over the batch
+    (3 * state) (else None); grad_h / grad_cell (batch, state), either None (zero)."""
+    token = quiet()
+    try:
+        _, batch, state = factors.shape
+        n = batch * state
+        buffer = scratch(6 * n if d_gates is None else 3 * n, factors.dtype)
+        d_acts = buffer[:3 * n].reshape(3, batch, state)
+        if d_gates is None:
+            d_gates = buffer[3 * n:].reshape(batch, 3 * state)
+        d_old_cell = _d_gates(grad_h, grad_cell, factors, d_acts)
+        _gate_major_to_rows(d_acts, d_gates)
+        d_bias = np.add.reduce(d_gates, 0) if bias else None
+    finally:
+        loud(token)
+    return d_gates, d_old_cell, d_bias
+
 
 def cell_forward(gates, old_cell):
     """The element-wise step on gate pre-activations (batch, 3 * state) the caller computed;
     ``saved`` holds the four products the backward multiplies by (``_activate``)."""
-    token = quiet()
-    try:
-        batch, state = old_cell.shape
-        z = np.empty((3, batch, state), gates.dtype)       # _activate's scratch: a copy
-        np.copyto(z, gates.reshape(batch, 3, state).transpose(1, 0, 2))
-        new_h = np.empty((batch, state), z.dtype)
-        new_cell = np.empty((batch, state), z.dtype)
-        factors = np.empty((4, batch, state), z.dtype)
-        _activate(z, old_cell, new_h, new_cell, factors)
-    finally:
-        loud(token)
+    batch, state = old_cell.shape
+    new_h = np.empty((batch, state), gates.dtype)
+    new_cell = np.empty((batch, state), gates.dtype)
+    factors = np.empty((4, batch, state), gates.dtype)
+    cell_forward_into(gates, old_cell, new_h, new_cell, factors)
     return new_h, new_cell, LLTMCellSaved("numpy", factors, new_cell)
 
 
 def cell_backward(grad_h, grad_cell, saved):
-    token = quiet()
-    try:
-        batch, state = saved.new_cell.shape
-        d_acts = np.empty((3, batch, state), saved.new_cell.dtype)
-        d_old_cell = _d_gates(grad_h, grad_cell, saved.gates, d_acts)
-        d_gates = np.empty((batch, 3 * state), d_acts.dtype)
-        _gate_major_to_rows(d_acts, d_gates)
-    finally:
-        loud(token)
-    return LLTMCellGrads(d_gates, d_old_cell)
+    batch, state = saved.new_cell.shape
+    d_gates = np.empty((batch, 3 * state), saved.new_cell.dtype)
+    return LLTMCellGrads(*cell_backward_into(grad_h, grad_cell, saved.gates, d_gates)[:2])

@@ -19,9 +19,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._types import LLTMSaved, LLTMSequenceSaved
+from .._types import LLTMSequenceSaved
 from . import _interop
-from ._functions import step_forward_only
+from ._functions import (LLTMFunction, cpu_step_backward, cuda_step_backward, cuda_step_forward,
+                         step_forward_only)
 from ._sequence_function import sequence_forward_only
 
 __all__ = ["lltm_forward_op", "lltm_inference_op", "sequence_forward_op",
@@ -68,11 +69,12 @@ def _(input, weights, bias, old_h, old_cell):
 @torch.library.custom_op("lltm_cupy::lltm_forward", mutates_args=())
 def lltm_forward_op(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
                     old_cell: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (new_h, new_cell, X, gates): the outputs plus what the backward op needs."""
-    with _interop.backend_call(input.device) as call:
-        new_h, new_cell, saved = call.backend.forward(
-            *(call.array(t) for t in (input, weights, bias, old_h, old_cell)), **call.kw)
-        return tuple(call.tensor(a) for a in (new_h, new_cell, saved.X, saved.gates))
+    """Returns (new_h, new_cell, X, gates): the outputs plus what the backward op needs (the
+    eager Function's computation, so the same bits)."""
+    if input.is_cuda or _interop.EMULATED_CUDA:
+        return cuda_step_forward(input, weights, bias, old_h, old_cell)
+    new_h, new_cell, factors = LLTMFunction.forward(input, weights, bias, old_h, old_cell)
+    return new_h, new_cell, torch.cat((old_h, input), 1), factors
 
 
 @lltm_forward_op.register_fake
@@ -87,15 +89,19 @@ def _(input, weights, bias, old_h, old_cell):
 def _lltm_backward_op(grad_h: Optional[Tensor], grad_cell: Optional[Tensor], X: Tensor,
                       gates: Tensor, new_cell: Tensor, weights: Tensor,
                       bias_2d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (d_old_h, d_input, d_weights, d_bias, d_old_cell)."""
-    with _interop.backend_call(X.device) as call:
-        state = new_cell.shape[1]
-        saved = LLTMSaved(_interop.backend_name(X.device),
-                          *(call.array(t.contiguous()) for t in (X, gates, new_cell, weights)),
-                          (1, 3 * state) if bias_2d else (3 * state,))
-        grads = call.backend.backward(call.optional(grad_h), call.optional(grad_cell), saved,
-                                      (True,) * 5, **call.kw)
-        return tuple(call.tensor(g) for g in grads)
+    """Returns (d_old_h, d_input, d_weights, d_bias, d_old_cell), as the eager Function's
+    backward computes them (custom ops return fresh tensors: views are cloned)."""
+    state = new_cell.shape[1]
+    bias_shape = (1, 3 * state) if bias_2d else (3 * state,)
+    if X.is_cuda or _interop.EMULATED_CUDA:
+        grads = cuda_step_backward(grad_h, grad_cell, X, gates, new_cell, weights, bias_shape,
+                                   (True,) * 5)
+    else:
+        grads = cpu_step_backward(grad_h, grad_cell, gates, weights, bias_shape, (True,) * 5,
+                                  X=X)
+    d_input, d_weights, d_bias, d_old_h, d_old_cell = (
+        g if g.is_contiguous() else g.contiguous() for g in grads)
+    return d_old_h, d_input, d_weights, d_bias, d_old_cell
 
 
 @_lltm_backward_op.register_fake

@@ -39,9 +39,9 @@ from torch import Tensor
 from .._cuda import step as _cuda_step
 from .._numpy import step as _step
 from . import _interop, reference
-from ._torch_gemm import TORCH_GEMM
 
-__all__ = ["LLTMFunction", "apply", "step_forward_only", "INPLACE_MESSAGE"]
+__all__ = ["LLTMFunction", "apply", "step_forward_only", "cpu_step_backward", "cuda_step_forward",
+           "cuda_step_backward", "INPLACE_MESSAGE"]
 
 INPLACE_MESSAGE = (
     "lltm_cupy.torch: a tensor that the LLTM's backward reads was modified in place after the "
@@ -51,9 +51,8 @@ INPLACE_MESSAGE = (
     "out.relu_()), or use the out-of-place operation (out = out.relu()).")
 
 _from_numpy = torch.from_numpy
+_addmm, _cat, _mm = torch.addmm, torch.cat, torch.mm
 _autocast_on = torch.is_autocast_enabled
-#: the CPU step's GEMM engine (the NumPy backend's ``mm``): torch's BLAS
-CPU_MM = TORCH_GEMM
 
 
 def apply(cls, *args):
@@ -118,13 +117,14 @@ class LLTMFunction(torch.autograd.Function):
             with torch.autocast("cuda" if cuda else "cpu", enabled=False):   # GEMMs as cast
                 return LLTMFunction.forward(input, weights, bias, old_h, old_cell)
         if cuda:
-            return _cuda_step_forward(input, weights, bias, old_h, old_cell)
-        h = old_h.detach().numpy()
-        shape, dtype = h.shape, h.dtype
+            return cuda_step_forward(input, weights, bias, old_h, old_cell)
+        # torch's GEMM on the tensors themselves, the NumPy backend's element-wise step
+        gates = _addmm(bias, _cat((old_h, input), 1), weights.t()).numpy()
+        c = old_cell.numpy(force=True)      # (one C call: detached, no copy for a CPU tensor)
+        shape, dtype = c.shape, c.dtype
         new_h, new_cell = np.empty(shape, dtype), np.empty(shape, dtype)
         factors = np.empty((4,) + shape, dtype)
-        _step.forward(input.detach().numpy(), weights.detach().numpy(), bias.detach().numpy(),
-                      h, old_cell.detach().numpy(), new_h, new_cell, factors, mm=CPU_MM)
+        _step.cell_forward_into(gates, c, new_h, new_cell, factors)
         return _from_numpy(new_h), _from_numpy(new_cell), _from_numpy(factors)
 
     @staticmethod
@@ -148,21 +148,13 @@ class LLTMFunction(torch.autograd.Function):
         if _autocast_on("cuda" if cuda else "cpu"):
             with torch.autocast("cuda" if cuda else "cpu", enabled=False):
                 return LLTMFunction.backward(ctx, grad_h, grad_cell)
+        input, weights, bias, old_h, old_cell = saved[:5]
         if cuda:
-            return _cuda_step_backward(ctx, grad_h, grad_cell, saved)
-        input, weights, bias, old_h, old_cell, factors = saved
-        need_x, need_w, need_b, need_h, need_c = ctx.needs_input_grad
-        d_old_h, d_input, d_weights, d_bias, d_old_cell = _step.backward(
-            None if grad_h is None else grad_h.numpy(),
-            None if grad_cell is None else grad_cell.numpy(), factors.numpy(),
-            weights.detach().numpy(), bias.shape, old_h=old_h.detach().numpy(),
-            input=input.detach().numpy(), needed=(need_h, need_x, need_w, need_b, need_c),
-            mm=CPU_MM)
-        return (None if d_input is None else _from_numpy(d_input),
-                None if d_weights is None else _from_numpy(d_weights),
-                None if d_bias is None else _from_numpy(d_bias),
-                None if d_old_h is None else _from_numpy(d_old_h),
-                None if d_old_cell is None else _from_numpy(d_old_cell))
+            X, gates, new_cell = saved[5:]
+            return cuda_step_backward(grad_h, grad_cell, X, gates, new_cell, weights,
+                                      bias.shape, ctx.needs_input_grad)
+        return cpu_step_backward(grad_h, grad_cell, saved[5], weights, bias.shape,
+                                 ctx.needs_input_grad, old_h, input)
 
     vmap = staticmethod(_refuse_vmap)
     jvp = staticmethod(_refuse_jvp)
@@ -172,12 +164,36 @@ def step_forward_only(input, weights, bias, old_h, old_cell):
     """One step with no backward to follow (grad mode off, or nothing requires grad):
     ``(new_h, new_cell)``, the same bits as :class:`LLTMFunction`'s."""
     if input.is_cuda or _interop.EMULATED_CUDA:
-        return _cuda_step_forward(input, weights, bias, old_h, old_cell, keep=False)
-    h = old_h.detach().numpy()
-    new_h, new_cell = np.empty(h.shape, h.dtype), np.empty(h.shape, h.dtype)
-    _step.forward(input.detach().numpy(), weights.detach().numpy(), bias.detach().numpy(), h,
-                  old_cell.detach().numpy(), new_h, new_cell, mm=CPU_MM)
+        return cuda_step_forward(input, weights, bias, old_h, old_cell, keep=False)
+    gates = _addmm(bias, _cat((old_h, input), 1), weights.t()).numpy(force=True)
+    c = old_cell.numpy(force=True)
+    new_h, new_cell = np.empty(c.shape, c.dtype), np.empty(c.shape, c.dtype)
+    _step.cell_forward_into(gates, c, new_h, new_cell)
     return _from_numpy(new_h), _from_numpy(new_cell)
+
+
+def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, old_h=None,
+                      input=None, X=None):
+    """One step's gradients on the CPU, in the forward's argument order (None where
+    ``needed``, in that order, says so): the NumPy backend's element-wise backward, torch's
+    GEMMs; [old_h, input] as ``X`` or concatenated here if the weights need it."""
+    need_x, need_w, need_b, need_h, need_c = needed
+    d_gates, d_old_cell, d_bias = _step.cell_backward_into(
+        None if grad_h is None else grad_h.numpy(),
+        None if grad_cell is None else grad_cell.numpy(), factors.numpy(), bias=need_b)
+    rows = _from_numpy(d_gates)         # (this thread's scratch: used up here)
+    state = d_old_cell.shape[1]
+    if need_x and need_h:               # one GEMM, the two gradients views of it
+        d_x = _mm(rows, weights)
+        d_old_h, d_input = d_x[:, :state], d_x[:, state:]
+    else:
+        d_old_h = _mm(rows, weights[:, :state]) if need_h else None
+        d_input = _mm(rows, weights[:, state:]) if need_x else None
+    if need_w:
+        d_weights = _mm(rows.t(), _cat((old_h, input), 1) if X is None else X)
+    return (d_input, d_weights if need_w else None,
+            _from_numpy(d_bias).reshape(bias_shape) if need_b else None,
+            d_old_h, _from_numpy(d_old_cell) if need_c else None)
 
 
 def _differentiable_step_backward(ctx, grad_h, grad_cell, saved):
@@ -188,7 +204,7 @@ def _differentiable_step_backward(ctx, grad_h, grad_cell, saved):
 
 # -- CUDA: the kernels on device pointers, torch's GEMMs and allocator, torch's current stream
 
-def _cuda_step_forward(input, weights, bias, old_h, old_cell, keep=True):
+def cuda_step_forward(input, weights, bias, old_h, old_cell, keep=True):
     batch, state = old_h.shape
     features = input.shape[1]
     new = old_h.new_empty
@@ -206,9 +222,10 @@ def _cuda_step_forward(input, weights, bias, old_h, old_cell, keep=True):
     return (new_h, new_cell, X, gates) if keep else (new_h, new_cell)
 
 
-def _cuda_step_backward(ctx, grad_h, grad_cell, saved):
-    input, weights, bias, old_h, old_cell, X, gates, new_cell = saved
-    need_x, need_w, need_b, need_h, need_c = ctx.needs_input_grad
+def cuda_step_backward(grad_h, grad_cell, X, gates, new_cell, weights, bias_shape, needed):
+    """One step's gradients on CUDA, in the forward's argument order (None where ``needed``, in
+    that order, says so): the backward kernel on device pointers, torch's GEMMs."""
+    need_x, need_w, need_b, need_h, need_c = needed
     batch, state = new_cell.shape
     new = new_cell.new_empty
     d_gates, d_old_cell = new((batch, 3 * state)), new((batch, state))
@@ -221,8 +238,8 @@ def _cuda_step_backward(ctx, grad_h, grad_cell, saved):
                 None if gh is None else gh.data_ptr(), None if gc is None else gc.data_ptr(),
                 gates.data_ptr(), new_cell.data_ptr(), d_gates.data_ptr(), d_old_cell.data_ptr())
     mm = _interop.mm
-    return (mm(d_gates, weights[:, state:], new((batch, input.shape[1]))) if need_x else None,
+    return (mm(d_gates, weights[:, state:], new((batch, X.shape[1] - state))) if need_x else None,
             mm(d_gates.t(), X, new(weights.shape)) if need_w else None,
-            d_gates.sum(0).reshape(bias.shape) if need_b else None,
+            d_gates.sum(0).reshape(bias_shape) if need_b else None,
             mm(d_gates, weights[:, :state], new((batch, state))) if need_h else None,
             d_old_cell if need_c else None)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .._types import LLTMSequenceSaved
-from . import _interop, reference
+from . import _cuda_sequence, _interop, reference
 from ._functions import _refusal, _refuse_jvp, _refuse_vmap, _saved, _tracing
 
 __all__ = ["LLTMSequenceFunction", "sequence_forward_only"]
@@ -50,6 +50,11 @@ class LLTMSequenceFunction(torch.autograd.Function):
         if _tracing():
             raise _refusal()
         if inputs.is_cuda or _interop.EMULATED_CUDA:
+            if plan is None and not fused:      # torch's buffers and GEMMs, pointer launches
+                if _autocast_on("cuda"):
+                    with torch.autocast("cuda", enabled=False):
+                        return _native_forward(inputs, weights, bias, h0, c0)
+                return _native_forward(inputs, weights, bias, h0, c0)
             with _interop.backend_call(inputs.device) as call:
                 return _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused)
         if _autocast_on("cpu"):     # (the general path, under autocast: torch's GEMMs as cast)
@@ -82,6 +87,11 @@ class LLTMSequenceFunction(torch.autograd.Function):
             return (*grads, None, None)
         grads = (grad_outputs, grad_h_n, grad_c_n)
         if inputs.is_cuda or _interop.EMULATED_CUDA:
+            if ctx.plan is None and not ctx.fused:
+                if _autocast_on("cuda"):
+                    with torch.autocast("cuda", enabled=False):
+                        return _native_backward(ctx, grads, saved)
+                return _native_backward(ctx, grads, saved)
             with _interop.backend_call(inputs.device) as call:
                 return _sequence_backward(call, ctx, grads, saved)
         if _autocast_on("cpu"):
@@ -125,6 +135,23 @@ def _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused):
     return (out, tensor(h_n), tensor(c_n), saved.fused, *kept)
 
 
+def _native_forward(inputs, weights, bias, h0, c0):
+    """CUDA, one length for all: ``_cuda_sequence`` (torch's buffers and GEMMs)."""
+    contiguous = inputs.contiguous()
+    hs, h_n, c_n, gates, cells = _cuda_sequence.forward(contiguous, weights, bias, h0, c0)
+    kept = (hs, gates, cells) if contiguous is inputs else (hs, gates, cells, contiguous)
+    return (hs[1:], h_n, c_n, False, *kept)
+
+
+def _native_backward(ctx, grads, saved):
+    inputs, weights, bias = saved[:3]
+    hs, gates, cells = saved[5:8]
+    x = inputs if len(saved) == 8 else saved[8]
+    d = _cuda_sequence.backward(*grads, x.view(-1, x.shape[-1]), hs, gates, cells, weights,
+                                bias.shape, tuple(ctx.needs_input_grad[:5]))
+    return (*d, None, None)
+
+
 def _sequence_backward(call, ctx, grads, saved):
     """The sequence Function's backward in the backend ``call`` gives, from what
     ``setup_context`` saved: the arguments, then [hs, gates, cells (CUDA), inputs (where not
@@ -161,6 +188,12 @@ def _direct(plan) -> bool:
 def sequence_forward_only(inputs, weights, bias, h0, c0, plan=None, fused=False):
     """A sequence with no backward to follow: ``(outputs, h_n, c_n)``, the same bits as
     :class:`LLTMSequenceFunction`'s, nothing computed or kept for a backward."""
+    if (inputs.is_cuda or _interop.EMULATED_CUDA) and plan is None and not fused:
+        if _autocast_on("cuda"):
+            with torch.autocast("cuda", enabled=False):
+                return sequence_forward_only(inputs, weights, bias, h0, c0)
+        hs, h_n, c_n, _, _ = _cuda_sequence.forward(inputs, weights, bias, h0, c0, keep=False)
+        return hs[1:], h_n, c_n
     kw = {} if plan is None else {"plan": plan}
     with _interop.backend_call(inputs.device) as call:
         if fused:

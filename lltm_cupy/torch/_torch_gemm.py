@@ -32,6 +32,11 @@ class TorchGemm:
     operand = staticmethod(torch.from_numpy)
 
     @staticmethod
+    def into(a, b, out):
+        torch.mm(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
+        return out
+
+    @staticmethod
     def rows(a):
         return a.unbind(0)
 
