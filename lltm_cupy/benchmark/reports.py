@@ -95,7 +95,7 @@ def gpu_kernel_report(cfg: Config, runs=50) -> dict:
     """
     import cupy
 
-    from .._cuda import kernels as _kernels
+    from .._cuda import elementwise as _kernels
 
     dtype = np.float64 if cfg.double else np.float32
     B, F, S = cfg.size
