@@ -380,16 +380,16 @@ ARCHS = (80, 90, 100)
 #: 0 bytes in every variant (all of it is the launch's dynamic shared memory, sized by
 #: lltm_cupy/_cuda/fused.shared_bytes).
 #:                 float16  bfloat16  float32  float64
-#:   sm_80  fwd       64       64        62       96
-#:          bwd       48       48        48       80
-#:   sm_90  fwd       80       72        72      128
-#:          bwd       55       56        56       96
+#:   sm_80  fwd       64       63        55       96
+#:          bwd       54       54        56       80
+#:   sm_90  fwd       79       72        71      128
+#:          bwd       56       54        56       96
 #:   sm_100 fwd       72       80        72      126
-#:          bwd       63       63        63       80
+#:          bwd       63       63        60       78
 REGISTERS = {
-    (80, "fwd"): (64, 64, 62, 96), (80, "bwd"): (48, 48, 48, 80),
-    (90, "fwd"): (80, 72, 72, 128), (90, "bwd"): (55, 56, 56, 96),
-    (100, "fwd"): (72, 80, 72, 126), (100, "bwd"): (63, 63, 63, 80),
+    (80, "fwd"): (64, 63, 55, 96), (80, "bwd"): (54, 54, 56, 80),
+    (90, "fwd"): (79, 72, 71, 128), (90, "bwd"): (56, 54, 56, 96),
+    (100, "fwd"): (72, 80, 72, 126), (100, "bwd"): (63, 63, 60, 78),
 }
 #: What a variant may use beyond its figure: helpers/cubin.register_ceiling (one allocation
 #: unit with the compilers the figures come from, more with other versions).
