@@ -736,7 +736,7 @@ _GPU_REASON = gpu_unavailable_reason()
 def test_gpu_cluster_equals_the_stepped_path(monkeypatch, dtype, state, size):
     """The cluster kernels on a real GPU (sm_90 or newer: NVRTC, __cluster_dims__, distributed
     shared memory): forced cluster sizes at a small S, and the launcher's own choice past one
-    block's bound (float32 S = 256: 2 blocks; bfloat16 S = 512: 8 blocks of about 200 KB of
+    block's bound (float32 S = 256: 4 blocks; bfloat16 S = 512: 8 blocks of about 200 KB of
     shared memory each), packed lengths, against the stepped path and the float64 reference."""
     import cupy
 
@@ -751,6 +751,41 @@ def test_gpu_cluster_equals_the_stepped_path(monkeypatch, dtype, state, size):
     fused = run(cupy, stored, lengths, False, True)
     stepped = run(cupy, stored, lengths, False, False)
     compare(fused, stepped, _want(case, lengths, False, 7, 5), dtype, "gpu cluster")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_GPU_REASON is not None, reason=f"GPU test: {_GPU_REASON}")
+def test_gpu_warmup_and_16_block_clusters():
+    """The non-portable cluster size on a real GPU (sm_90 or newer): lltm_cupy.warmup(fused=True)
+    compiles every fused module and launches the 16-block kernels once each way where the
+    occupancy query says the device holds such a cluster (the non-portable size attribute, the
+    query, the refusal guard); then float32 S = 512, which only 16 blocks hold, runs in 16-block
+    clusters, packed lengths, against the stepped path and the float64 reference. Where the
+    device holds none (or its driver refused the launch) the same call must run the stepped
+    path, bit for bit; the test then checks that and skips, saying why (a device property,
+    allowed by scripts/gpu_check.sh)."""
+    import cupy
+    import lltm_cupy
+
+    if _kernels.compute_capability(cupy.cuda.Device().id) < _cluster.MIN_ARCH:
+        pytest.skip("GPU test: the cluster kernels need sm_90 or newer")
+    f32 = np.dtype(np.float32)
+    lltm_cupy.warmup(["float32"], fused=True)
+    lengths = [5, 0, 3, 5, 1]
+    stored, case = make(5, 5, 6, 512, f32, seed=16)
+    stepped = run(cupy, stored, lengths, False, False)
+    held = _cluster.held(512, f32, 16)
+    if not held:
+        got, ran_fused = _run_any(cupy, stored, lengths, False, True)
+        assert not ran_fused and not _fused.usable(512, f32)
+        for name, a, b in zip(OUT, got, stepped):
+            assert np.array_equal(a, b), name
+        pytest.skip(f"GPU test: this device holds no 16-block cluster of the fused kernels "
+                    f"(occupancy query: {held}; refused sizes: {sorted(_kernels.refused_sizes)}; "
+                    f"{_kernels.cluster_failures or 'no failure recorded'}): the stepped path ran")
+    assert _fused._cluster(512, f32) == 16
+    fused = run(cupy, stored, lengths, False, True)
+    compare(fused, stepped, _want(case, lengths, False, 5, 5), f32, "gpu 16-block clusters")
 
 
 def test_the_fused_choice_is_made_on_the_arrays_device(emulated_cupy, monkeypatch):
