@@ -144,11 +144,11 @@ MUTANTS = [
            "    if (k + l < terms - 1) add(k + l, part, l);",
            FUSED_DOT_TESTS, "fused sequence kernels (one block, cluster, group): the last "
            "recurrent term skipped when the terms are not a multiple of 4"),
-    Mutant("fused-projection-dropped", "cuda_src/lltm_fused.cu",
+    Mutant("fused-step-product-of-another-gate", "cuda_src/lltm_fused.cu",
            "  const T go = tr::store(acc[1] + tr::load(p_o));",
-           "  const T go = tr::store(acc[1]);",
+           "  const T go = tr::store(acc[0] + tr::load(p_o));",
            FUSED_ALL_TESTS, "fused sequence forward (every variant, tensor cores too): the "
-           "output gate's input projection left out of its pre-activation"),
+           "output gate's pre-activation adds the input gate's recurrent product"),
     Mutant("fused-grad-out-dropped", "cuda_src/lltm_fused.cu",
            "tr::load(tr::store(dh + sv.go));", "tr::load(tr::store(dh));",
            FUSED_ALL_TESTS, "fused sequence backward (every variant, tensor cores too): the "
