@@ -2,9 +2,10 @@
 //
 // Compiled at run time by cupy.RawModule (NVRTC) for the GPU, and, in the test suite, as plain
 // host C++ with tests/host_shim/shim.h so that the same arithmetic runs on the CPU.
-// The file includes no header: the offline NVRTC test (lltm_cupy._cuda.kernels.compile_offline)
-// needs no CUDA toolkit include path. CuPy's own compile path still needs the toolkit's headers
-// (cupy-cuda13x[ctk], the `cuda` extra, or a system CUDA toolkit).
+// The file includes no header: the offline NVRTC test
+// (lltm_cupy._cuda.elementwise.compile_offline) needs no CUDA toolkit include path. CuPy's own
+// compile path still needs the toolkit's headers (cupy-cuda13x[ctk], the `cuda` extra, or a
+// system CUDA toolkit).
 //
 // Layout (all arrays C-contiguous, row-major):
 //   gates     (B, 3S)  on entry to the forward: X @ W.T (no bias); on exit: + bias, i.e. the gate

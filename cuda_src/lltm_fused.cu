@@ -2,12 +2,16 @@
 // direction, with the recurrent weights W_h (3S x S) in shared memory for all steps.
 //
 // This file is compiled after cuda_src/lltm.cu, in the same translation unit
-// (lltm_cupy/_cuda/kernels.py joins the two texts for NVRTC; the host build includes both), and
-// uses its scalar types (lltm_traits) and the cell's numerics (lltm_cell_forward /
+// (lltm_cupy/_cuda/fused_kernels.py joins the two texts for NVRTC; the host build includes
+// both), and uses its scalar types (lltm_traits) and the cell's numerics (lltm_cell_forward /
 // lltm_cell_backward): one definition of the arithmetic for the element-wise and the fused
 // kernels. lltm_fused_mma.cu and lltm_fused_cluster.cu are compiled after this file, in the same
-// translation unit, and use its helpers: the cluster kernels its walk, step offsets, row stride
-// and dot products (lltm_fused_dot3 / lltm_fused_dot), the mma kernels its step offsets.
+// translation unit, and use its helpers: every variant its kernels' parameters
+// (LLTM_SEQ_FWD_PARAMS / LLTM_SEQ_BWD_PARAMS), step offsets, the backward's first step
+// (lltm_fused_last_step) and one element's step each way after the recurrent product
+// (lltm_fused_cell_forward / lltm_fused_cell_backward: the rounding points); the cluster kernels
+// also its walk, row stride and dot products (lltm_fused_dot3 / lltm_fused_dot, both
+// lltm_fused_sums: the order of the recurrent sums).
 //
 // Work split: one thread block per tile of `tile` batch rows. Rows of a recurrence are independent,
 // so blocks never wait for each other; inside a block every step is
@@ -70,6 +74,31 @@ extern __shared__ __align__(16) unsigned char lltm_dynamic_smem[];
 #define LLTM_FUSED_LANES 4
 #define LLTM_FUSED_CHUNK 32
 
+// The fused sequence kernels' parameters, written once: every variant takes them, in this order
+// (lltm_seq_fwd_kernel / lltm_seq_bwd_kernel below say what each is; the tensor-core kernels of
+// lltm_fused_mma.cu and the cluster kernels of lltm_fused_cluster.cu take the same, its group
+// kernels three more after them), so that the launchers pass one argument tuple to whichever
+// variant runs. *_ARGS: the same names, to hand them on.
+#define LLTM_SEQ_FWD_PARAMS(T)                                                                 \
+  const T* __restrict__ w, long long w_stride, const T* __restrict__ bias,                     \
+      T* __restrict__ gates, const T* __restrict__ h0, const T* __restrict__ c0,               \
+      T* __restrict__ out, T* __restrict__ cells, T* __restrict__ h_last,                      \
+      T* __restrict__ c_last, const long long* __restrict__ offsets, int packed, int steps,    \
+      int batch, int state, int tile
+#define LLTM_SEQ_FWD_ARGS                                                                      \
+  w, w_stride, bias, gates, h0, c0, out, cells, h_last, c_last, offsets, packed, steps, batch, \
+      state, tile
+#define LLTM_SEQ_BWD_PARAMS(T)                                                                 \
+  const T* __restrict__ w, long long w_stride, const T* __restrict__ gates,                    \
+      const T* __restrict__ cells, const T* __restrict__ grad_out,                             \
+      const T* __restrict__ grad_h_n, const T* __restrict__ grad_c_n,                          \
+      T* __restrict__ d_gates, T* __restrict__ d_h0, T* __restrict__ d_c0,                     \
+      const long long* __restrict__ offsets, int packed, int has_grad_out, int has_grad_h_n,   \
+      int has_grad_c_n, int steps, int batch, int state, int tile
+#define LLTM_SEQ_BWD_ARGS                                                                      \
+  w, w_stride, gates, cells, grad_out, grad_h_n, grad_c_n, d_gates, d_h0, d_c0, offsets,       \
+      packed, has_grad_out, has_grad_h_n, has_grad_c_n, steps, batch, state, tile
+
 // Row stride (elements) of the forward's transposed W_h: at least 3S, and such that 32 consecutive
 // rows start in 32 different banks: an odd number of 4-byte words for 2-byte types (stride = 2
 // mod 4), an odd stride for 4- and 8-byte types (8-byte: 2 mod 4 words, what a half-warp's 64-bit
@@ -117,63 +146,84 @@ __device__ __forceinline__ long long lltm_fused_offset(const long long* __restri
   return packed ? offsets[t] - offsets[0] : (long long)t * batch;
 }
 
-// The recurrent dot products of one element, the one place their summation order is written:
-// the terms in chunks of LLTM_FUSED_CHUNK (the last chunk shorter, then the terms - terms mod
-// LLTM_FUSED_LANES ... terms - 1 alone); within a chunk term k goes to partial sum k mod
-// LLTM_FUSED_LANES, in increasing k, the four partial sums added as (0 + 1) + (2 + 3), and each
-// chunk's tree is added to the running sum in chunk order (the remainder's last). The kernels of
-// this file and of lltm_fused_cluster.cu call these, so that the claims of both (results
-// independent of the launch geometry and the thread schedule; a float32 error growing with
-// CHUNK / LANES + terms / CHUNK additions, not terms / LANES) rest on this code alone.
+// Where a backward starts: the last step that has a row of the block's `rows` rows from row0
+// (the steps after its longest row run nothing; packed: the last ones, the rows sorted by
+// length). Returns that step (-1 if none), its first row in *first and the block's rows active
+// there in *active (the same for every thread of the block).
+__device__ __forceinline__ int lltm_fused_last_step(const long long* __restrict__ offsets,
+                                                    int packed, int steps, int batch, int rows,
+                                                    int row0, long long* first, int* active) {
+  long long edge = lltm_fused_offset(offsets, packed, steps, batch);
+  *first = edge;
+  *active = 0;
+  int t = steps - 1;
+  for (; t >= 0; --t, edge = *first) {
+    *first = lltm_fused_offset(offsets, packed, t, batch);
+    *active = min(rows, (int)(edge - *first) - row0);
+    if (*active > 0) break;
+  }
+  return t;
+}
+
+// The recurrent dot products of one element, the one place their summation order is written
+// (lltm_fused_sums): the terms in chunks of LLTM_FUSED_CHUNK (the last chunk shorter, then the
+// terms - terms mod LLTM_FUSED_LANES ... terms - 1 alone); within a chunk term k goes to partial
+// sum k mod LLTM_FUSED_LANES, in increasing k, the four partial sums added as (0 + 1) + (2 + 3),
+// and each chunk's tree is added to the running sum in chunk order (the remainder's last). The
+// kernels of this file and of lltm_fused_cluster.cu call these, so that the claims of both
+// (results independent of the launch geometry and the thread schedule; a float32 error growing
+// with CHUNK / LANES + terms / CHUNK additions, not terms / LANES) rest on this code alone.
 //
-// Forward: the three gates' sums over `terms` terms of a transposed W_h, term k of gate q
-// (0 i, 1 o, 2 c) w[k * stride + q * gate] * h[k], w pointing at the element's column of row 0
-// (lltm_fused.cu: w_t + s, stride P, gate S; the cluster forward: w_t + j, stride Q, gate L).
-template <typename T>
-__device__ __forceinline__ void lltm_fused_dot3(const T* w, int stride, int gate,
-                                                const typename lltm_traits<T>::acc* h, int terms,
-                                                typename lltm_traits<T>::acc* sum_i,
-                                                typename lltm_traits<T>::acc* sum_o,
-                                                typename lltm_traits<T>::acc* sum_c) {
-  typedef lltm_traits<T> tr;
-  typedef typename tr::acc A;
-  A ai[LLTM_FUSED_LANES], ao[LLTM_FUSED_LANES], ac[LLTM_FUSED_LANES];
+// N sums at once over `terms` terms: add(k, part, l) adds term k of each sum q into
+// part[q][l] (l = k mod LANES); sum[q] receives the total.
+template <int N, typename A, typename Add>
+__device__ __forceinline__ void lltm_fused_sums(int terms, const Add& add, A (&sum)[N]) {
+  A part[N][LLTM_FUSED_LANES], run[N];
 LLTM_UNROLL
-  for (int l = 0; l < LLTM_FUSED_LANES; ++l) ai[l] = ao[l] = ac[l] = A(0);
-  A ti = A(0), to = A(0), tc = A(0);
+  for (int q = 0; q < N; ++q) {
+    run[q] = A(0);
+LLTM_UNROLL
+    for (int l = 0; l < LLTM_FUSED_LANES; ++l) part[q][l] = A(0);
+  }
   const int whole = terms - terms % LLTM_FUSED_LANES;
   int k = 0;
   while (k < whole) {
     const int end = min(k + LLTM_FUSED_CHUNK, whole);
     for (; k < end; k += LLTM_FUSED_LANES) {
 LLTM_UNROLL
-      for (int l = 0; l < LLTM_FUSED_LANES; ++l) {
-        const T* wk = w + (k + l) * stride;
-        const A hk = h[k + l];
-        ai[l] += tr::load(wk[0]) * hk;
-        ao[l] += tr::load(wk[gate]) * hk;
-        ac[l] += tr::load(wk[2 * gate]) * hk;
-      }
+      for (int l = 0; l < LLTM_FUSED_LANES; ++l) add(k + l, part, l);
     }
-    ti += (ai[0] + ai[1]) + (ai[2] + ai[3]);
-    to += (ao[0] + ao[1]) + (ao[2] + ao[3]);
-    tc += (ac[0] + ac[1]) + (ac[2] + ac[3]);
 LLTM_UNROLL
-    for (int l = 0; l < LLTM_FUSED_LANES; ++l) ai[l] = ao[l] = ac[l] = A(0);
+    for (int q = 0; q < N; ++q) {
+      run[q] += (part[q][0] + part[q][1]) + (part[q][2] + part[q][3]);
+LLTM_UNROLL
+      for (int l = 0; l < LLTM_FUSED_LANES; ++l) part[q][l] = A(0);
+    }
   }
 LLTM_UNROLL
   for (int l = 0; l < LLTM_FUSED_LANES - 1; ++l) {     // the last terms mod LANES terms
-    if (k + l < terms) {
-      const T* wk = w + (k + l) * stride;
-      const A hk = h[k + l];
-      ai[l] += tr::load(wk[0]) * hk;
-      ao[l] += tr::load(wk[gate]) * hk;
-      ac[l] += tr::load(wk[2 * gate]) * hk;
-    }
+    if (k + l < terms) add(k + l, part, l);
   }
-  *sum_i = ti + ((ai[0] + ai[1]) + ai[2]);
-  *sum_o = to + ((ao[0] + ao[1]) + ao[2]);
-  *sum_c = tc + ((ac[0] + ac[1]) + ac[2]);
+LLTM_UNROLL
+  for (int q = 0; q < N; ++q) sum[q] = run[q] + ((part[q][0] + part[q][1]) + part[q][2]);
+}
+
+// Forward: the three gates' sums over `terms` terms of a transposed W_h, term k of gate q
+// (0 i, 1 o, 2 c) w[k * stride + q * gate] * h[k], w pointing at the element's column of row 0
+// (lltm_fused.cu: w_t + s, stride P, gate S; the cluster forward: w_t + j, stride Q, gate L).
+template <typename T>
+__device__ __forceinline__ void lltm_fused_dot3(const T* w, int stride, int gate,
+                                                const typename lltm_traits<T>::acc* h, int terms,
+                                                typename lltm_traits<T>::acc (&sum)[3]) {
+  typedef lltm_traits<T> tr;
+  typedef typename tr::acc A;
+  lltm_fused_sums<3>(terms, [&](int k, A (&part)[3][LLTM_FUSED_LANES], int l) {
+    const T* wk = w + k * stride;
+    const A hk = h[k];
+    part[0][l] += tr::load(wk[0]) * hk;
+    part[1][l] += tr::load(wk[gate]) * hk;
+    part[2][l] += tr::load(wk[2 * gate]) * hk;
+  }, sum);
 }
 
 // Backward: one sum over `terms` terms of W_h (rows of `stride` elements), term g
@@ -184,29 +234,74 @@ __device__ __forceinline__ typename lltm_traits<T>::acc lltm_fused_dot(
     const typename lltm_traits<T>::acc* a, const T* w, int stride, int terms) {
   typedef lltm_traits<T> tr;
   typedef typename tr::acc A;
-  A acc[LLTM_FUSED_LANES];
-LLTM_UNROLL
-  for (int l = 0; l < LLTM_FUSED_LANES; ++l) acc[l] = A(0);
-  A total = A(0);
-  const int whole = terms - terms % LLTM_FUSED_LANES;
-  int g = 0;
-  while (g < whole) {
-    const int end = min(g + LLTM_FUSED_CHUNK, whole);
-    for (; g < end; g += LLTM_FUSED_LANES) {
-LLTM_UNROLL
-      for (int l = 0; l < LLTM_FUSED_LANES; ++l) {
-        acc[l] += a[g + l] * tr::load(w[(g + l) * stride]);
-      }
-    }
-    total += (acc[0] + acc[1]) + (acc[2] + acc[3]);
-LLTM_UNROLL
-    for (int l = 0; l < LLTM_FUSED_LANES; ++l) acc[l] = A(0);
+  A sum[1];
+  lltm_fused_sums<1>(terms, [&](int g, A (&part)[1][LLTM_FUSED_LANES], int l) {
+    part[0][l] += a[g] * tr::load(w[g * stride]);
+  }, sum);
+  return sum[0];
+}
+
+// One element of a forward step, after its recurrent products acc (the gates i, o, c), the one
+// place the fused kernels' forward rounding is written: each product added to the element's
+// input projection p and rounded once to the storage type (as cuBLAS's GEMM with beta = 1), then
+// the cell (lltm_cell_forward: the bias b added, the pre-activations stored at g, g + S,
+// g + 2 S) from the carried cell *c, which becomes the new one; h_t and c_t stored at out[o]
+// and cells[o]. Returns h_t.
+template <typename T>
+__device__ __forceinline__ T lltm_fused_cell_forward(const typename lltm_traits<T>::acc (&acc)[3],
+                                                     T p_i, T p_o, T p_c, T b_i, T b_o, T b_c,
+                                                     typename lltm_traits<T>::acc* c, T* g,
+                                                     int S, T* __restrict__ out,
+                                                     T* __restrict__ cells, long long o) {
+  typedef lltm_traits<T> tr;
+  const T gi = tr::store(acc[0] + tr::load(p_i));
+  const T go = tr::store(acc[1] + tr::load(p_o));
+  const T gc = tr::store(acc[2] + tr::load(p_c));
+  T c_t, h_t;
+  lltm_cell_forward<T>(gi, go, gc, b_i, b_o, b_c, *c, g, g + S, g + 2 * S, &c_t, &h_t);
+  out[o] = h_t;
+  cells[o] = c_t;
+  *c = tr::load(c_t);
+  return h_t;
+}
+
+// What the backward of one element of a step reads besides the carried gradients: the saved
+// pre-activations and cell, and the outputs' gradient (zero without one).
+template <typename T>
+struct lltm_fused_saved {
+  T z_i, z_o, z_c, c_t;
+  typename lltm_traits<T>::acc go;
+  __device__ __forceinline__ void load(const T* __restrict__ gates, const T* __restrict__ cells,
+                                       const T* __restrict__ grad_out, int has_grad_out,
+                                       long long row, int s, int S) {
+    const T* z = gates + row * 3 * S + s;
+    z_i = z[0];
+    z_o = z[S];
+    z_c = z[2 * S];
+    c_t = cells[row * S + s];
+    go = has_grad_out ? lltm_traits<T>::load(grad_out[row * S + s])
+                      : typename lltm_traits<T>::acc(0);
   }
-LLTM_UNROLL
-  for (int l = 0; l < LLTM_FUSED_LANES - 1; ++l) {     // the last terms mod LANES terms
-    if (g + l < terms) acc[l] += a[g + l] * tr::load(w[(g + l) * stride]);
-  }
-  return total + ((acc[0] + acc[1]) + acc[2]);
+};
+
+// One element of a backward step, the one place the fused kernels' backward rounding is
+// written: the incoming d_h (the carried dh plus the outputs' gradient, rounded once to the
+// storage type, as the stepped path's add), the cell's backward from the saved values and the
+// carried d_c *dc, which becomes the step's; the element's d_gates stored at dg, dg + S, dg + 2 S
+// and returned in d (the recurrent product's operand: the stored values).
+template <typename T>
+__device__ __forceinline__ void lltm_fused_cell_backward(const lltm_fused_saved<T>& sv,
+                                                         typename lltm_traits<T>::acc dh,
+                                                         typename lltm_traits<T>::acc* dc, T* dg,
+                                                         int S, T (&d)[3]) {
+  typedef lltm_traits<T> tr;
+  const typename tr::acc gh = tr::load(tr::store(dh + sv.go));
+  T d_c_t;
+  lltm_cell_backward<T>(sv.z_i, sv.z_o, sv.z_c, sv.c_t, gh, *dc, &d[0], &d[1], &d[2], &d_c_t);
+  dg[0] = d[0];
+  dg[S] = d[1];
+  dg[2 * S] = d[2];
+  *dc = tr::load(d_c_t);
 }
 
 // w: the weights (3S, S + F) row-major, of which columns 0..S-1 are W_h (row stride w_stride).
@@ -214,13 +309,7 @@ LLTM_UNROLL
 // h0, c0 (batch, S): initial state; out, cells (rows, S): h_t and c_t of every step;
 // h_last, c_last (batch, S): each row's state after its last step (h0, c0 for length 0).
 template <typename T>
-__global__ void lltm_seq_fwd_kernel(const T* __restrict__ w, long long w_stride,
-                                    const T* __restrict__ bias, T* __restrict__ gates,
-                                    const T* __restrict__ h0, const T* __restrict__ c0,
-                                    T* __restrict__ out, T* __restrict__ cells,
-                                    T* __restrict__ h_last, T* __restrict__ c_last,
-                                    const long long* __restrict__ offsets, int packed, int steps,
-                                    int batch, int state, int tile) {
+__global__ void lltm_seq_fwd_kernel(LLTM_SEQ_FWD_PARAMS(T)) {
   typedef lltm_traits<T> tr;
   typedef typename tr::acc A;
   const int S = state;
@@ -304,17 +393,10 @@ __global__ void lltm_seq_fwd_kernel(const T* __restrict__ w, long long w_stride,
         q_o = gn[S];
         q_c = gn[2 * S];
       }
-      A acc_i, acc_o, acc_c;
-      lltm_fused_dot3<T>(w_t + s, P, S, h_cur + r * S, S, &acc_i, &acc_o, &acc_c);
-      const T gi = tr::store(acc_i + tr::load(p_i));
-      const T go = tr::store(acc_o + tr::load(p_o));
-      const T gc = tr::store(acc_c + tr::load(p_c));
-      T c_t, h_t;
-      lltm_cell_forward<T>(gi, go, gc, b_i, b_o, b_c, c_buf[i], g, g + S, g + 2 * S, &c_t, &h_t);
-      out[row * S + s] = h_t;
-      cells[row * S + s] = c_t;
-      h_next[i] = tr::load(h_t);
-      c_buf[i] = tr::load(c_t);
+      A acc[3];
+      lltm_fused_dot3<T>(w_t + s, P, S, h_cur + r * S, S, acc);
+      h_next[i] = tr::load(lltm_fused_cell_forward<T>(acc, p_i, p_o, p_c, b_i, b_o, b_c,
+                                                      &c_buf[i], g, S, out, cells, row * S + s));
     }
     first = edge;
     edge = edge_next;
@@ -332,39 +414,12 @@ __global__ void lltm_seq_fwd_kernel(const T* __restrict__ w, long long w_stride,
   }
 }
 
-// What the backward of one element of a step reads besides the carried gradients: the saved
-// pre-activations and cell, and the outputs' gradient (zero without one).
-template <typename T>
-struct lltm_fused_saved {
-  T z_i, z_o, z_c, c_t;
-  typename lltm_traits<T>::acc go;
-  __device__ __forceinline__ void load(const T* __restrict__ gates, const T* __restrict__ cells,
-                                       const T* __restrict__ grad_out, int has_grad_out,
-                                       long long row, int s, int S) {
-    const T* z = gates + row * 3 * S + s;
-    z_i = z[0];
-    z_o = z[S];
-    z_c = z[2 * S];
-    c_t = cells[row * S + s];
-    go = has_grad_out ? lltm_traits<T>::load(grad_out[row * S + s])
-                      : typename lltm_traits<T>::acc(0);
-  }
-};
-
 // Backward through all steps. gates, cells (rows, 3S) / (rows, S): what the forward saved;
 // grad_out (rows, S) the outputs' gradient (has_grad_out), grad_h_n, grad_c_n (batch, S) the
 // final state's (has_grad_h_n / has_grad_c_n; an absent gradient is zero and is not read).
 // Writes d_gates (rows, 3S) and d_h0, d_c0 (batch, S).
 template <typename T>
-__global__ void lltm_seq_bwd_kernel(const T* __restrict__ w, long long w_stride,
-                                    const T* __restrict__ gates, const T* __restrict__ cells,
-                                    const T* __restrict__ grad_out,
-                                    const T* __restrict__ grad_h_n,
-                                    const T* __restrict__ grad_c_n, T* __restrict__ d_gates,
-                                    T* __restrict__ d_h0, T* __restrict__ d_c0,
-                                    const long long* __restrict__ offsets, int packed,
-                                    int has_grad_out, int has_grad_h_n, int has_grad_c_n,
-                                    int steps, int batch, int state, int tile) {
+__global__ void lltm_seq_bwd_kernel(LLTM_SEQ_BWD_PARAMS(T)) {
   typedef lltm_traits<T> tr;
   typedef typename tr::acc A;
   const int S = state;
@@ -393,19 +448,12 @@ __global__ void lltm_seq_bwd_kernel(const T* __restrict__ w, long long w_stride,
     dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : A(0);
   }
 
-  // Step t's rows are first .. edge (step t + 1's first row), `active` of them this block's. The
-  // steps after this block's longest row run nothing (packed: the last ones, the rows sorted by
-  // length); from the first that runs on, every step does, and the offset before `first` is
+  // Step t's rows are first .. step t + 1's first row, `active` of them this block's. From the
+  // last step with a row of this block on, every step runs, and the offset before `first` is
   // read one step ahead, for the prefetch of step t - 1.
-  long long edge = lltm_fused_offset(offsets, packed, steps, batch);
-  long long first = edge;
-  int active = 0;                                                   // block-uniform
-  int t = steps - 1;
-  for (; t >= 0; --t, edge = first) {
-    first = lltm_fused_offset(offsets, packed, t, batch);
-    active = min(rows, (int)(edge - first) - row0);
-    if (active > 0) break;
-  }
+  long long first;
+  int active;                                                       // block-uniform
+  int t = lltm_fused_last_step(offsets, packed, steps, batch, rows, row0, &first, &active);
   // Prefetched: the saved values of the thread's next element (the loads of the first step's
   // first one here, then each loaded while the element before it computes).
   lltm_fused_saved<T> next = {};
@@ -428,19 +476,12 @@ __global__ void lltm_seq_bwd_kernel(const T* __restrict__ w, long long w_stride,
       } else if ((int)threadIdx.x < m_prev) {
         next.load(gates, cells, grad_out, has_grad_out, prev + row0 + walk.r0, walk.s0, S);
       }
-      const A gh = tr::load(tr::store(dh_buf[i] + cur.go));
-      T d_i, d_o, d_c, d_c_t;
-      lltm_cell_backward<T>(cur.z_i, cur.z_o, cur.z_c, cur.c_t, gh, dc_buf[i], &d_i, &d_o, &d_c,
-                            &d_c_t);
-      T* dg = d_gates + row * S3 + s;
-      dg[0] = d_i;
-      dg[S] = d_o;
-      dg[2 * S] = d_c;
+      T d[3];
+      lltm_fused_cell_backward<T>(cur, dh_buf[i], &dc_buf[i], d_gates + row * S3 + s, S, d);
       A* dgs = dg_buf + r * S3 + s;      // the GEMM's operand: the stored values
-      dgs[0] = tr::load(d_i);
-      dgs[S] = tr::load(d_o);
-      dgs[2 * S] = tr::load(d_c);
-      dc_buf[i] = tr::load(d_c_t);
+      dgs[0] = tr::load(d[0]);
+      dgs[S] = tr::load(d[1]);
+      dgs[2 * S] = tr::load(d[2]);
     }
     // a thread with no element at step t and one at step t - 1 (a row that ends at t - 1)
     if ((int)threadIdx.x >= m && (int)threadIdx.x < m_prev) {

@@ -9,13 +9,15 @@
 // the cluster kernels' bits.
 //
 // This file is compiled after cuda_src/lltm.cu and cuda_src/lltm_fused.cu, in the same
-// translation unit (lltm_cupy/_cuda/kernels.py joins the three texts for NVRTC; the host build
-// of the tests includes the three), and uses lltm.cu's scalar types (lltm_traits) and cell
+// translation unit (lltm_cupy/_cuda/cluster_kernels.py joins the three texts for NVRTC; the host
+// build of the tests includes the three), and uses lltm.cu's scalar types (lltm_traits) and cell
 // numerics (lltm_cell_forward / lltm_cell_backward) and lltm_fused.cu's shared memory
-// declaration, walk over a tile's elements (lltm_fused_walk), a step's first row
-// (lltm_fused_offset), padded row stride (lltm_fused_wt_stride) and dot products
-// (lltm_fused_dot3 forward, lltm_fused_dot backward: the one definition of the order of the
-// recurrent sums, for these kernels and the one-block ones).
+// declaration, kernel parameters (LLTM_SEQ_FWD_PARAMS / LLTM_SEQ_BWD_PARAMS), walk over a tile's
+// elements (lltm_fused_walk), a step's first row (lltm_fused_offset), padded row stride
+// (lltm_fused_wt_stride), dot products (lltm_fused_dot3 forward, lltm_fused_dot backward: the
+// one definition of the order of the recurrent sums, for these kernels and the one-block ones)
+// and one element's step each way (lltm_fused_cell_forward / lltm_fused_cell_backward: the same
+// rounding points).
 //
 // Work split: one cluster of P blocks (P in 1, 2, 4, 8: the portable cluster sizes, and 16: a
 // non-portable one, which the launcher opts in to and uses where the device holds it; the
@@ -312,12 +314,7 @@ struct lltm_group_exchange {
 
 // The forward of one block of a tile (the kernels' arguments, see lltm_seq_fwd_cluster_kernel).
 template <typename T, int P, typename X>
-__device__ __forceinline__ void
-lltm_seq_fwd_split(X& x, const T* __restrict__ w, long long w_stride, const T* __restrict__ bias,
-                   T* __restrict__ gates, const T* __restrict__ h0, const T* __restrict__ c0,
-                   T* __restrict__ out, T* __restrict__ cells, T* __restrict__ h_last,
-                   T* __restrict__ c_last, const long long* __restrict__ offsets, int packed,
-                   int steps, int batch, int state, int tile) {
+__device__ __forceinline__ void lltm_seq_fwd_split(X& x, LLTM_SEQ_FWD_PARAMS(T)) {
   typedef lltm_traits<T> tr;
   typedef typename tr::acc A;
   const int S = state;
@@ -373,20 +370,11 @@ lltm_seq_fwd_split(X& x, const T* __restrict__ w, long long w_stride, const T* _
       } else {
         const long long row = first + row0 + r;
         T* g = gates + row * S3 + s;
-        const T p_i = g[0], p_o = g[S], p_c = g[2 * S];
-        const T b_i = bias[s], b_o = bias[S + s], b_c = bias[2 * S + s];
-        A acc_i, acc_o, acc_c;
-        lltm_fused_dot3<T>(w_t + j, Q, L, h_cur + r * S, S, &acc_i, &acc_o, &acc_c);
-        const T gi = tr::store(acc_i + tr::load(p_i));
-        const T go = tr::store(acc_o + tr::load(p_o));
-        const T gc = tr::store(acc_c + tr::load(p_c));
-        T c_t, h_t;
-        lltm_cell_forward<T>(gi, go, gc, b_i, b_o, b_c, c_buf[i], g, g + S, g + 2 * S, &c_t,
-                             &h_t);
-        out[row * S + s] = h_t;
-        cells[row * S + s] = c_t;
-        c_buf[i] = tr::load(c_t);
-        h_new = tr::load(h_t);
+        A acc[3];
+        lltm_fused_dot3<T>(w_t + j, Q, L, h_cur + r * S, S, acc);
+        h_new = tr::load(lltm_fused_cell_forward<T>(acc, g[0], g[S], g[2 * S], bias[s],
+                                                    bias[S + s], bias[2 * S + s], &c_buf[i], g,
+                                                    S, out, cells, row * S + s));
       }
       x.put_h(r * S + s, h_new);
     }
@@ -404,15 +392,7 @@ lltm_seq_fwd_split(X& x, const T* __restrict__ w, long long w_stride, const T* _
 
 // The backward of one block of a tile (the kernels' arguments, see lltm_seq_bwd_cluster_kernel).
 template <typename T, int P, typename X>
-__device__ __forceinline__ void
-lltm_seq_bwd_split(X& x, const T* __restrict__ w, long long w_stride,
-                   const T* __restrict__ gates, const T* __restrict__ cells,
-                   const T* __restrict__ grad_out, const T* __restrict__ grad_h_n,
-                   const T* __restrict__ grad_c_n, T* __restrict__ d_gates,
-                   T* __restrict__ d_h0, T* __restrict__ d_c0,
-                   const long long* __restrict__ offsets, int packed, int has_grad_out,
-                   int has_grad_h_n, int has_grad_c_n, int steps, int batch, int state,
-                   int tile) {
+__device__ __forceinline__ void lltm_seq_bwd_split(X& x, LLTM_SEQ_BWD_PARAMS(T)) {
   typedef lltm_traits<T> tr;
   typedef typename tr::acc A;
   const int S = state;
@@ -464,27 +444,20 @@ lltm_seq_bwd_split(X& x, const T* __restrict__ w, long long w_stride,
     for (int i = threadIdx.x; i < active * L; i += blockDim.x, walk.next(L, &r, &j)) {
       const int s = lo + j;
       const long long row = first + row0 + r;
-      const T* z = gates + row * S3 + s;
-      const T z_i = z[0], z_o = z[S], z_c = z[2 * S], c_t = cells[row * S + s];
-      const A go = has_grad_out ? tr::load(grad_out[row * S + s]) : A(0);
+      lltm_fused_saved<T> sv;
+      sv.load(gates, cells, grad_out, has_grad_out, row, s, S);
       A dh = dh_buf[i];
       if (r < before) {             // the blocks' partial sums, in rank order
         dh = x.partial(in, r * LM + j);
 LLTM_UNROLL
         for (int q = 1; q < P; ++q) dh += x.partial(in, q * slot + r * LM + j);
       }
-      const A gh = tr::load(tr::store(dh + go));
-      T d_i, d_o, d_c, d_c_t;
-      lltm_cell_backward<T>(z_i, z_o, z_c, c_t, gh, dc_buf[i], &d_i, &d_o, &d_c, &d_c_t);
-      T* dg = d_gates + row * S3 + s;
-      dg[0] = d_i;
-      dg[S] = d_o;
-      dg[2 * S] = d_c;
+      T d[3];
+      lltm_fused_cell_backward<T>(sv, dh, &dc_buf[i], d_gates + row * S3 + s, S, d);
       A* dgs = dg_buf + r * 3 * L + j;      // the product's operand: the stored values
-      dgs[0] = tr::load(d_i);
-      dgs[L] = tr::load(d_o);
-      dgs[2 * L] = tr::load(d_c);
-      dc_buf[i] = tr::load(d_c_t);
+      dgs[0] = tr::load(d[0]);
+      dgs[L] = tr::load(d[1]);
+      dgs[2 * L] = tr::load(d[2]);
     }
     __syncthreads();        // every d_gates of the block's states written
     x.bwd_step(recv, slot, done, rank);
@@ -519,33 +492,16 @@ LLTM_UNROLL
 #if defined(LLTM_HOST_SHIM) || __CUDA_ARCH__ >= 900
 // Arguments as lltm_seq_fwd_kernel's (lltm_fused.cu); the grid is P blocks per tile, a cluster.
 template <typename T, int P>
-__global__ void LLTM_CLUSTER_DIMS(P)
-lltm_seq_fwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
-                            const T* __restrict__ bias, T* __restrict__ gates,
-                            const T* __restrict__ h0, const T* __restrict__ c0,
-                            T* __restrict__ out, T* __restrict__ cells, T* __restrict__ h_last,
-                            T* __restrict__ c_last, const long long* __restrict__ offsets,
-                            int packed, int steps, int batch, int state, int tile) {
+__global__ void LLTM_CLUSTER_DIMS(P) lltm_seq_fwd_cluster_kernel(LLTM_SEQ_FWD_PARAMS(T)) {
   lltm_cluster_exchange<typename lltm_traits<T>::acc, P> x;
-  lltm_seq_fwd_split<T, P>(x, w, w_stride, bias, gates, h0, c0, out, cells, h_last, c_last,
-                           offsets, packed, steps, batch, state, tile);
+  lltm_seq_fwd_split<T, P>(x, LLTM_SEQ_FWD_ARGS);
 }
 
 // Arguments as lltm_seq_bwd_kernel's (lltm_fused.cu); the grid is P blocks per tile, a cluster.
 template <typename T, int P>
-__global__ void LLTM_CLUSTER_DIMS(P)
-lltm_seq_bwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
-                            const T* __restrict__ gates, const T* __restrict__ cells,
-                            const T* __restrict__ grad_out, const T* __restrict__ grad_h_n,
-                            const T* __restrict__ grad_c_n, T* __restrict__ d_gates,
-                            T* __restrict__ d_h0, T* __restrict__ d_c0,
-                            const long long* __restrict__ offsets, int packed, int has_grad_out,
-                            int has_grad_h_n, int has_grad_c_n, int steps, int batch, int state,
-                            int tile) {
+__global__ void LLTM_CLUSTER_DIMS(P) lltm_seq_bwd_cluster_kernel(LLTM_SEQ_BWD_PARAMS(T)) {
   lltm_cluster_exchange<typename lltm_traits<T>::acc, P> x;
-  lltm_seq_bwd_split<T, P>(x, w, w_stride, gates, cells, grad_out, grad_h_n, grad_c_n, d_gates,
-                           d_h0, d_c0, offsets, packed, has_grad_out, has_grad_h_n,
-                           has_grad_c_n, steps, batch, state, tile);
+  lltm_seq_bwd_split<T, P>(x, LLTM_SEQ_BWD_ARGS);
 }
 #endif
 
@@ -555,35 +511,19 @@ lltm_seq_bwd_cluster_kernel(const T* __restrict__ w, long long w_stride,
 // launch's tiles' counters (zero before the launch) and the index of its first tile (a batch of
 // more tiles than can be resident at once runs in several launches).
 template <typename T, int P>
-__global__ void
-lltm_seq_fwd_group_kernel(const T* __restrict__ w, long long w_stride,
-                          const T* __restrict__ bias, T* __restrict__ gates,
-                          const T* __restrict__ h0, const T* __restrict__ c0,
-                          T* __restrict__ out, T* __restrict__ cells, T* __restrict__ h_last,
-                          T* __restrict__ c_last, const long long* __restrict__ offsets,
-                          int packed, int steps, int batch, int state, int tile,
-                          typename lltm_traits<T>::acc* __restrict__ exchange,
-                          unsigned* __restrict__ counters, int tile0) {
+__global__ void lltm_seq_fwd_group_kernel(LLTM_SEQ_FWD_PARAMS(T),
+                                          typename lltm_traits<T>::acc* __restrict__ exchange,
+                                          unsigned* __restrict__ counters, int tile0) {
   lltm_group_exchange<typename lltm_traits<T>::acc, P> x(exchange, counters, tile0,
                                                          tile * state);
-  lltm_seq_fwd_split<T, P>(x, w, w_stride, bias, gates, h0, c0, out, cells, h_last, c_last,
-                           offsets, packed, steps, batch, state, tile);
+  lltm_seq_fwd_split<T, P>(x, LLTM_SEQ_FWD_ARGS);
 }
 
 template <typename T, int P>
-__global__ void
-lltm_seq_bwd_group_kernel(const T* __restrict__ w, long long w_stride,
-                          const T* __restrict__ gates, const T* __restrict__ cells,
-                          const T* __restrict__ grad_out, const T* __restrict__ grad_h_n,
-                          const T* __restrict__ grad_c_n, T* __restrict__ d_gates,
-                          T* __restrict__ d_h0, T* __restrict__ d_c0,
-                          const long long* __restrict__ offsets, int packed, int has_grad_out,
-                          int has_grad_h_n, int has_grad_c_n, int steps, int batch, int state,
-                          int tile, typename lltm_traits<T>::acc* __restrict__ exchange,
-                          unsigned* __restrict__ counters, int tile0) {
+__global__ void lltm_seq_bwd_group_kernel(LLTM_SEQ_BWD_PARAMS(T),
+                                          typename lltm_traits<T>::acc* __restrict__ exchange,
+                                          unsigned* __restrict__ counters, int tile0) {
   lltm_group_exchange<typename lltm_traits<T>::acc, P> x(exchange, counters, tile0,
                                                          P * P * tile * ((state + P - 1) / P));
-  lltm_seq_bwd_split<T, P>(x, w, w_stride, gates, cells, grad_out, grad_h_n, grad_c_n, d_gates,
-                           d_h0, d_c0, offsets, packed, has_grad_out, has_grad_h_n,
-                           has_grad_c_n, steps, batch, state, tile);
+  lltm_seq_bwd_split<T, P>(x, LLTM_SEQ_BWD_ARGS);
 }

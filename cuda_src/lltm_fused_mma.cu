@@ -5,9 +5,11 @@
 // operands, float32 accumulation) instead of FMAs. The forward first:
 //
 // This file is compiled after cuda_src/lltm.cu and cuda_src/lltm_fused.cu, in the same
-// translation unit (lltm_cupy/_cuda/kernels.py joins the texts for NVRTC; the host build of the
-// tests includes the three), and uses their scalar types, cell arithmetic and step offsets (not
-// lltm_fused.cu's dot products: the sums here are the mma's, in the order described below).
+// translation unit (lltm_cupy/_cuda/fused_mma.py joins the texts for NVRTC; the host build of
+// the tests includes the three), and uses their scalar types, kernel parameters, step offsets
+// and one element's step each way after the recurrent product (lltm_fused_cell_forward /
+// lltm_fused_cell_backward: the same rounding points), not lltm_fused.cu's dot products: the
+// sums here are the mma's, in the order described below.
 // mma.sync with these shapes and types exists from sm_80 on; the launcher uses these kernels only
 // there (for an older architecture the product compiles to a trap).
 //
@@ -125,13 +127,7 @@ __device__ __forceinline__ unsigned lltm_mma_w_pair(const T* __restrict__ w, lon
 // The forward of lltm_seq_fwd_kernel (lltm_fused.cu), with its arguments and results, for the
 // 16-bit types.
 template <typename T>
-__global__ void lltm_seq_fwd_mma_kernel(const T* __restrict__ w, long long w_stride,
-                                        const T* __restrict__ bias, T* __restrict__ gates,
-                                        const T* __restrict__ h0, const T* __restrict__ c0,
-                                        T* __restrict__ out, T* __restrict__ cells,
-                                        T* __restrict__ h_last, T* __restrict__ c_last,
-                                        const long long* __restrict__ offsets, int packed,
-                                        int steps, int batch, int state, int tile) {
+__global__ void lltm_seq_fwd_mma_kernel(LLTM_SEQ_FWD_PARAMS(T)) {
   typedef lltm_traits<T> tr;
   const int S = state;
   const int S3 = 3 * state;
@@ -245,17 +241,11 @@ LLTM_UNROLL
           continue;
         }
         const long long row = first + row0 + n;
-        T* g = gates + row * S3 + s;
-        const T gi = tr::store(acc[0][e] + tr::load(p[0][e]));
-        const T go = tr::store(acc[1][e] + tr::load(p[1][e]));
-        const T gc = tr::store(acc[2][e] + tr::load(p[2][e]));
-        T c_t, h_t;
-        lltm_cell_forward<T>(gi, go, gc, bias[s], bias[S + s], bias[2 * S + s], c_buf[n * S + s],
-                             g, g + S, g + 2 * S, &c_t, &h_t);
-        out[row * S + s] = h_t;
-        cells[row * S + s] = c_t;
-        hn[n * HS + s] = h_t.bits;
-        c_buf[n * S + s] = tr::load(c_t);
+        const float sums[3] = {acc[0][e], acc[1][e], acc[2][e]};
+        hn[n * HS + s] = lltm_fused_cell_forward<T>(sums, p[0][e], p[1][e], p[2][e], bias[s],
+                                                    bias[S + s], bias[2 * S + s],
+                                                    &c_buf[n * S + s], gates + row * S3 + s, S,
+                                                    out, cells, row * S + s).bits;
       }
     }
     first = edge;
@@ -298,15 +288,7 @@ __device__ __forceinline__ long long lltm_mma_bwd_bytes(int state, int tile) {
 }
 
 template <typename T>
-__global__ void lltm_seq_bwd_mma_kernel(const T* __restrict__ w, long long w_stride,
-                                        const T* __restrict__ gates, const T* __restrict__ cells,
-                                        const T* __restrict__ grad_out,
-                                        const T* __restrict__ grad_h_n,
-                                        const T* __restrict__ grad_c_n, T* __restrict__ d_gates,
-                                        T* __restrict__ d_h0, T* __restrict__ d_c0,
-                                        const long long* __restrict__ offsets, int packed,
-                                        int has_grad_out, int has_grad_h_n, int has_grad_c_n,
-                                        int steps, int batch, int state, int tile) {
+__global__ void lltm_seq_bwd_mma_kernel(LLTM_SEQ_BWD_PARAMS(T)) {
   typedef lltm_traits<T> tr;
   const int S = state;
   const int S3 = 3 * state;
@@ -352,15 +334,9 @@ LLTM_UNROLL
   __syncthreads();
 
   // the last step with a row of this block (as lltm_seq_bwd_kernel)
-  long long edge = lltm_fused_offset(offsets, packed, steps, batch);
-  long long first = edge;
-  int active = 0;
-  int t = steps - 1;
-  for (; t >= 0; --t, edge = first) {
-    first = lltm_fused_offset(offsets, packed, t, batch);
-    active = min(rows, (int)(edge - first) - row0);
-    if (active > 0) break;
-  }
+  long long first;
+  int active;
+  int t = lltm_fused_last_step(offsets, packed, steps, batch, rows, row0, &first, &active);
   const int jobs = KT * (R / 8);
   // a warp's only job (jobs <= warps): its first k-tiles' fragments kept in registers
   const int kept = jobs <= warps ? min(3 * KT, 3 * LLTM_MMA_KEPT) : 0;   // block-uniform
@@ -384,19 +360,13 @@ LLTM_UNROLL
         const long long row = first + row0 + n;
         lltm_fused_saved<T> sv;
         sv.load(gates, cells, grad_out, has_grad_out, row, s, S);
-        const float gh = tr::load(tr::store(dh_buf[n * S + s] + sv.go));
-        T d_i, d_o, d_c, d_c_t;
-        lltm_cell_backward<T>(sv.z_i, sv.z_o, sv.z_c, sv.c_t, gh, dc_buf[n * S + s], &d_i, &d_o,
-                              &d_c, &d_c_t);
-        T* dgo = d_gates + row * S3 + s;
-        dgo[0] = d_i;
-        dgo[S] = d_o;
-        dgo[2 * S] = d_c;
+        T d[3];
+        lltm_fused_cell_backward<T>(sv, dh_buf[n * S + s], &dc_buf[n * S + s],
+                                    d_gates + row * S3 + s, S, d);
         unsigned short* dgs = dg + n * DS + s;     // the product's operand: the stored values
-        dgs[0] = d_i.bits;
-        dgs[Sp] = d_o.bits;
-        dgs[2 * Sp] = d_c.bits;
-        dc_buf[n * S + s] = tr::load(d_c_t);
+        dgs[0] = d[0].bits;
+        dgs[Sp] = d[1].bits;
+        dgs[2 * Sp] = d[2].bits;
       }
     }
     __syncthreads();

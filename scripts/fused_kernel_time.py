@@ -35,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from lltm_cupy import _cuda  # noqa: E402
 from lltm_cupy.benchmark._common import cupy_gpu, parse_sequence_sizes  # noqa: E402
-from lltm_cupy._cuda import fused as _fused, fused_mma as _mma, kernels as _kernels  # noqa: E402
+from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, fused as _fused  # noqa: E402
+from lltm_cupy._cuda import fused_kernels as _fused_kernels, fused_mma as _mma  # noqa: E402
+from lltm_cupy._cuda import group_kernels as _group_kernels, kernels as _kernels  # noqa: E402
 
 DEFAULT_SIZES = "64x16x32x128,512x16x32x128"
 DEFAULT_DTYPES = "float32,bfloat16"
@@ -95,9 +97,10 @@ def _error(got, want):
 
 
 class _Timed:
-    """A stand-in for ``_kernels.get_fused_kernels`` (or ``get_cluster_kernels``) that records a
-    CUDA event pair around every launch of the fused kernels: ``events`` holds (kernel, start,
-    end), a list of its own or the one given."""
+    """A stand-in for a fused variant's ``get_kernels`` (``fused_kernels.get_kernels``, the
+    cluster, group or tensor-core kernels' own) that records a CUDA event pair around every
+    launch of the fused kernels: ``events`` holds (kernel, start, end), a list of its own or the
+    one given."""
 
     def __init__(self, cupy, real, events=None):
         self.cupy, self.real, self.events = cupy, real, [] if events is None else events
@@ -135,15 +138,15 @@ def measure(cupy, T, B, F, S, dtype, runs, warmup):
         f"(normalised), the default path's {default_error:.3g}; more than {allowed:.3g}")
     for _ in range(warmup):
         _run(cupy, arrays, True)
-    real, real_cluster = _kernels.get_fused_kernels, _kernels.get_cluster_kernels
-    real_group = _kernels.get_group_kernels     # the split on sm_80 to sm_89 (no clusters)
+    real, real_cluster = _fused_kernels.get_kernels, _cluster_kernels.get_kernels
+    real_group = _group_kernels.get_kernels     # the split on sm_80 to sm_89 (no clusters)
     timed = _Timed(cupy, real)
     real_mma = _mma.get_kernels         # the 16-bit kernels on tensor cores (sm_80 and newer)
     fwd, bwd, whole, launched = [], [], [], set()
     try:
-        _kernels.get_fused_kernels = timed
-        _kernels.get_cluster_kernels = _Timed(cupy, real_cluster, timed.events)
-        _kernels.get_group_kernels = _Timed(cupy, real_group, timed.events)
+        _fused_kernels.get_kernels = timed
+        _cluster_kernels.get_kernels = _Timed(cupy, real_cluster, timed.events)
+        _group_kernels.get_kernels = _Timed(cupy, real_group, timed.events)
         _mma.get_kernels = _Timed(cupy, real_mma, timed.events)
         for _ in range(runs):
             timed.events.clear()
@@ -158,8 +161,8 @@ def measure(cupy, T, B, F, S, dtype, runs, warmup):
                 times.append(sum(cupy.cuda.get_elapsed_time(s, e)
                                  for name, s, e in timed.events if name == kind))
     finally:
-        _kernels.get_fused_kernels, _kernels.get_cluster_kernels = real, real_cluster
-        _kernels.get_group_kernels = real_group
+        _fused_kernels.get_kernels, _cluster_kernels.get_kernels = real, real_cluster
+        _group_kernels.get_kernels = real_group
         _mma.get_kernels = real_mma
     assert launched == {"fwd", "bwd"}, (
         f"{T}x{B}x{F}x{S} {dtype}: the fused kernels did not run (a state size whose weights do "

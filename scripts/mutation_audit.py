@@ -59,6 +59,9 @@ FUSED_TESTS = ("tests/test_fused_sequence.py", "tests/test_host_kernels.py",
 #: lltm_fused.cu's dot products, which the cluster kernels (lltm_fused_cluster.cu) and their
 #: group variant call too
 FUSED_DOT_TESTS = FUSED_TESTS + ("tests/test_fused_cluster.py", "tests/test_fused_group.py")
+#: lltm_fused.cu's element steps (the rounding around the recurrent product), which every fused
+#: variant calls, the tensor-core kernels (lltm_fused_mma.cu) included
+FUSED_ALL_TESTS = FUSED_DOT_TESTS + ("tests/test_fused_mma.py",)
 NUMPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
                "tests/test_torch.py", "tests/test_torch_sequence.py")
 CUPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
@@ -124,25 +127,32 @@ MUTANTS = [
            "    T* g",
            "i += (I)blockDim.x) {\n    const I b = i / S;\n    const I s = i - b * S;\n    T* g",
            KERNEL_TESTS, "forward kernel strides by one block, not the grid"),
-    # lltm_fused.cu's dot products are the cluster and group kernels' too: all their tests run
+    # lltm_fused.cu's dot products are the cluster and group kernels' too, and its element
+    # steps every variant's: all their tests run
     Mutant("fused-recurrent-weight-row", "cuda_src/lltm_fused.cu",
-           "LLTM_FUSED_LANES; ++l) {\n        const T* wk = w + (k + l) * stride;\n"
-           "        const A hk = h[k + l];\n        ai[l] += tr::load(wk[0]) * hk;\n"
-           "        ao[l] += tr::load(wk[gate]) * hk;",
-           "LLTM_FUSED_LANES; ++l) {\n        const T* wk = w + (k + l) * stride;\n"
-           "        const A hk = h[k + l];\n        ai[l] += tr::load(wk[0]) * hk;\n"
-           "        ao[l] += tr::load(wk[2 * gate]) * hk;",
-           FUSED_DOT_TESTS, "fused sequence kernels (one block and cluster): the output gate's "
-           "recurrent product uses the candidate's weights"),
+           "    part[1][l] += tr::load(wk[gate]) * hk;",
+           "    part[1][l] += tr::load(wk[2 * gate]) * hk;",
+           FUSED_DOT_TESTS, "fused sequence kernels (one block, cluster, group): the output "
+           "gate's recurrent product uses the candidate's weights"),
     Mutant("fused-partial-sum-dropped", "cuda_src/lltm_fused.cu",
-           "    total += (acc[0] + acc[1]) + (acc[2] + acc[3]);",
-           "    total += (acc[0] + acc[1]) + acc[2];",
-           FUSED_DOT_TESTS, "fused sequence backward (one block and cluster): one of a chunk's "
-           "four partial sums of d_h left out"),
+           "      run[q] += (part[q][0] + part[q][1]) + (part[q][2] + part[q][3]);",
+           "      run[q] += (part[q][0] + part[q][1]) + part[q][2];",
+           FUSED_DOT_TESTS, "fused sequence kernels (one block, cluster, group): one of a "
+           "chunk's four partial sums left out of every recurrent dot product (h and d_h)"),
     Mutant("fused-remainder-term-skipped", "cuda_src/lltm_fused.cu",
-           "    if (k + l < terms) {", "    if (k + l < terms - 1) {",
-           FUSED_DOT_TESTS, "fused sequence forward (one block and cluster): the last recurrent "
-           "term skipped when S is not a multiple of 4"),
+           "    if (k + l < terms) add(k + l, part, l);",
+           "    if (k + l < terms - 1) add(k + l, part, l);",
+           FUSED_DOT_TESTS, "fused sequence kernels (one block, cluster, group): the last "
+           "recurrent term skipped when the terms are not a multiple of 4"),
+    Mutant("fused-step-product-of-another-gate", "cuda_src/lltm_fused.cu",
+           "  const T go = tr::store(acc[1] + tr::load(p_o));",
+           "  const T go = tr::store(acc[0] + tr::load(p_o));",
+           FUSED_ALL_TESTS, "fused sequence forward (every variant, tensor cores too): the "
+           "output gate's pre-activation adds the input gate's recurrent product"),
+    Mutant("fused-grad-out-dropped", "cuda_src/lltm_fused.cu",
+           "tr::load(tr::store(dh + sv.go));", "tr::load(tr::store(dh));",
+           FUSED_ALL_TESTS, "fused sequence backward (every variant, tensor cores too): the "
+           "outputs' gradient left out of the incoming d_h"),
     Mutant("fused-drop-grad-c-n", "cuda_src/lltm_fused.cu",
            "dc_buf[i] = has_grad_c_n ? tr::load(grad_c_n[src]) : A(0);",
            "dc_buf[i] = has_grad_c_n ? A(0) * tr::load(grad_c_n[src]) : A(0);",

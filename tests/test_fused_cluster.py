@@ -19,13 +19,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lltm_cupy._cuda import fused as _fused, fused_cluster as _cluster, kernels as _kernels
+from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, fused as _fused
+from lltm_cupy._cuda import fused_cluster as _cluster, fused_kernels as _fused_kernels
+from lltm_cupy._cuda import group_kernels as _group_kernels, kernels as _kernels
 from conftest import gpu_unavailable_reason, max_error
 from helpers import cubin as _cubin, host_cluster, host_fused
 from test_fused_sequence import DTYPES, LIMIT, OUT, _run_ptxas, compare, make, run
 from test_lengths import _reference
 
-SIZES = _kernels.CLUSTER_SIZES
+SIZES = _cluster_kernels.SIZES
 
 
 @pytest.fixture(scope="session")
@@ -39,12 +41,12 @@ def one_block_lib(tmp_path_factory):
 
 
 def _use(monkeypatch, lib, one_block_lib):
-    monkeypatch.setattr(_kernels, "get_cluster_kernels",
+    monkeypatch.setattr(_cluster_kernels, "get_kernels",
                         host_cluster.host_get_cluster_kernels(lib, LIMIT))
-    monkeypatch.setattr(_kernels, "get_group_kernels",
+    monkeypatch.setattr(_group_kernels, "get_kernels",
                         host_cluster.host_get_group_kernels(lib, LIMIT))
-    monkeypatch.setattr(_kernels, "resident_blocks", host_cluster.resident_blocks)
-    monkeypatch.setattr(_kernels, "get_fused_kernels",
+    monkeypatch.setattr(_group_kernels, "resident_blocks", host_cluster.resident_blocks)
+    monkeypatch.setattr(_fused_kernels, "get_kernels",
                         host_fused.host_get_fused_kernels(one_block_lib, LIMIT))
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 90)
@@ -264,7 +266,7 @@ def test_cluster_forward_gives_the_same_bits_at_every_size(cluster_cupy, monkeyp
 # ------------------------------------------------------- clusters the device holds at once
 
 def test_launch_config_layout_matches_cuda_h(tmp_path):
-    """kernels.CUlaunchConfig (ctypes) against cuda.h's CUlaunchConfig, compiled: size and every
+    """CUlaunchConfig (ctypes) against cuda.h's CUlaunchConfig, compiled: size and every
     field's offset, the prototype of cuOccupancyMaxActiveClusters that OCCUPANCY_PROTOTYPE
     states, and the attribute number the 16-block clusters set."""
     import shutil
@@ -276,7 +278,7 @@ def test_launch_config_layout_matches_cuda_h(tmp_path):
     assert include is not None, "cuda.h not found (CUDA_HOME, CUDA_PATH or /usr/local/cuda)"
     cc = shutil.which("gcc") or shutil.which("cc")
     assert cc, "a C compiler (gcc) is required for the layout check"
-    fields = [name for name, _ in _kernels.CUlaunchConfig._fields_]
+    fields = [name for name, _ in _cluster_kernels.CUlaunchConfig._fields_]
     program = "\n".join([
         "#include <stddef.h>", "#include <stdio.h>", "#include <cuda.h>",
         "_Static_assert(__builtin_types_compatible_p(__typeof__(&cuOccupancyMaxActiveClusters),"
@@ -294,21 +296,22 @@ def test_launch_config_layout_matches_cuda_h(tmp_path):
     out = subprocess.run([str(tmp_path / "layout")], check=True, capture_output=True,
                          text=True).stdout
     got = {k: int(v) for k, v in (line.split() for line in out.splitlines())}
-    assert got["size"] == ctypes.sizeof(_kernels.CUlaunchConfig), got
+    assert got["size"] == ctypes.sizeof(_cluster_kernels.CUlaunchConfig), got
     assert got["result"] == ctypes.sizeof(ctypes.c_int)
     assert got["function"] == ctypes.sizeof(ctypes.c_void_p)
-    assert got["attribute"] == _kernels.NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+    assert got["attribute"] == _cluster_kernels.NON_PORTABLE_CLUSTER_SIZE_ALLOWED
     for name in fields:
-        assert got[name] == getattr(_kernels.CUlaunchConfig, name).offset, name
+        assert got[name] == getattr(_cluster_kernels.CUlaunchConfig, name).offset, name
 
 
 def _held(cupy, kernel, size, threads, shared):
     """The emulated driver's answer, asked afresh (not the library's cache)."""
     count = ctypes.c_int(-1)
-    config = _kernels.CUlaunchConfig(gridDimX=size, gridDimY=1, gridDimZ=1, blockDimX=threads,
-                                     blockDimY=1, blockDimZ=1, sharedMemBytes=shared)
-    status = _kernels._occupancy_function()(ctypes.byref(count), kernel.kernel.ptr,
-                                            ctypes.byref(config))
+    config = _cluster_kernels.CUlaunchConfig(gridDimX=size, gridDimY=1, gridDimZ=1,
+                                             blockDimX=threads, blockDimY=1, blockDimZ=1,
+                                             sharedMemBytes=shared)
+    status = _cluster_kernels._occupancy_function()(ctypes.byref(count), kernel.kernel.ptr,
+                                                    ctypes.byref(config))
     return count.value if status == 0 else -status
 
 
@@ -317,14 +320,14 @@ def test_the_emulated_occupancy_query(cluster_cupy):
     SMs), one block of about 200 KB per SM: 16 clusters of 8, 32 of 4 (not 132 / 4 = 33)."""
     f32 = np.dtype(np.float32)
     big = _cluster.shared_bytes(388, f32, 1, True, 8)
-    assert _held(cluster_cupy, _kernels.get_cluster_kernels(f32, 8).bwd, 8, 256, big) == 16
-    assert _held(cluster_cupy, _kernels.get_cluster_kernels(f32, 4).bwd, 4, 256, big) == 32
-    assert _held(cluster_cupy, _kernels.get_cluster_kernels(f32, 4).bwd, 4, 64, 1000) == \
+    assert _held(cluster_cupy, _cluster_kernels.get_kernels(f32, 8).bwd, 8, 256, big) == 16
+    assert _held(cluster_cupy, _cluster_kernels.get_kernels(f32, 4).bwd, 4, 256, big) == 32
+    assert _held(cluster_cupy, _cluster_kernels.get_kernels(f32, 4).bwd, 4, 64, 1000) == \
         sum(n * 32 // 4 for n in cluster_cupy.emulator.gpc_sms)
     cluster_cupy.emulator.gpc_sms = (7, 7)
-    assert _held(cluster_cupy, _kernels.get_cluster_kernels(f32, 8).bwd, 8, 256, big) == 0
+    assert _held(cluster_cupy, _cluster_kernels.get_kernels(f32, 8).bwd, 8, 256, big) == 0
     cluster_cupy.emulator.occupancy_error = 700
-    assert _held(cluster_cupy, _kernels.get_cluster_kernels(f32, 2).fwd, 2, 256, big) == -700
+    assert _held(cluster_cupy, _cluster_kernels.get_kernels(f32, 2).fwd, 2, 256, big) == -700
 
 
 LAYOUTS = {"H100-like": (16, 16, 16, 16, 16, 16, 18, 18), "uneven": (18, 18, 14, 10, 9),
@@ -349,7 +352,7 @@ def test_the_planner_never_plans_more_clusters_than_the_device_holds(cluster_cup
         top = _cluster.max_state(LIMIT, f32, size)
         for state in (top, top * 4 // 5, 3 * size):
             for backward in (False, True):
-                fns = _kernels.get_cluster_kernels(f32, size)
+                fns = _cluster_kernels.get_kernels(f32, size)
                 kernel = fns.bwd if backward else fns.fwd
                 fits = (LIMIT - _cluster.shared_bytes(state, f32, 0, backward, size)) // (
                     _cluster.shared_bytes(state, f32, 1, backward, size)
@@ -383,7 +386,7 @@ def test_the_query_turns_33_tiles_into_17(cluster_cupy, monkeypatch):
     for state, size, tiles in ((256, 4, 17), (388, 8, 33)):
         assert _cluster.cluster_size(state, f32, LIMIT) == size
         for backward in (False, True):
-            kernel = _kernels.get_cluster_kernels(f32, size)[backward]
+            kernel = _cluster_kernels.get_kernels(f32, size)[backward]
             assert _cluster.geometry(33, state, f32, backward, size)[0] == 33 * size
             blocks, threads, tile, shared = _cluster.geometry(33, state, f32, backward, size,
                                                               kernel)
@@ -399,7 +402,7 @@ def test_a_failed_query_leaves_the_plan_without_it(cluster_cupy, monkeypatch):
     monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 6)
     f32 = np.dtype(np.float32)
-    kernel = _kernels.get_cluster_kernels(f32, 2).fwd
+    kernel = _cluster_kernels.get_kernels(f32, 2).fwd
     assert _cluster.geometry(7, 13, f32, False, 2, kernel) == \
         _cluster.geometry(7, 13, f32, False, 2)
     assert any("CUresult 999" in why and what[0] == "occupancy"
@@ -443,7 +446,7 @@ def test_a_run_planned_by_the_query(cluster_cupy, monkeypatch):
 
 # ------------------------------------------------------------------------ a missing barrier
 
-_CLUSTER_TEXT = _kernels.source_path(_kernels.CLUSTER_SOURCE_NAME).read_text()
+_CLUSTER_TEXT = _kernels.source_path(_cluster_kernels.SOURCE_NAME).read_text()
 _BARRIER = re.compile(r"(lltm_cluster_sync|__syncthreads)\(\);")
 
 
@@ -471,7 +474,7 @@ def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatc
     run with cluster semantics gives wrong numbers or stops with an error, at 2 and 4 blocks per
     cluster, in the ascending and the descending order."""
     start, end = _barriers(_CLUSTER_TEXT)[which]
-    (tmp_path / _kernels.CLUSTER_SOURCE_NAME).write_text(_CLUSTER_TEXT[:start]
+    (tmp_path / _cluster_kernels.SOURCE_NAME).write_text(_CLUSTER_TEXT[:start]
                                                          + _CLUSTER_TEXT[end:])
     lib = host_cluster.build(tmp_path, source_dir=tmp_path)
     _use(monkeypatch, lib, one_block_lib)
@@ -517,23 +520,23 @@ def test_unmutated_source_passes_the_mutation_check(cluster_cupy, cluster_lib, m
 #: cluster sizes 1, 2, 4 and 8 (the figures per size differ by up to 20), and no local memory in
 #: any; no static shared memory either (tested with ptxas below).
 #:                 float16  bfloat16  float32  float64
-#:   sm_90  fwd       64       63        61       96
-#:          bwd       56       56        56       96
-#:   sm_100 fwd       64       64        64       96
-#:          bwd       54       47        55       80
+#:   sm_90  fwd       56       56        56       79
+#:          bwd       56       56        64       96
+#:   sm_100 fwd       64       64        64       80
+#:          bwd       54       54        55       80
 CLUSTER_REGISTERS = {
-    (90, "fwd"): (64, 63, 61, 96), (90, "bwd"): (56, 56, 56, 96),
-    (100, "fwd"): (64, 64, 64, 96), (100, "bwd"): (54, 47, 55, 80),
+    (90, "fwd"): (56, 56, 56, 79), (90, "bwd"): (56, 56, 64, 96),
+    (100, "fwd"): (64, 64, 64, 80), (100, "bwd"): (54, 54, 55, 80),
 }
 #: The same for 16 blocks per cluster (the forward keeps 16 peer addresses):
 #:                 float16  bfloat16  float32  float64
-#:   sm_90  fwd       69       69        70      128
-#:          bwd       56       56        56       80
-#:   sm_100 fwd       64       64        72      127
-#:          bwd       63       47        56       93
+#:   sm_90  fwd       64       64        64       94
+#:          bwd       63       56        64       80
+#:   sm_100 fwd       64       64        71       96
+#:          bwd       56       56        56       93
 CLUSTER_REGISTERS_16 = {
-    (90, "fwd"): (69, 69, 70, 128), (90, "bwd"): (56, 56, 56, 80),
-    (100, "fwd"): (64, 64, 72, 127), (100, "bwd"): (63, 47, 56, 93),
+    (90, "fwd"): (64, 64, 64, 94), (90, "bwd"): (63, 56, 64, 80),
+    (100, "fwd"): (64, 64, 71, 96), (100, "bwd"): (56, 56, 56, 93),
 }
 
 
@@ -544,7 +547,7 @@ def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
     .aligned forms);
     the cubin records no local memory and registers within the pins (CLUSTER_REGISTERS, with
     test_fused_sequence's margin)."""
-    ptx = _kernels.compile_offline_cluster(dtype, arch, output="ptx").decode()
+    ptx = _cluster_kernels.compile_offline(dtype, arch, output="ptx").decode()
     # each kernel (entry) its own cluster shape: both directions at every size (a kernel that
     # lost __cluster_dims__ would launch without a cluster, and every block would be rank 0)
     entries = ptx.split(".entry ")[1:]
@@ -555,7 +558,7 @@ def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
                         "barrier.cluster.arrive.aligned", "barrier.cluster.wait.aligned",
                         "%cluster_ctarank"):
         assert instruction in ptx, instruction
-    cubin = _kernels.compile_offline_cluster(dtype, arch, output="cubin")
+    cubin = _cluster_kernels.compile_offline(dtype, arch, output="cubin")
     assert cubin[:4] == b"\x7fELF", "NVRTC did not return an ELF cubin"
     resources = _cubin.kernel_resources(cubin)
     assert len(resources) == 2 * len(SIZES), sorted(resources)
@@ -576,13 +579,13 @@ def test_ptxas_reports_no_spill_for_the_cluster_kernels():
 
     nvcc = shutil.which("nvcc")
     assert nvcc, "nvcc (CUDA toolkit) is required for the ptxas check"
-    report, _ = _run_ptxas(nvcc, 90, _kernels.cluster_source(),
-                           [_kernels.cluster_name_expression(k, d, p) for d in DTYPES.values()
-                            for p in SIZES for k in _kernels.CLUSTER_KERNEL_NAMES])
+    report, _ = _run_ptxas(nvcc, 90, _cluster_kernels.source(),
+                           [_cluster_kernels.name_expression(k, d, p) for d in DTYPES.values()
+                            for p in SIZES for k in _cluster_kernels.KERNEL_NAMES])
     assert len(report) == len(DTYPES) * len(SIZES) * 2, sorted(report)
     for name, r in report.items():
         assert r["spills"] == (0, 0) and r["frame"] == 0, f"{name}: spills {r}"
-        assert r["registers"] * _fused.THREADS <= 65536, f"{name}: registers"
+        assert r["registers"] * _fused_kernels.THREADS <= 65536, f"{name}: registers"
         assert r["smem"] == 0, f"{name}: static shared memory {r['smem']}"
 
 
@@ -594,7 +597,7 @@ def test_launcher_sizes_shared_memory_as_the_kernels_lay_it_out(cluster_lib):
             for dtype in DTYPES.values():
                 item = dtype.itemsize
                 assert cluster_lib.lltm_host_cluster_wt_stride(most, item) == \
-                    _fused.wt_stride(most, item)
+                    _fused_kernels.wt_stride(most, item)
                 for backward in (False, True):
                     weights = cluster_lib.lltm_host_cluster_w_bytes(state, most, item,
                                                                     int(backward))
@@ -653,7 +656,7 @@ def test_warmup_with_fused_compiles_the_cluster_kernels_from_sm_90(cluster_cupy,
 
 def test_cluster_kernels_compile_once_per_dtype_with_the_whole_shared_memory(emulated_cupy,
                                                                             monkeypatch):
-    """kernels.get_cluster_kernels (and get_fused_kernels, which shares its loading) on a CuPy
+    """cluster_kernels.get_kernels (and fused_kernels.get_kernels, which loads the same way) on a CuPy
     whose RawModule records what it is asked: one module per device and dtype holding every
     cluster size, each function allowed the device's opt-in shared memory less its static, and
     the 16-block ones (only they) the non-portable cluster size, on their loaded function
@@ -683,20 +686,20 @@ def test_cluster_kernels_compile_once_per_dtype_with_the_whole_shared_memory(emu
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
     monkeypatch.setattr(_kernels, "_cache", {})
     f32 = np.dtype(np.float32)
-    got = {p: _kernels.get_cluster_kernels(f32, p) for p in SIZES}
-    assert len(modules) == 1 and modules[0][0] == _kernels.cluster_source()
+    got = {p: _cluster_kernels.get_kernels(f32, p) for p in SIZES}
+    assert len(modules) == 1 and modules[0][0] == _cluster_kernels.source()
     assert sorted(attributes) == sorted((f"{k}<float, 16>", 14, 1)
-                                        for k in _kernels.CLUSTER_KERNEL_NAMES), attributes
+                                        for k in _cluster_kernels.KERNEL_NAMES), attributes
     for p, fns in got.items():
         assert fns.fwd.name == f"lltm_seq_fwd_cluster_kernel<float, {p}>"
         assert fns.bwd.name == f"lltm_seq_bwd_cluster_kernel<float, {p}>"
         assert fns.fwd.max_dynamic_shared_size_bytes == LIMIT - 16
-    one = _kernels.get_fused_kernels(f32)
-    assert len(modules) == 2 and modules[1][0] == _kernels.fused_source()
+    one = _fused_kernels.get_kernels(f32)
+    assert len(modules) == 2 and modules[1][0] == _fused_kernels.source()
     assert one.fwd.name == "lltm_seq_fwd_kernel<float>" and one.bwd.name.startswith("lltm_seq_bwd")
     assert one.bwd.max_dynamic_shared_size_bytes == LIMIT - 16
-    _kernels.get_cluster_kernels(f32, 8)
-    _kernels.get_fused_kernels(f32)
+    _cluster_kernels.get_kernels(f32, 8)
+    _fused_kernels.get_kernels(f32)
     assert len(modules) == 2
 
 
@@ -707,12 +710,12 @@ def test_the_kernel_time_script_times_the_cluster_kernels(cluster_cupy, capsys):
     from helpers import gpu_scripts
 
     script = gpu_scripts.load("fused_kernel_time")
-    real = (_kernels.get_fused_kernels, _kernels.get_cluster_kernels)
+    real = (_fused_kernels.get_kernels, _cluster_kernels.get_kernels)
     status = script.main(["--sizes", "3x2x2x150,3x2x2x5", "--dtypes", "float32", "--runs", "2",
                           "--warmup", "0"])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert (_kernels.get_fused_kernels, _kernels.get_cluster_kernels) == real
+    assert (_fused_kernels.get_kernels, _cluster_kernels.get_kernels) == real
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["3"]]
     assert [(r[3], r[-1]) for r in rows] == [("150", "2"), ("5", "1")], out
     for r in rows:
@@ -733,7 +736,7 @@ _GPU_REASON = gpu_unavailable_reason()
 def test_gpu_cluster_equals_the_stepped_path(monkeypatch, dtype, state, size):
     """The cluster kernels on a real GPU (sm_90 or newer: NVRTC, __cluster_dims__, distributed
     shared memory): forced cluster sizes at a small S, and the launcher's own choice past one
-    block's bound (float32 S = 256: 2 blocks; bfloat16 S = 512: 8 blocks of about 200 KB of
+    block's bound (float32 S = 256: 4 blocks; bfloat16 S = 512: 8 blocks of about 200 KB of
     shared memory each), packed lengths, against the stepped path and the float64 reference."""
     import cupy
 
@@ -748,6 +751,41 @@ def test_gpu_cluster_equals_the_stepped_path(monkeypatch, dtype, state, size):
     fused = run(cupy, stored, lengths, False, True)
     stepped = run(cupy, stored, lengths, False, False)
     compare(fused, stepped, _want(case, lengths, False, 7, 5), dtype, "gpu cluster")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_GPU_REASON is not None, reason=f"GPU test: {_GPU_REASON}")
+def test_gpu_warmup_and_16_block_clusters():
+    """The non-portable cluster size on a real GPU (sm_90 or newer): lltm_cupy.warmup(fused=True)
+    compiles every fused module and launches the 16-block kernels once each way where the
+    occupancy query says the device holds such a cluster (the non-portable size attribute, the
+    query, the refusal guard); then float32 S = 512, which only 16 blocks hold, runs in 16-block
+    clusters, packed lengths, against the stepped path and the float64 reference. Where the
+    device holds none (or its driver refused the launch) the same call must run the stepped
+    path, bit for bit; the test then checks that and skips, saying why (a device property,
+    allowed by scripts/gpu_check.sh)."""
+    import cupy
+    import lltm_cupy
+
+    if _kernels.compute_capability(cupy.cuda.Device().id) < _cluster.MIN_ARCH:
+        pytest.skip("GPU test: the cluster kernels need sm_90 or newer")
+    f32 = np.dtype(np.float32)
+    lltm_cupy.warmup(["float32"], fused=True)
+    lengths = [5, 0, 3, 5, 1]
+    stored, case = make(5, 5, 6, 512, f32, seed=16)
+    stepped = run(cupy, stored, lengths, False, False)
+    held = _cluster.held(512, f32, 16)
+    if not held:
+        got, ran_fused = _run_any(cupy, stored, lengths, False, True)
+        assert not ran_fused and not _fused.usable(512, f32)
+        for name, a, b in zip(OUT, got, stepped):
+            assert np.array_equal(a, b), name
+        pytest.skip(f"GPU test: this device holds no 16-block cluster of the fused kernels "
+                    f"(occupancy query: {held}; refused sizes: {sorted(_kernels.refused_sizes)}; "
+                    f"{_kernels.cluster_failures or 'no failure recorded'}): the stepped path ran")
+    assert _fused._cluster(512, f32) == 16
+    fused = run(cupy, stored, lengths, False, True)
+    compare(fused, stepped, _want(case, lengths, False, 5, 5), f32, "gpu 16-block clusters")
 
 
 def test_the_fused_choice_is_made_on_the_arrays_device(emulated_cupy, monkeypatch):
@@ -877,7 +915,7 @@ def test_a_query_without_a_context_binds_one_and_a_failure_is_asked_again(cluste
     emu.contexts = set()
     assert _cluster.held(512, f32, 16)
     assert _fused.usable(512, f32)
-    _kernels._occupancy.clear()
+    _cluster_kernels._occupancy.clear()
     emu.occupancy_error = 201
     assert _cluster.held(512, f32, 16) is None and not _fused.usable(512, f32)
     emu.occupancy_error = 0

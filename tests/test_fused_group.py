@@ -20,13 +20,15 @@ import threading
 import numpy as np
 import pytest
 
-from lltm_cupy._cuda import fused as _fused, fused_cluster as _cluster, kernels as _kernels
+from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, fused as _fused
+from lltm_cupy._cuda import fused_cluster as _cluster, fused_kernels as _fused_kernels
+from lltm_cupy._cuda import group_kernels as _group_kernels, kernels as _kernels
 from helpers import cubin as _cubin, host_cluster, host_fused
 from test_fused_sequence import DTYPES, OUT, _run_ptxas, compare, make, run
 from test_fused_cluster import (_mutation_runs as _cluster_mutation_runs, _use as _use_cluster,
                                 _want)
 
-SIZES = _kernels.GROUP_SIZES
+SIZES = _group_kernels.SIZES
 #: the emulated sm_80 device's opt-in shared memory per block (A100)
 LIMIT80 = _fused.ARCH_SHARED_MEMORY[80]
 
@@ -46,12 +48,12 @@ def _refuse_clusters(dtype, size):
 
 
 def _use(monkeypatch, lib, one_block_lib, limit=LIMIT80):
-    monkeypatch.setattr(_kernels, "get_group_kernels",
+    monkeypatch.setattr(_group_kernels, "get_kernels",
                         host_cluster.host_get_group_kernels(lib, limit))
-    monkeypatch.setattr(_kernels, "get_cluster_kernels", _refuse_clusters)
-    monkeypatch.setattr(_kernels, "get_fused_kernels",
+    monkeypatch.setattr(_cluster_kernels, "get_kernels", _refuse_clusters)
+    monkeypatch.setattr(_fused_kernels, "get_kernels",
                         host_fused.host_get_fused_kernels(one_block_lib, limit))
-    monkeypatch.setattr(_kernels, "resident_blocks", host_cluster.resident_blocks)
+    monkeypatch.setattr(_group_kernels, "resident_blocks", host_cluster.resident_blocks)
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: limit)
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 80)
     monkeypatch.setattr(_fused.fused_mma, "usable", lambda state, dtype, backward=False: False)
@@ -127,7 +129,7 @@ def test_more_tiles_than_the_device_holds_run_in_several_launches(group_cupy, mo
     emu = group_cupy.emulator
     lengths = [5, 1, 3, 5, 0, 2, 4]
     one = run(group_cupy, stored, lengths, False, True)
-    monkeypatch.setattr(_kernels, "resident_blocks", lambda kernel, threads, shared: 8 + 3)
+    monkeypatch.setattr(_group_kernels, "resident_blocks", lambda kernel, threads, shared: 8 + 3)
     emu.reset()
     waves = run(group_cupy, stored, lengths, False, True)
     assert emu.log.count("kernel:seq_fwd_group4") == 2
@@ -143,11 +145,11 @@ def test_a_cooperative_launch_larger_than_the_device_fails(group_cupy, monkeypat
     monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 4)
     stored, _ = make(2, 7, 3, 9, np.dtype(np.float32), seed=1)
-    monkeypatch.setattr(_kernels, "resident_blocks", lambda kernel, threads, shared: 10 ** 6)
+    monkeypatch.setattr(_group_kernels, "resident_blocks", lambda kernel, threads, shared: 10 ** 6)
     monkeypatch.setattr(host_cluster, "SM_SHARED", 1)      # the device holds no block at all
     with pytest.raises(AssertionError, match="cooperative launch of .* more than the device"):
         run(group_cupy, stored, None, False, True)
-    monkeypatch.setattr(_kernels, "resident_blocks", lambda kernel, threads, shared: 1)
+    monkeypatch.setattr(_group_kernels, "resident_blocks", lambda kernel, threads, shared: 1)
     with pytest.raises(RuntimeError, match="cannot hold the 2 blocks of one tile"):
         run(group_cupy, stored, None, False, True)
 
@@ -161,7 +163,7 @@ def test_a_launch_past_the_resident_figure_is_an_error(group_cupy, monkeypatch):
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 4)
     stored, _ = make(2, 7, 3, 9, np.dtype(np.float32), seed=1)
     answers = iter([8, 2])
-    monkeypatch.setattr(_kernels, "resident_blocks",
+    monkeypatch.setattr(_group_kernels, "resident_blocks",
                         lambda kernel, threads, shared: next(answers))
     emu = group_cupy.emulator
     emu.reset()
@@ -256,7 +258,7 @@ def test_the_split_needs_sm_80(group_cupy, monkeypatch):
 
 # ------------------------------------------------------------------------ a missing barrier
 
-_TEXT = _kernels.source_path(_kernels.CLUSTER_SOURCE_NAME).read_text()
+_TEXT = _kernels.source_path(_cluster_kernels.SOURCE_NAME).read_text()
 _STATEMENT = re.compile(r"(lltm_group_sync\([^;]*\)|__syncthreads\(\));")
 
 
@@ -293,7 +295,7 @@ def test_deleting_a_barrier_of_the_group_kernels_is_caught(which, tmp_path, emul
     the exchange buffer read before it was written), at 2 and 4 blocks per tile, in the
     ascending and the descending order."""
     start, end = group_barriers(_TEXT)[which]
-    (tmp_path / _kernels.CLUSTER_SOURCE_NAME).write_text(_TEXT[:start] + _TEXT[end:])
+    (tmp_path / _cluster_kernels.SOURCE_NAME).write_text(_TEXT[:start] + _TEXT[end:])
     lib = host_cluster.build(tmp_path, source_dir=tmp_path)
     _use(monkeypatch, lib, one_block_lib80)
     for label, got, errors in _mutation_runs(emulated_cupy, lib, monkeypatch):
@@ -320,9 +322,9 @@ def test_unmutated_source_passes_the_group_mutation_check(group_cupy, group_lib,
 #: Registers per thread of the group kernels as NVRTC (13.x) compiles them for sm_80, the most
 #: over the sizes 1, 2, 4 and 8, and no local memory in any (tested with ptxas below too).
 #:                 float16  bfloat16  float32  float64
-#:   sm_80  fwd       56       61        55       96
-#:          bwd       48       44        48       72
-GROUP_REGISTERS = {(80, "fwd"): (56, 61, 55, 96), (80, "bwd"): (48, 44, 48, 72)}
+#:   sm_80  fwd       48       48        48       72
+#:          bwd       48       48        48       72
+GROUP_REGISTERS = {(80, "fwd"): (48, 48, 48, 72), (80, "bwd"): (48, 48, 48, 72)}
 
 
 @pytest.mark.parametrize("arch", [80, 90, 100])
@@ -332,21 +334,21 @@ def test_nvrtc_compiles_the_group_kernels(dtype, arch):
     atomics at GPU scope, the exchange's st.cg / ld.cg), no cluster anywhere (a cooperative
     launch of an sm_80 device); the cubin records no local memory, and on sm_80 registers within
     the pins (GROUP_REGISTERS, with test_fused_sequence's margin)."""
-    ptx = _kernels.compile_offline_group(dtype, arch, output="ptx").decode()
+    ptx = _group_kernels.compile_offline(dtype, arch, output="ptx").decode()
     assert ptx.count(".entry ") == 2 * len(SIZES)
     for instruction in ("fence.acq_rel.gpu", "red.relaxed.gpu.global.add.u32",
                         "ld.relaxed.gpu.global.u32", "st.global.cg.f", "ld.global.cg.f"):
         assert instruction in ptx, instruction
     for absent in ("cluster", "mapa"):
         assert absent not in ptx, absent
-    cubin = _kernels.compile_offline_group(dtype, arch, output="cubin")
+    cubin = _group_kernels.compile_offline(dtype, arch, output="cubin")
     resources = _cubin.kernel_resources(cubin)
     assert len(resources) == 2 * len(SIZES), sorted(resources)
     column = list(DTYPES.values()).index(dtype)
     for name, r in resources.items():
         kernel = re.match(r"_Z\d+lltm_seq_(fwd|bwd)_group_kernel", name).group(1)
         assert r.get("frame") == 0 and r.get("stack") == 0, f"sm_{arch} {name}: local memory {r}"
-        assert 0 < r["registers"] * _fused.THREADS <= 65536, f"sm_{arch} {name}"
+        assert 0 < r["registers"] * _fused_kernels.THREADS <= 65536, f"sm_{arch} {name}"
         if arch == 80:
             ceiling = _cubin.register_ceiling(GROUP_REGISTERS[arch, kernel][column])
             assert r["registers"] <= ceiling, f"sm_80 {name}: {r['registers']} > {ceiling}"
@@ -359,19 +361,19 @@ def test_ptxas_reports_no_spill_for_the_group_kernels():
 
     nvcc = shutil.which("nvcc")
     assert nvcc, "nvcc (CUDA toolkit) is required for the ptxas check"
-    report, _ = _run_ptxas(nvcc, 80, _kernels.cluster_source(),
-                           [_kernels.cluster_name_expression(k, d, p) for d in DTYPES.values()
-                            for p in SIZES for k in _kernels.GROUP_KERNEL_NAMES])
+    report, _ = _run_ptxas(nvcc, 80, _cluster_kernels.source(),
+                           [_cluster_kernels.name_expression(k, d, p) for d in DTYPES.values()
+                            for p in SIZES for k in _group_kernels.KERNEL_NAMES])
     assert len(report) == len(DTYPES) * len(SIZES) * 2, sorted(report)
     for name, r in report.items():
         assert r["spills"] == (0, 0) and r["frame"] == 0, f"{name}: spills {r}"
-        assert r["registers"] * _fused.THREADS <= 65536, f"{name}: registers"
+        assert r["registers"] * _fused_kernels.THREADS <= 65536, f"{name}: registers"
         assert r["smem"] == 0, f"{name}: static shared memory {r['smem']}"
 
 
 def test_group_kernels_compile_once_per_dtype_in_a_cooperative_module(emulated_cupy,
                                                                       monkeypatch):
-    """kernels.get_group_kernels on a CuPy whose RawModule records what it is asked: one module
+    """group_kernels.get_kernels on a CuPy whose RawModule records what it is asked: one module
     per device and dtype holding every group size, made with enable_cooperative_groups=True
     (CuPy then launches each of its kernels with cuLaunchCooperativeKernel), each function
     allowed the device's opt-in shared memory; the cluster module is not cooperative.
@@ -409,19 +411,19 @@ def test_group_kernels_compile_once_per_dtype_in_a_cooperative_module(emulated_c
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT80)
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 108)
     monkeypatch.setattr(_kernels, "_cache", {})
-    monkeypatch.setattr(_kernels, "_resident", {})
+    monkeypatch.setattr(_group_kernels, "_resident", {})
     f32 = np.dtype(np.float32)
-    got = {p: _kernels.get_group_kernels(f32, p) for p in SIZES}
-    assert len(modules) == 1 and modules[0][0] == _kernels.cluster_source()
+    got = {p: _group_kernels.get_kernels(f32, p) for p in SIZES}
+    assert len(modules) == 1 and modules[0][0] == _cluster_kernels.source()
     assert modules[0][2] == {"enable_cooperative_groups": True}
     for p, fns in got.items():
         assert fns.fwd.name == f"lltm_seq_fwd_group_kernel<float, {p}>"
         assert fns.bwd.name == f"lltm_seq_bwd_group_kernel<float, {p}>"
         assert fns.bwd.max_dynamic_shared_size_bytes == LIMIT80
-    _kernels.get_cluster_kernels(f32, 2)
+    _cluster_kernels.get_kernels(f32, 2)
     assert len(modules) == 2 and modules[1][2] == {}
-    assert _kernels.resident_blocks(got[4].fwd, 256, 1000) == 216
-    assert _kernels.resident_blocks(got[4].fwd, 256, 1000) == 216
+    assert _group_kernels.resident_blocks(got[4].fwd, 256, 1000) == 216
+    assert _group_kernels.resident_blocks(got[4].fwd, 256, 1000) == 216
     assert asked == [(1234, 256, 1000)]
 
 
@@ -461,12 +463,12 @@ def test_the_kernel_time_script_times_the_group_kernels(group_cupy, monkeypatch,
 
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 108)
     script = gpu_scripts.load("fused_kernel_time")
-    real = (_kernels.get_fused_kernels, _kernels.get_group_kernels)
+    real = (_fused_kernels.get_kernels, _group_kernels.get_kernels)
     status = script.main(["--sizes", "3x2x2x150,3x2x2x5", "--dtypes", "float32", "--runs", "2",
                           "--warmup", "0"])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert (_kernels.get_fused_kernels, _kernels.get_group_kernels) == real
+    assert (_fused_kernels.get_kernels, _group_kernels.get_kernels) == real
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["3"]]
     assert [(r[3], r[-1]) for r in rows] == [("150", "2"), ("5", "1")], out
     for r in rows:

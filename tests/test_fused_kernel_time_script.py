@@ -20,14 +20,14 @@ def _rows(text):
 
 
 def test_times_every_size_and_dtype_on_the_emulated_gpu(fused_cupy, script, capsys):
-    from lltm_cupy._cuda import kernels
+    from lltm_cupy._cuda import fused_kernels
 
-    real = kernels.get_fused_kernels
+    real = fused_kernels.get_kernels
     status = script.main(["--sizes", "5x3x2x4,3x2x3x6", "--dtypes", "float32,bfloat16,float64",
                           "--runs", "2", "--warmup", "1"])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert kernels.get_fused_kernels is real     # restored
+    assert fused_kernels.get_kernels is real     # restored
     rows = _rows(out)
     assert [r[:5] for r in rows] == [
         ["5", "3", "2", "4", d] for d in ("float32", "bfloat16", "float64")] + [
@@ -41,18 +41,18 @@ def test_the_kernels_alone_are_timed(fused_cupy, script):
     """One event pair per fused launch, around the launch alone: a forward then a backward per
     call, and the launches are the real kernels'."""
     emu = fused_cupy.emulator
-    from lltm_cupy._cuda import kernels
+    from lltm_cupy._cuda import fused_kernels, kernels
 
-    timed = script._Timed(fused_cupy, kernels.get_fused_kernels)
+    timed = script._Timed(fused_cupy, fused_kernels.get_kernels)
     kernels_used = timed(fused_cupy.float32)
     emu.reset()
     stored = {k: fused_cupy.asarray(v.astype("float32")) for k, v in script._case(4, 2, 3, 5).items()}
-    real = kernels.get_fused_kernels
-    kernels.get_fused_kernels = timed
+    real = fused_kernels.get_kernels
+    fused_kernels.get_kernels = timed
     try:
         script._run(fused_cupy, stored, True)
     finally:
-        kernels.get_fused_kernels = real
+        fused_kernels.get_kernels = real
     assert [name for name, _, _ in timed.events] == ["fwd", "bwd"]
     assert isinstance(kernels_used, kernels.FusedKernels)
     assert emu.log.count("kernel:seq_fwd") == 1 and emu.log.count("kernel:seq_bwd") == 1

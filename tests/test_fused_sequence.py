@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from lltm_cupy import _packing
-from lltm_cupy._cuda import fused as _fused, kernels as _kernels
+from lltm_cupy._cuda import fused as _fused, fused_kernels as _fused_kernels, kernels as _kernels
+from lltm_cupy._cuda import group_kernels as _group_kernels
 from conftest import (TOLERANCE, assert_engines_agree, gpu_unavailable_reason, max_error,
                       to_numpy)
 from helpers import cubin as _cubin, host_fused
@@ -49,9 +50,9 @@ def fused_cupy(emulated_cupy, monkeypatch, fused_lib):
     memory per block and one SM (``monkeypatch`` _kernels._sm_count for more); the FMA kernels of
     lltm_fused.cu in every dtype (tests/test_fused_mma.py runs the 16-bit kernels on tensor
     cores)."""
-    monkeypatch.setattr(_kernels, "get_fused_kernels",
+    monkeypatch.setattr(_fused_kernels, "get_kernels",
                         host_fused.host_get_fused_kernels(fused_lib, LIMIT))
-    monkeypatch.setattr(_kernels, "get_group_kernels", _group_kernels_not_built)
+    monkeypatch.setattr(_group_kernels, "get_kernels", _group_kernels_not_built)
     monkeypatch.setattr(_fused.fused_mma, "usable", lambda state, dtype, backward=False: False)
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
     host_fused.set_schedule(fused_lib, "ascending")
@@ -316,7 +317,7 @@ def _barriers(text: str) -> list:
     return [m.start() for m in re.finditer(r"__syncthreads\(\);", text)]
 
 
-_FUSED_TEXT = _kernels.source_path(_kernels.FUSED_SOURCE_NAME).read_text()
+_FUSED_TEXT = _kernels.source_path(_fused_kernels.SOURCE_NAME).read_text()
 
 
 @pytest.mark.parametrize("which", range(len(_barriers(_FUSED_TEXT))))
@@ -324,10 +325,10 @@ def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatc
     """Each __syncthreads() of lltm_fused.cu deleted in turn (a mutation of the source): the host
     run with block semantics gives wrong numbers (or reports a divergent barrier)."""
     at = _barriers(_FUSED_TEXT)[which]
-    (tmp_path / _kernels.FUSED_SOURCE_NAME).write_text(
+    (tmp_path / _fused_kernels.SOURCE_NAME).write_text(
         _FUSED_TEXT[:at] + _FUSED_TEXT[at + len("__syncthreads();"):])
     lib = host_fused.build(tmp_path, source_dir=tmp_path)
-    monkeypatch.setattr(_kernels, "get_fused_kernels", host_fused.host_get_fused_kernels(lib, LIMIT))
+    monkeypatch.setattr(_fused_kernels, "get_kernels", host_fused.host_get_fused_kernels(lib, LIMIT))
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
     stored, case = make(4, 3, 3, 8, np.dtype(np.float64), seed=1)
     want = _reference(case, [4, 4, 4], False, (case["grad_outputs"], case["grad_h_n"],
@@ -344,7 +345,7 @@ def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatc
 
 def test_unmutated_source_passes_the_mutation_check(emulated_cupy, fused_lib, monkeypatch):
     """The control of the test above: the same run with every barrier in place is exact."""
-    monkeypatch.setattr(_kernels, "get_fused_kernels",
+    monkeypatch.setattr(_fused_kernels, "get_kernels",
                         host_fused.host_get_fused_kernels(fused_lib, LIMIT))
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
     stored, case = make(4, 3, 3, 8, np.dtype(np.float64), seed=1)
@@ -360,9 +361,9 @@ def test_a_divergent_barrier_is_reported(tmp_path, emulated_cupy, monkeypatch):
     text = _FUSED_TEXT.replace("      if (r >= active) {             // finished:",
                                "      if (r >= active) { __syncthreads();  //", 1)
     assert text != _FUSED_TEXT
-    (tmp_path / _kernels.FUSED_SOURCE_NAME).write_text(text)
+    (tmp_path / _fused_kernels.SOURCE_NAME).write_text(text)
     lib = host_fused.build(tmp_path, source_dir=tmp_path)
-    monkeypatch.setattr(_kernels, "get_fused_kernels", host_fused.host_get_fused_kernels(lib, LIMIT))
+    monkeypatch.setattr(_fused_kernels, "get_kernels", host_fused.host_get_fused_kernels(lib, LIMIT))
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
     stored, _ = make(3, 2, 2, 4, np.dtype(np.float64), seed=1)
     with pytest.raises(AssertionError, match="divergent __syncthreads"):
@@ -379,16 +380,16 @@ ARCHS = (80, 90, 100)
 #: 0 bytes in every variant (all of it is the launch's dynamic shared memory, sized by
 #: lltm_cupy/_cuda/fused.shared_bytes).
 #:                 float16  bfloat16  float32  float64
-#:   sm_80  fwd       64       64        62       96
-#:          bwd       48       48        48       80
-#:   sm_90  fwd       80       72        72      128
-#:          bwd       55       56        56       96
+#:   sm_80  fwd       64       63        55       96
+#:          bwd       54       54        56       80
+#:   sm_90  fwd       79       72        71      128
+#:          bwd       56       54        56       96
 #:   sm_100 fwd       72       80        72      126
-#:          bwd       63       63        63       80
+#:          bwd       63       63        60       78
 REGISTERS = {
-    (80, "fwd"): (64, 64, 62, 96), (80, "bwd"): (48, 48, 48, 80),
-    (90, "fwd"): (80, 72, 72, 128), (90, "bwd"): (55, 56, 56, 96),
-    (100, "fwd"): (72, 80, 72, 126), (100, "bwd"): (63, 63, 63, 80),
+    (80, "fwd"): (64, 63, 55, 96), (80, "bwd"): (54, 54, 56, 80),
+    (90, "fwd"): (79, 72, 71, 128), (90, "bwd"): (56, 54, 56, 96),
+    (100, "fwd"): (72, 80, 72, 126), (100, "bwd"): (63, 63, 60, 78),
 }
 #: What a variant may use beyond its figure: helpers/cubin.register_ceiling (one allocation
 #: unit with the compilers the figures come from, more with other versions).
@@ -413,7 +414,7 @@ def _register_ceiling(arch: int, symbol: str, compiler: str = "nvrtc") -> int:
 def test_nvrtc_compiles_the_fused_kernels(dtype, arch):
     """NVRTC (what CuPy compiles with at run time) builds both kernels of the dtype for the
     architecture; the cubin records no local memory (no spill) and registers within the pins."""
-    cubin = _kernels.compile_offline_fused(dtype, arch, output="cubin")
+    cubin = _fused_kernels.compile_offline(dtype, arch, output="cubin")
     assert cubin[:4] == b"\x7fELF", "NVRTC did not return an ELF cubin"
     resources = _cubin.kernel_resources(cubin)
     assert sorted(_variant(k)[0] for k in resources) == ["bwd", "fwd"], sorted(resources)
@@ -450,7 +451,7 @@ def test_forward_weights_load_meets_no_bank_conflict(itemsize):
     4-way for S < 32 (a warp over several columns); the unpadded stride 3S has a 32-way (16-way
     for 8-byte types) conflict at S = 128."""
     for state in range(1, 200):
-        stride = _fused.wt_stride(state, itemsize)
+        stride = _fused_kernels.wt_stride(state, itemsize)
         assert 3 * state <= stride <= 3 * state + 3
         worst = 1 if state % 32 == 0 else 2 if state >= 32 else 4
         assert _store_conflicts(state, itemsize, stride) <= worst, (state, stride)
@@ -465,7 +466,7 @@ def test_launcher_sizes_shared_memory_as_the_kernels_lay_it_out(fused_lib):
     for state in range(1, 200):
         for dtype in DTYPES.values():
             item = dtype.itemsize
-            assert fused_lib.lltm_host_wt_stride(state, item) == _fused.wt_stride(state, item)
+            assert fused_lib.lltm_host_wt_stride(state, item) == _fused_kernels.wt_stride(state, item)
             for backward in (False, True):
                 weights = fused_lib.lltm_host_w_bytes(state, item, int(backward))
                 assert weights == _fused.shared_bytes(state, dtype, 0, backward), (state, dtype)
@@ -477,7 +478,7 @@ def test_a_launch_with_too_little_shared_memory_is_reported(fused_cupy, monkeypa
     real = _fused.shared_bytes
 
     def unpadded(state, dtype, tile, backward):
-        return real(state, dtype, tile, True) - 2 * tile * state * _fused._acc_size(dtype) \
+        return real(state, dtype, tile, True) - 2 * tile * state * _fused_kernels.acc_size(dtype) \
             if not backward else real(state, dtype, tile, backward)
 
     monkeypatch.setattr(_fused, "shared_bytes", unpadded)
@@ -510,12 +511,12 @@ def _run_ptxas(nvcc, arch, source=None, names=None):
     import tempfile
     from pathlib import Path
 
-    names = names or [_kernels.fused_name_expression(k, d)
-                      for d in DTYPES.values() for k in _kernels.FUSED_KERNEL_NAMES]
+    names = names or [_fused_kernels.name_expression(k, d)
+                      for d in DTYPES.values() for k in _fused_kernels.KERNEL_NAMES]
     keep = ", ".join(f"(void*)&{n}" for n in names)
     with tempfile.TemporaryDirectory() as folder:
         src, out = Path(folder) / "fused.cu", Path(folder) / "fused.cubin"
-        src.write_text((source or _kernels.fused_source())
+        src.write_text((source or _fused_kernels.source())
                        + f"\nvoid* lltm_instances[] = {{{keep}}};\n")
         proc = subprocess.run([nvcc, "--cubin", f"-arch=sm_{arch}", "-Xptxas", "-v",
                                "-ftz=true", "-std=c++17", str(src), "-o", str(out)],
@@ -547,7 +548,7 @@ def test_ptxas_reports_no_spill_and_shared_memory_within_the_limit(arch):
     shared memory. Also holds the cubin reader of the NVRTC test above to ptxas's own figures
     for the same cubin."""
     report, cubin = _ptxas_report(arch)
-    assert len(report) == len(DTYPES) * len(_kernels.FUSED_KERNEL_NAMES), sorted(report)
+    assert len(report) == len(DTYPES) * len(_fused_kernels.KERNEL_NAMES), sorted(report)
     read = _cubin.kernel_resources(cubin)
     assert sorted(read) == sorted(report)
     limit = _fused.ARCH_SHARED_MEMORY[arch]
@@ -558,7 +559,7 @@ def test_ptxas_reports_no_spill_and_shared_memory_within_the_limit(arch):
         assert r["registers"] <= _register_ceiling(arch, name, "ptxas"), \
             f"sm_{arch} {name}: {r['registers']} registers > " \
             f"{_register_ceiling(arch, name, 'ptxas')}"
-        assert r["registers"] * _fused.THREADS <= 65536, f"sm_{arch} {name}: registers"
+        assert r["registers"] * _fused_kernels.THREADS <= 65536, f"sm_{arch} {name}: registers"
         assert r["smem"] == 0, f"sm_{arch} {name}: {r['smem']} bytes of static shared memory"
         backward = "bwd" in name
         for dtype in DTYPES.values():

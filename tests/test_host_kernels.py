@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lltm_cupy import reference
-from lltm_cupy._cuda import kernels as _kernels
+from lltm_cupy._cuda import elementwise as _elementwise
 from conftest import assert_close, make_case, reference_results
 from helpers.host_kernels import SUFFIX, ptr
 # (grid, block): one thread for everything, blocks that do not divide the work, more threads
@@ -97,8 +97,8 @@ def test_host_kernels_saturated_and_missing_gradients(host_lib, dtype):
 
 def test_index_width_choice():
     """32-bit indices only while the largest gate index plus one grid-stride fits."""
-    assert not _kernels.needs_wide_index(16 * 128, 2048)
+    assert not _elementwise.needs_wide_index(16 * 128, 2048)
     limit = (2**32 - 1 - 270336) // 3       # 132 SMs x 8 blocks x 256 threads
-    assert not _kernels.needs_wide_index(limit, 270336)
-    assert _kernels.needs_wide_index(limit + 1, 270336)
-    assert _kernels.needs_wide_index(2**31, 256)
+    assert not _elementwise.needs_wide_index(limit, 270336)
+    assert _elementwise.needs_wide_index(limit + 1, 270336)
+    assert _elementwise.needs_wide_index(2**31, 256)

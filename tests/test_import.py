@@ -43,3 +43,25 @@ def test_cpu_path_works_with_cupy_absent():
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_cuda_backend_imports_in_one_direction():
+    """Each module of lltm_cupy/_cuda imports (at module level or inside a function) only the
+    modules above it in the list of the package's docstring, and that list names every module:
+    no import circle, and a new module is placed in the order."""
+    import ast
+    import re
+
+    package = ROOT / "lltm_cupy" / "_cuda"
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
+    order = re.findall(r"^    (\w+)\s{2,}\S", doc, re.M)
+    modules = sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__")
+    assert sorted(order) == modules, (order, modules)
+    for i, name in enumerate(order):
+        imported = set()
+        for node in ast.walk(ast.parse((package / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported |= ({node.module.split(".")[0]} if node.module
+                             else {alias.name for alias in node.names})
+        below = sorted(m for m in imported if m in order[i:])
+        assert not below, f"{name} imports {below}, listed at or below it"

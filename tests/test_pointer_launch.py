@@ -10,7 +10,7 @@ import gc
 import numpy as np
 import pytest
 
-from lltm_cupy._cuda import kernels
+from lltm_cupy._cuda import elementwise
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def fwd(emulated_cupy):
     batch, state = 4, 5
     arrays = [emulated_cupy.zeros(s, np.float32) for s in
               ((batch, 3 * state), 3 * state, (batch, state), (batch, state), (batch, state))]
-    return kernels.launch(np.dtype(np.float32), batch * state, state), arrays
+    return elementwise.launch(np.dtype(np.float32), batch * state, state), arrays
 
 
 def _call(run, pointers):
@@ -85,7 +85,7 @@ def test_a_numpy_integer_where_the_kernel_takes_a_pointer_is_refused(fwd):
 
 def test_launches_are_cached_per_size(fwd):
     run, _ = fwd
-    assert kernels.launch(np.dtype(np.float32), 20, 5) is run
-    other = kernels.launch(np.dtype(np.float32), 25, 5)
+    assert elementwise.launch(np.dtype(np.float32), 20, 5) is run
+    other = elementwise.launch(np.dtype(np.float32), 25, 5)
     assert other is not run and other.n == np.int64(25) and type(other.n) is np.int64
     assert type(other.state) is np.int32

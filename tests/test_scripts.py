@@ -292,20 +292,6 @@ def test_ab_backend_names_a_revision_it_cannot_read():
     assert "cannot read lltm_cupy/_numpy at 'no-such-revision'" in proc.stderr
 
 
-def test_gpu_check_without_a_gpu_names_what_is_missing_and_fails(tmp_path):
-    from conftest import gpu_unavailable_reason
-
-    if not gpu_unavailable_reason():
-        pytest.skip("GPU test: runs only without a GPU (with one, gpu_check.sh would run the "
-                    "whole check)")
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "prerequisites missing; nothing else run" in proc.stdout
-    assert "gpu_check: missing:" in (tmp_path / "env.txt").read_text()
-    assert not (tmp_path / "gpu_tests.txt").exists()
-
-
 def test_benchmark_sequence_pairs(tmp_path):
     """The layered and ragged rows run, and their ratios to what they replace are printed."""
     import json

@@ -1,5 +1,5 @@
 """lltm_cupy.warmup: after it, no call compiles or loads a kernel (on the emulated CuPy, which
-records every first use of a kernel as CuPy and lltm_cupy._cuda.kernels would compile it), so that a
+records every first use of a kernel as CuPy and lltm_cupy._cuda's kernel modules would compile it), so that a
 CUDA-graph capture never runs NVRTC or a module load. Also the cuBLAS math mode of 16-bit GEMMs.
 """
 from __future__ import annotations

@@ -17,11 +17,12 @@ Results are the stepped path's up to the order of the recurrent product's sums (
 accumulation for the 16-bit types, as cuBLAS; the same rounding points).
 
 Shared memory per block (bytes; T the storage type, A the arithmetic type: float32 for the 16-bit
-types): W_h, 3 S^2 sizeof(T) (backward) or S rows of :func:`wt_stride` elements (forward, at most
-3 S^2 + 3 S: rows padded against bank conflicts at the load), rounded up to 16, plus per
-batch row of the block's tile 3 S sizeof(A) (forward) or 5 S sizeof(A) (backward). A state size is accepted when the backward of a one-row
-tile fits the device's opt-in limit per block (``MaxSharedMemoryPerBlockOptin``); the tile is the
-batch spread over the SMs, as many rows as fit. Largest accepted S (:func:`max_state`):
+types): W_h, 3 S^2 sizeof(T) (backward) or S rows of ``fused_kernels.wt_stride`` elements
+(forward, at most 3 S^2 + 3 S: rows padded against bank conflicts at the load), rounded up to
+16, plus per batch row of the block's tile 3 S sizeof(A) (forward) or 5 S sizeof(A)
+(backward). A state size is accepted when the backward of a one-row tile fits the device's
+opt-in limit per block (``MaxSharedMemoryPerBlockOptin``); the tile is the batch spread over the
+SMs, as many rows as fit. Largest accepted S (:func:`max_state`):
 
     architecture        opt-in bytes per block   float16 / bfloat16   float32   float64
     sm_80  (A100)              166,912                  165            117        82
@@ -42,36 +43,20 @@ import functools
 
 import numpy as np
 
-from . import fused_mma, kernels
+from . import cluster_kernels, fused_cluster, fused_kernels, fused_mma, group_kernels, kernels
+from .fused_kernels import THREADS, acc_size, wt_stride
 from .gemm import parameter_grads
 from .kernels import cupy_module, on_device
 from .packed import _index, hidden_inputs
 from .._packing import block_steps, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 
-__all__ = ["ARCH_SHARED_MEMORY", "wt_stride", "shared_bytes", "max_state", "usable", "forward_fused",
+__all__ = ["ARCH_SHARED_MEMORY", "shared_bytes", "max_state", "usable", "forward_fused",
            "backward_fused"]
 
 #: Opt-in shared memory per block (bytes) of the architectures the tests check the bound for
 #: (CUDA C++ Programming Guide, "Compute Capabilities", maximum shared memory per thread block).
 ARCH_SHARED_MEMORY = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
-#: Threads per block at most (fewer when the tile has fewer elements).
-THREADS = 256
-
-
-def _acc_size(dtype) -> int:
-    return 8 if np.dtype(dtype) == np.float64 else 4
-
-
-def wt_stride(state: int, itemsize: int) -> int:
-    """Row stride (elements) of the forward kernel's transposed W_h in shared memory, as
-    ``lltm_fused_wt_stride`` in cuda_src/lltm_fused.cu: at least 3S, an odd number of 4-byte
-    words for 2-byte types, odd for 4- and 8-byte types, so that the kernel's load (consecutive
-    threads storing to consecutive rows) meets no bank conflict where a warp stores into one
-    gate's column, at most a 2-way one where it straddles two (the unpadded 3S: 32-way at
-    S = 128)."""
-    s3 = 3 * state
-    return s3 + (6 - s3 % 4) % 4 if itemsize == 2 else s3 | 1
 
 
 def shared_bytes(state: int, dtype, tile: int, backward: bool) -> int:
@@ -79,7 +64,7 @@ def shared_bytes(state: int, dtype, tile: int, backward: bool) -> int:
     item = np.dtype(dtype).itemsize
     elements = 3 * state * state if backward else state * wt_stride(state, item)
     weights = -(-elements * item // 16) * 16
-    return weights + tile * (5 if backward else 3) * state * _acc_size(dtype)
+    return weights + tile * (5 if backward else 3) * state * acc_size(dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,8 +82,6 @@ def usable(state: int, dtype) -> bool:
     """True when the fused kernels run this state size in this dtype on the current device: in
     one block per tile, or (sm_80 and newer) split over several blocks per tile, in a cluster
     from sm_90, in a group of a cooperative launch before (:mod:`.fused_cluster`)."""
-    from . import fused_cluster
-
     return (0 < state <= max_state(kernels.shared_memory_limit(kernels.current_device()), dtype)
             or fused_cluster.usable(state, dtype))
 
@@ -106,8 +89,6 @@ def usable(state: int, dtype) -> bool:
 def _cluster(state: int, dtype):
     """None where the one-block kernels run ``state`` (and no cluster size is forced), else the
     blocks per tile of the cluster (or group) kernels."""
-    from . import fused_cluster
-
     if fused_cluster.FORCED_SIZE is None and \
             state <= max_state(kernels.shared_memory_limit(kernels.current_device()), dtype):
         return None
@@ -117,26 +98,24 @@ def _cluster(state: int, dtype):
 def _kernel_and_geometry(batch: int, state: int, dtype, backward: bool, size=None):
     """(kernel, blocks, threads, tile, shared bytes) of the variant that runs ``state`` (``size``:
     that many blocks per tile instead of the launcher's choice). A cluster launch of a
-    non-portable size raises fused_cluster.LaunchRefused where the driver refuses it."""
-    from . import fused_cluster
-
+    non-portable size raises cluster_kernels.LaunchRefused where the driver refuses it."""
     size = _cluster(state, dtype) if size is None else size
     if size is None and fused_mma.usable(state, dtype, backward):          # tensor cores
         fns = fused_mma.get_kernels(dtype)
         return (fns.bwd if backward else fns.fwd, *fused_mma.geometry(batch, state, backward))
     if size is None:
-        fns = kernels.get_fused_kernels(dtype)
+        fns = fused_kernels.get_kernels(dtype)
         geometry = _geometry(None, batch, state, dtype, backward)
     elif fused_cluster.uses_clusters(kernels.current_device()):
-        fns = kernels.get_cluster_kernels(dtype, size)
+        fns = cluster_kernels.get_kernels(dtype, size)
         kernel = fns.bwd if backward else fns.fwd
         shape = fused_cluster.geometry(batch, state, dtype, backward, size, kernel)
-        if size > kernels.PORTABLE_CLUSTER_SIZE:
-            kernel = fused_cluster.guarded(kernel, size)
+        if size > cluster_kernels.PORTABLE_SIZE:
+            kernel = cluster_kernels.guarded(kernel, size)
         return (kernel, *shape)
     else:                                       # sm_80 to sm_89: groups, a cooperative launch
-        fns = kernels.get_group_kernels(dtype, size)
-        kernel = fused_cluster.group_launch(fns.bwd if backward else fns.fwd, size, dtype, state,
+        fns = group_kernels.get_kernels(dtype, size)
+        kernel = group_kernels.group_launch(fns.bwd if backward else fns.fwd, size, dtype, state,
                                             backward)
         return (kernel, *fused_cluster.geometry(batch, state, dtype, backward, size))
     return (fns.bwd if backward else fns.fwd, *geometry)
@@ -162,7 +141,7 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
     block of pre-activations and cells, so that memory beyond the outputs does not grow with
     the number of steps (one launch for sequences of up to 2048 / batch steps). ``size``: the
     blocks per tile to run instead of the launcher's choice (warmup). Raises
-    fused_cluster.LaunchRefused where the driver refuses a non-portable cluster launch (the
+    cluster_kernels.LaunchRefused where the driver refuses a non-portable cluster launch (the
     caller runs the call on the stepped path instead)."""
     cupy = cupy_module()
     dtype = inputs.dtype
@@ -231,7 +210,7 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
 
 def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm, size=None):
     """The fused backward of one layer and direction (``size`` as in :func:`forward_fused`);
-    raises fused_cluster.LaunchRefused as it does (the saved values are the stepped path's: the
+    raises cluster_kernels.LaunchRefused as it does (the saved values are the stepped path's: the
     caller runs the stepped backward on them instead)."""
     cupy = cupy_module()
     plan, x, hs, weights = saved.plan, saved.inputs, saved.hs, saved.weights

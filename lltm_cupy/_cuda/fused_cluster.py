@@ -1,7 +1,9 @@
 """GPU backend, fused sequences split over several blocks per tile
 (``cuda_src/lltm_fused_cluster.cu``): sizes and geometry of the variants that :mod:`.fused` runs
 for the state sizes whose W_h does not fit one block's shared memory: on sm_90 and newer in
-thread-block clusters, on sm_80 to sm_89 in groups of blocks of a cooperative launch.
+thread-block clusters (:mod:`.cluster_kernels`), on sm_80 to sm_89 in groups of blocks of a
+cooperative launch (:mod:`.group_kernels`). It plans; those modules compile, query the driver
+and launch.
 
 P blocks (P in 1, 2, 4, 8, 16 in a cluster; 1, 2, 4, 8 in a group) run each tile of batch rows;
 block r holds W_h's rows of its states r S / P .. (r + 1) S / P - 1 (at most LM = ceil(S / P))
@@ -12,24 +14,24 @@ group kernels, one kernel source with the cluster ones: the same cell and dot pr
 results). Shared memory per block (bytes; T the storage type, A the arithmetic type, float32 for
 the 16-bit types; the layout is the same in every block):
 
-    forward:  S * Q sizeof(T), Q = 3 LM rounded up as wt_stride (.fused) does for 3S, to 16,
-              plus per row of the tile (2 S + LM) sizeof(A) in a cluster, (S + LM) sizeof(A)
+    forward:  S * Q sizeof(T), Q = 3 LM rounded up as fused_kernels.wt_stride does for 3S, to
+              16, plus per row of the tile (2 S + LM) sizeof(A) in a cluster, (S + LM) sizeof(A)
               in a group (one h buffer: the next h is copied in after the step's barrier)
     backward: 3 LM S sizeof(T), rounded up to 16, plus per row (5 + 2 P) LM sizeof(A) in a
               cluster, 5 LM sizeof(A) in a group (its receive buffers are in global memory)
 
-The cluster (or group) size is the smallest of 1, 2, 4 and 8 (the portable sizes: every sm_90
-device runs them) that runs a one-row tile both ways. Where 8 blocks cannot hold W_h, 16 blocks run it if
+The cluster (or group) size is the smallest of 1, 2, 4 and 8 (the portable sizes: every sm_90 device
+runs them) that runs a one-row tile both ways. Where 8 blocks cannot hold W_h, 16 blocks run it if
 they can and the device holds at least one cluster of 16 blocks of both kernels (the driver's
-occupancy query, ``kernels.max_active_clusters``; the kernels carry the non-portable cluster
-size attribute). A 16-block cluster is non-portable: it needs a GPC of at least 16 SMs with
-room for one block each (an H100's GPCs have up to 18 SMs), a smaller part (a MIG slice,
-another product) may hold none, or the query may fail; then those sizes run the stepped path.
-A 16-block launch that the driver refuses all the same (:func:`guarded`) runs that call on the
-stepped path and marks the size refused on the device (``kernels.refused_sizes``); warmup makes
-that first launch outside any CUDA-graph capture. A portable size of which the query says no
-cluster fits (it answers 0) is not chosen either (a failed query leaves it chosen).
-Groups (sm_80 to sm_89) are of 1, 2, 4 or 8 blocks only.
+occupancy query, ``cluster_kernels.max_active_clusters``; the kernels carry the non-portable cluster
+size attribute). A 16-block cluster is non-portable: it needs a GPC of at least 16 SMs with room for
+one block each (an H100's GPCs have up to 18 SMs), a smaller part (a MIG slice, another product) may
+hold none, or the query may fail; then those sizes run the stepped path. A 16-block launch that the
+driver refuses all the same (``cluster_kernels.guarded``) runs that call on the stepped path and
+marks the size refused on the device (``kernels.refused_sizes``); warmup makes that first launch
+outside any CUDA-graph capture. A portable size of which the query says no cluster fits (it answers
+0) is not chosen either (a failed query leaves it chosen). Groups (sm_80 to sm_89) are of 1, 2, 4 or
+8 blocks only.
 
 The tile, as in .fused: the batch spread over SMs / P clusters, as many rows as fit; then grown
 until the device can hold every cluster at once, as the occupancy query says (all blocks of a
@@ -50,16 +52,15 @@ and in groups on sm_80 (166,912 bytes per block):
     blocks   float16 / bfloat16   float32   float64
        8            464             328       232
 
-The group variant (:func:`group_launch`) needs every block of its grid resident at once (its
-blocks wait for each other): it is launched cooperatively (cuLaunchCooperativeKernel, which the
-driver refuses for a grid the device cannot hold at once; but CuPy first shrinks a
-one-dimensional grid to that size with a warning, which would leave tiles half launched and
-their blocks waiting forever), each launch at most as many tiles as the device holds at once
-(the driver's occupancy figure, kernels.resident_blocks, which each launch's grid is checked
-against right before it: an error, never a shrunk grid); a batch of more tiles runs in several
-launches. Its exchange buffer and
-counters are allocated per call on the current stream, the counters zeroed there (one memset
-per call, none per step: the n-th barrier of a launch waits for n P arrivals).
+The group variant (``group_kernels.group_launch``) needs every block of its grid resident at once
+(its blocks wait for each other): it is launched cooperatively (cuLaunchCooperativeKernel, which the
+driver refuses for a grid the device cannot hold at once; but CuPy first shrinks a one-dimensional
+grid to that size with a warning, which would leave tiles half launched and their blocks waiting
+forever), each launch at most as many tiles as the device holds at once (the driver's occupancy
+figure, ``group_kernels.resident_blocks``, which each launch's grid is checked against right before
+it: an error, never a shrunk grid); a batch of more tiles runs in several launches. Its exchange
+buffer and counters are allocated per call on the current stream, the counters zeroed there (one
+memset per call, none per step: the n-th barrier of a launch waits for n P arrivals).
 """
 from __future__ import annotations
 
@@ -67,12 +68,12 @@ import functools
 
 import numpy as np
 
-from . import kernels
-from .fused import THREADS, _acc_size, wt_stride
+from . import cluster_kernels, group_kernels, kernels
+from .fused_kernels import THREADS, acc_size, wt_stride
 
 __all__ = ["FORCED_SIZE", "MIN_ARCH", "GROUP_MIN_ARCH", "PORTABLE_SIZES", "shared_bytes",
            "cluster_size", "max_state", "held", "usable", "chosen_size", "geometry",
-           "uses_clusters", "exchange_elements", "group_launch"]
+           "uses_clusters"]
 
 #: The cluster size to run whatever the state size (tests; None: the launcher's own choice, see
 #: the module docstring, where the one-block kernels cannot hold W_h).
@@ -95,7 +96,7 @@ def shared_bytes(state: int, dtype, tile: int, backward: bool, size: int,
         per_row = (5 + (0 if group else 2 * size)) * most
     else:
         per_row = (1 if group else 2) * state + most
-    return weights + tile * per_row * _acc_size(dtype)
+    return weights + tile * per_row * acc_size(dtype)
 
 
 def _fits(state: int, dtype, size: int, limit: int, group: bool = False) -> bool:
@@ -104,7 +105,7 @@ def _fits(state: int, dtype, size: int, limit: int, group: bool = False) -> bool
 
 
 #: The cluster sizes every device of compute capability 9.0 or newer runs.
-PORTABLE_SIZES = tuple(p for p in kernels.CLUSTER_SIZES if p <= kernels.PORTABLE_CLUSTER_SIZE)
+PORTABLE_SIZES = tuple(p for p in cluster_kernels.SIZES if p <= cluster_kernels.PORTABLE_SIZE)
 
 
 def cluster_size(state: int, dtype, limit: int, group: bool = False):
@@ -115,7 +116,7 @@ def cluster_size(state: int, dtype, limit: int, group: bool = False):
 
 
 @functools.lru_cache(maxsize=None)
-def max_state(limit: int, dtype, size: int = kernels.PORTABLE_CLUSTER_SIZE,
+def max_state(limit: int, dtype, size: int = cluster_kernels.PORTABLE_SIZE,
               group: bool = False) -> int:
     """The largest state size a cluster (``group``: a group) of ``size`` blocks runs with
     ``limit`` bytes per block."""
@@ -133,10 +134,10 @@ def held(state: int, dtype, size: int):
     device (``kernels.cluster_failures`` says why)."""
     if (kernels.current_device(), size) in kernels.refused_sizes:
         return None
-    fns = kernels.get_cluster_kernels(dtype, size)
-    answers = [kernels.max_active_clusters(kernel, size,
-                                           *_launch_shape(state, dtype, backward, size, 1))
-               for backward, kernel in ((False, fns.fwd), (True, fns.bwd))]
+    fns = cluster_kernels.get_kernels(dtype, size)
+    answers = [cluster_kernels.max_active_clusters(
+        kernel, size, *_launch_shape(state, dtype, backward, size, 1))
+        for backward, kernel in ((False, fns.fwd), (True, fns.bwd))]
     return None if None in answers else min(answers)
 
 
@@ -148,7 +149,7 @@ def _runs(state: int, dtype, size: int) -> bool:
     if not uses_clusters(kernels.current_device()):
         return True
     found = held(state, dtype, size)
-    return bool(found) if size > kernels.PORTABLE_CLUSTER_SIZE else found != 0
+    return bool(found) if size > cluster_kernels.PORTABLE_SIZE else found != 0
 
 
 def _choice(state: int, dtype, limit: int):
@@ -157,7 +158,7 @@ def _choice(state: int, dtype, limit: int):
     if size is not None and _runs(state, dtype, size):
         return size
     if uses_clusters(kernels.current_device()):
-        return next((p for p in kernels.CLUSTER_SIZES if p > (size or 0)
+        return next((p for p in cluster_kernels.SIZES if p > (size or 0)
                      and _fits(state, dtype, p, limit) and _runs(state, dtype, p)), None)
     return None
 
@@ -194,15 +195,15 @@ def chosen_size(state: int, dtype) -> int:
                            f"compute capability {GROUP_MIN_ARCH // 10}.0 and newer (in "
                            f"thread-block clusters from {MIN_ARCH // 10}.0); device {device} "
                            f"has {kernels.compute_capability(device) / 10:.1f}")
-    if not uses_clusters(device) and FORCED_SIZE not in kernels.GROUP_SIZES:
+    if not uses_clusters(device) and FORCED_SIZE not in group_kernels.SIZES:
         raise RuntimeError(f"lltm_cupy: before compute capability {MIN_ARCH // 10}.0 the fused "
-                           f"kernels run in groups of {kernels.GROUP_SIZES} blocks, not "
+                           f"kernels run in groups of {group_kernels.SIZES} blocks, not "
                            f"{FORCED_SIZE}")
     group = not uses_clusters(device)
     if not _fits(state, dtype, FORCED_SIZE, limit, group):
         sizes = ", ".join(f"{p} blocks: S <= {max_state(limit, dtype, p, group)}"
-                          for p in (kernels.CLUSTER_SIZES if uses_clusters(device)
-                                    else kernels.GROUP_SIZES))
+                          for p in (cluster_kernels.SIZES if uses_clusters(device)
+                                    else group_kernels.SIZES))
         raise RuntimeError(f"lltm_cupy: the fused kernels cannot run state size {state} in "
                            f"{np.dtype(dtype).name} in {FORCED_SIZE} blocks per tile with "
                            f"{limit} bytes of shared memory per block ({sizes}; at least as "
@@ -210,7 +211,7 @@ def chosen_size(state: int, dtype) -> int:
     if not _runs(state, dtype, FORCED_SIZE):
         why = "; ".join(f"{name}: {reason}" for (d, name, _), reason
                         in kernels.cluster_failures.items() if d == device)
-        portable = "" if FORCED_SIZE <= kernels.PORTABLE_CLUSTER_SIZE else \
+        portable = "" if FORCED_SIZE <= cluster_kernels.PORTABLE_SIZE else \
             "a non-portable cluster size; "
         answer = ("the driver refused its launch" if (device, FORCED_SIZE) in kernels.refused_sizes
                   else f"the occupancy query answered {held(state, dtype, FORCED_SIZE)}")
@@ -234,9 +235,9 @@ def geometry(batch: int, state: int, dtype, backward: bool, size: int, kernel=No
     The batch is spread over the device's clusters, one tile each (at most SMs / size of them,
     one block per SM), as many rows per tile as shared memory holds. With ``kernel`` (the
     function to launch), the tile is then grown until the device can hold every cluster at once
-    (:func:`kernels.max_active_clusters`: a cluster's blocks must all fit one GPC, which may leave
-    fewer clusters than SMs / size), as far as shared memory allows; past that the clusters run
-    in waves. Where the query fails the spread above stands (its reason in
+    (``cluster_kernels.max_active_clusters``: a cluster's blocks must all fit one GPC, which may
+    leave fewer clusters than SMs / size), as far as shared memory allows; past that the
+    clusters run in waves. Where the query fails the spread above stands (its reason in
     ``kernels.cluster_failures``)."""
     device = kernels.current_device()
     limit = kernels.shared_memory_limit(device)
@@ -260,86 +261,10 @@ def _resident_tile(kernel, batch: int, state: int, dtype, backward: bool, size: 
     ``largest`` (fewest waves); ``tile`` where a query fails."""
     start = tile
     while True:
-        held = kernels.max_active_clusters(kernel, size,
-                                           *_launch_shape(state, dtype, backward, size, tile))
+        held = cluster_kernels.max_active_clusters(
+            kernel, size, *_launch_shape(state, dtype, backward, size, tile))
         if held is None:
             return start
         if -(-batch // tile) <= held or tile >= largest:
             return tile
         tile = min(largest, max(tile + 1, -(-batch // max(held, 1))))
-
-
-class LaunchRefused(Exception):
-    """The driver refused a launch of a non-portable cluster size (recorded by
-    ``kernels.refuse_cluster_size``): the call that made it runs on the stepped path."""
-
-
-#: CUresults with which the driver refuses a cluster launch it cannot run (cuda.h):
-#: CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, CUDA_ERROR_NOT_SUPPORTED,
-#: CUDA_ERROR_INVALID_CLUSTER_SIZE. Any other error of a launch is raised as it is.
-REFUSALS = (1, 701, 801, 912)
-
-
-def guarded(kernel, size: int):
-    """A launch handle for the cluster kernel ``kernel`` of a non-portable ``size`` (no NVIDIA
-    document says that every device whose occupancy query holds such a cluster accepts its
-    launch): a launch that the driver refuses (a ``CUDADriverError`` of :data:`REFUSALS`, raised
-    by the launch call itself) is recorded and raises :class:`LaunchRefused`, which the sequence
-    calls answer by running on the stepped path; the size is not planned again on the device. The
-    guard is a ``try`` around the launch (no cost where nothing is raised), kept on every launch."""
-    def launch(grid, block, args, shared_mem=0):
-        try:
-            kernel(grid, block, args, shared_mem=shared_mem)
-        except kernels.cupy_module().cuda.driver.CUDADriverError as exc:
-            if getattr(exc, "status", None) not in REFUSALS:
-                raise
-            kernels.refuse_cluster_size(kernel, size, exc)
-            raise LaunchRefused(f"lltm_cupy: the driver refused a launch in clusters of {size} "
-                                f"blocks ({exc})") from exc
-
-    return launch
-
-
-def exchange_elements(state: int, tile: int, backward: bool, size: int) -> int:
-    """Elements (of the arithmetic type) of one tile's region of the group kernels' exchange
-    buffer: two buffers of the tile's h (forward) or of the partial sums of d_h that the
-    ``size`` blocks send each other, (size, size, tile, LM) (backward)."""
-    most = -(-state // size)
-    return 2 * (size * size * tile * most if backward else tile * state)
-
-
-def group_launch(kernel, size: int, dtype, state: int, backward: bool):
-    """A launch handle for the group kernel ``kernel`` (a RawKernel of
-    kernels.get_group_kernels, ``size`` blocks per tile) with the calling convention of the
-    cluster kernels' (``launch(grid, block, args, shared_mem)``, the same arguments): it adds the
-    exchange buffer, the tiles' counters (zeroed) and the first tile of each launch, and runs the
-    grid in launches of at most as many tiles as the device holds at once
-    (kernels.resident_blocks; RuntimeError if not even one tile fits, rather than a launch that
-    would wait for blocks that never run). Each launch's grid is checked against that figure
-    right before the launch (RuntimeError past it): CuPy's cooperative launch does not fail for a
-    grid past the device's figure but shrinks it with a warning, and the blocks of the tiles cut
-    off would be waited for forever."""
-    acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
-
-    def launch(grid, block, args, shared_mem=0):
-        cupy = kernels.cupy_module()
-        tiles = grid[0] // size
-        wave = min(tiles, kernels.resident_blocks(kernel, block[0], shared_mem) // size)
-        if wave < 1:
-            raise RuntimeError(f"lltm_cupy: the device cannot hold the {size} blocks of one tile "
-                               f"of the fused kernels at once ({block[0]} threads and "
-                               f"{shared_mem} bytes of shared memory per block)")
-        exchange = cupy.empty(wave * exchange_elements(state, int(args[-1]), backward, size), acc)
-        counters = cupy.zeros(tiles, np.uint32)
-        for first in range(0, tiles, wave):
-            blocks = min(wave, tiles - first) * size
-            resident = kernels.resident_blocks(kernel, block[0], shared_mem)
-            if blocks > resident:
-                raise RuntimeError(f"lltm_cupy: a cooperative launch of {blocks} blocks of the "
-                                   f"fused group kernels, more than the {resident} the device "
-                                   f"holds at once (CuPy would shrink the grid, and the blocks "
-                                   f"left out would be waited for forever)")
-            kernel((blocks,), block, (*args, exchange, counters[first:], np.int32(first)),
-                   shared_mem=shared_mem)
-
-    return launch

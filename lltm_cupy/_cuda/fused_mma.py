@@ -16,7 +16,8 @@ import functools
 
 import numpy as np
 
-from . import kernels
+from . import fused_kernels, kernels
+from .kernels import FusedKernels
 
 __all__ = ["MIN_ARCH", "SOURCE_NAME", "KERNEL_NAMES", "WARPS", "source", "name_expression",
            "get_kernels", "compile_offline", "shared_bytes", "usable", "geometry"]
@@ -34,8 +35,7 @@ _DTYPES = (np.dtype(np.float16), kernels.BFLOAT16)
 def source() -> str:
     """lltm.cu, lltm_fused.cu, then lltm_fused_mma.cu: one translation unit (the mma kernel uses
     the first two's scalar types, cell arithmetic and step offsets)."""
-    return (kernels.fused_source() + f'\n#line 1 "{SOURCE_NAME}"\n'
-            + kernels.source_path(SOURCE_NAME).read_text(encoding="utf-8"))
+    return kernels.joined(fused_kernels.source(), SOURCE_NAME)
 
 
 def name_expression(kernel: str, dtype) -> str:
@@ -43,23 +43,22 @@ def name_expression(kernel: str, dtype) -> str:
 
 
 def get_kernels(dtype):
-    """The :class:`~lltm_cupy._cuda.kernels.FusedKernels` (forward, backward) for ``dtype``
+    """The :class:`~.kernels.FusedKernels` (forward, backward) for ``dtype``
     (float16 or bfloat16) on the current device, compiled once, each allowed the device's whole
     opt-in shared memory per block."""
     import cupy
 
     dtype = np.dtype(dtype)
     names = [name_expression(k, dtype) for k in KERNEL_NAMES]
-    return kernels._cached(("fused_mma", cupy.cuda.Device().id, dtype.str),
-                           lambda: kernels.FusedKernels(*kernels._whole_shared_memory(source(),
-                                                                                       names)))
+    return kernels.cached(("fused_mma", cupy.cuda.Device().id, dtype.str),
+                          lambda: FusedKernels(*kernels.load(source(), names)))
 
 
 def compile_offline(dtype, arch: int, output: str = "cubin") -> bytes:
-    """As :func:`lltm_cupy._cuda.kernels.compile_offline`, for both mma kernels (sm_80 and
-    newer)."""
-    return kernels._nvrtc(source(), SOURCE_NAME, [name_expression(k, dtype) for k in KERNEL_NAMES],
-                          arch, output)
+    """Both mma kernels for ``dtype`` compiled by NVRTC for ``sm_<arch>`` (sm_80 and newer;
+    :func:`.kernels.nvrtc`)."""
+    return kernels.nvrtc(source(), SOURCE_NAME, [name_expression(k, dtype) for k in KERNEL_NAMES],
+                         arch, output)
 
 
 def shared_bytes(state: int, tile: int, backward: bool = False) -> int:

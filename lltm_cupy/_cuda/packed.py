@@ -20,8 +20,9 @@ The caller (:mod:`.sequence`) passes the CuPy module, the GEMM and its block siz
 """
 from __future__ import annotations
 
+from .elementwise import FLAG, launch
 from .gemm import d_bias as bias_gradient, row_steps
-from .kernels import FLAG, launch, on_device
+from .kernels import on_device
 from .._packing import incoming_cell_grad, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 

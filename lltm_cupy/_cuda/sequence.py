@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 from . import fused as _fused, packed as _packed
-from .fused_cluster import LaunchRefused
+from .cluster_kernels import LaunchRefused
+from .elementwise import FLAG, launch
 from .gemm import gemm, parameter_grads, steps as gemm_steps
-from .kernels import FLAG, cupy_module, launch, on_device
+from .kernels import cupy_module, on_device
 from .._packing import block_steps
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 

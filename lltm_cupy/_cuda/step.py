@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .elementwise import FLAG, launch
 from .gemm import d_bias as _d_bias, gemm
-from .kernels import FLAG, cupy_module, launch, on_device
+from .kernels import cupy_module, on_device
 from .._types import LLTMCellGrads, LLTMCellSaved, LLTMGrads, LLTMSaved
 
 __all__ = ["forward", "backward", "cell_forward", "cell_backward", "step_backward",

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels
+from . import cluster_kernels, elementwise, fused as _fused, fused_cluster, group_kernels, kernels
 from .fused_cluster import GROUP_MIN_ARCH, MIN_ARCH
+from .gemm import gemm
 from .kernels import BFLOAT16, cupy_module
 from .sequence import backward_sequence, forward_sequence
 from .step import backward, cell_backward, cell_forward, forward
@@ -53,29 +54,26 @@ def warmup(dtypes, device_id=None, fused=False) -> None:
     cupy = cupy_module()
     with cupy.cuda.Device(device_id):
         for dtype in dtypes:
-            kernels.get_kernels(dtype, False)           # one NVRTC module holds both index widths
-            kernels.get_kernels(dtype, True)
+            elementwise.get_kernels(dtype, False)       # one NVRTC module holds both index widths
+            elementwise.get_kernels(dtype, True)
             for batch in (2, 1):
                 _exercise(cupy, dtype, batch, features=3, state=4)
                 if fused:
                     _exercise_fused(cupy, dtype, batch, features=3, state=4)
             arch = kernels.compute_capability(cupy.cuda.Device().id)
             if fused and arch >= MIN_ARCH:
-                kernels.get_cluster_kernels(dtype, 1)   # one module holds every cluster size
+                cluster_kernels.get_kernels(dtype, 1)   # one module holds every cluster size
                 _launch_non_portable(cupy, dtype)
             elif fused and arch >= GROUP_MIN_ARCH:
-                kernels.get_group_kernels(dtype, 1)     # and one every group size
+                group_kernels.get_kernels(dtype, 1)     # and one every group size
         cupy.cuda.Device().synchronize()
 
 
 def _launch_non_portable(cupy, dtype):
     """One forward and backward launch (one row, one step, as many states as blocks) of each
     non-portable cluster size the occupancy query holds; a refusal is recorded, not raised."""
-    from . import fused as _fused, fused_cluster
-    from .gemm import gemm
-
-    for size in kernels.CLUSTER_SIZES:
-        if size <= kernels.PORTABLE_CLUSTER_SIZE or not fused_cluster.held(size, dtype, size):
+    for size in cluster_kernels.SIZES:
+        if size <= cluster_kernels.PORTABLE_SIZE or not fused_cluster.held(size, dtype, size):
             continue
         weights = cupy.zeros((3 * size, size + 1), dtype)
         h, c = cupy.zeros((1, size), dtype), cupy.zeros((1, size), dtype)
@@ -84,7 +82,7 @@ def _launch_non_portable(cupy, dtype):
                                              cupy.zeros(3 * size, dtype), h, c, gemm, None,
                                              size=size)
             _fused.backward_fused(None, h, c, saved, (True,) * 5, gemm, size=size)
-        except fused_cluster.LaunchRefused:
+        except cluster_kernels.LaunchRefused:
             pass            # kernels.cluster_failures says why; the size is not planned again
 
 

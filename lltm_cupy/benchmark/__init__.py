@@ -32,16 +32,16 @@ On the GPU each timed region is bracketed by synchronisations and timed with CUD
 
 Layout: ``_common`` (configuration, timers, the timing loop), ``cell`` (the one-step peers and
 :func:`run_size`), ``sequence`` (whole sequences and :func:`run_sequence`), ``reports`` (tables,
-plot, and the GPU-kernel, CPU-BLAS and mixed-model diagnostics). A new peer is a name and a
+plot), ``diagnostics`` (the GPU-kernel, CPU-BLAS and mixed-model reports). A new peer is a name and a
 branch in ``cell`` (one step) or ``sequence`` (whole sequences).
 """
 from __future__ import annotations
 
 from ._common import PHASES, Config, ImplementationError, machine_name
 from .cell import CPU_SIZES, EXTRA_IMPLS, GPU_SIZES, GRAPH_IMPLS, IMPLS, run_size
-from .reports import (blas_names, cpu_blas_report, format_blas_report, format_gpu_report,
-                      format_mixed, format_table, gpu_kernel_report, mixed_model_report,
-                      plot_speedups)
+from .diagnostics import (blas_names, cpu_blas_report, format_blas_report, format_gpu_report,
+                          format_mixed, gpu_kernel_report, mixed_model_report)
+from .reports import format_table, plot_speedups
 from .sequence import PAIRED_SEQUENCE_IMPLS, SEQUENCE_IMPLS, SEQUENCE_SIZES, run_sequence
 
 __all__ = ["Config", "IMPLS", "EXTRA_IMPLS", "GRAPH_IMPLS", "PHASES", "CPU_SIZES", "GPU_SIZES",

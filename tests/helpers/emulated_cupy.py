@@ -27,7 +27,7 @@ It is strict where CuPy and cuBLAS are:
 ``log`` records the device work in order, one entry per launch: "kernel:<name>", "gemm",
 "copy", "fill", "elementwise", "reduce"; ``allocations`` the byte size of every allocation.
 ``compiles`` records every kernel compiled and loaded at first use, as CuPy does: our module
-(once per dtype, as ``lltm_cupy._cuda.kernels.get_kernels`` caches it) and CuPy's own kernels, keyed
+(once per dtype, as ``lltm_cupy._cuda.elementwise.get_kernels`` caches it) and CuPy's own kernels, keyed
 by operation, dtypes and dimensionality (C-contiguous arrays count as 1-D, as CuPy collapses
 them); a fill with 0 is a memset and compiles nothing. ``math_mode`` is the cuBLAS handle's math
 mode (``cuda.cublas.getMathMode`` / ``setMathMode``); ``gemmEx`` with 16-bit data requires the
@@ -60,7 +60,7 @@ kernels' arguments (the emulator's own cost), for timing the host path alone
 ``driver`` stands in for the CUDA driver's calls on the cluster kernels' functions (each a
 handle made by ``register_function`` with its compile-time cluster size): CuPy's
 ``cuda.driver.funcSetAttribute`` (recorded per handle in ``functions``) and
-cuOccupancyMaxActiveClusters (``occupancy_function``, what ``kernels._occupancy_function``
+cuOccupancyMaxActiveClusters (``occupancy_function``, what ``cluster_kernels._occupancy_function``
 returns here). The query reads the CUlaunchConfig at cuda.h's offsets (x86-64) and answers from
 a model: every block of a cluster on one GPC, ``gpc_sms`` SMs per GPC (a knob, by default an
 H100-like 132 SMs in eight GPCs of 16 or 18), each SM holding as many blocks as its
@@ -646,11 +646,11 @@ def _max_active_clusters(count, func, config):
 
 def _occupancy_function():
     """The model's cuOccupancyMaxActiveClusters as a C function of the library's prototype."""
-    from lltm_cupy._cuda import kernels
+    from lltm_cupy._cuda import cluster_kernels
 
     global _OCCUPANCY
     if _OCCUPANCY is None:
-        _OCCUPANCY = kernels.OCCUPANCY_PROTOTYPE(_max_active_clusters)
+        _OCCUPANCY = cluster_kernels.OCCUPANCY_PROTOTYPE(_max_active_clusters)
     return _OCCUPANCY
 
 
@@ -865,9 +865,9 @@ def convert_kernel_args(args, dtype, kinds, outputs, extents=None):
 
 
 def host_get_kernels(lib):
-    """A replacement for lltm_cupy._cuda.kernels.get_kernels that launches the host-compiled
+    """A replacement for lltm_cupy._cuda.elementwise.get_kernels that launches the host-compiled
     kernels (``lib``; None: no kernel runs, the arguments are checked as ever)."""
-    from lltm_cupy._cuda.kernels import Kernels
+    from lltm_cupy._cuda.elementwise import Kernels
 
     check = convert_kernel_args
 

@@ -15,15 +15,15 @@ def install_cupy(patch, get_kernels):
     """Install a fresh emulated CuPy as ``cupy``, with ``get_kernels`` as the CUDA backend's
     kernel lookup and one "SM" (at most 8 blocks of 256 threads, so B * S above 2048 takes
     several grid strides). Returns the module."""
-    from lltm_cupy._cuda import kernels
+    from lltm_cupy._cuda import cluster_kernels, elementwise, kernels
 
     fake = emu.make_module()
     patch.setitem(sys.modules, "cupy", fake)
-    patch.setattr(kernels, "get_kernels", get_kernels)
-    patch.setattr(kernels, "_launches", {}, raising=False)   # launches hold the lookup's kernels
+    patch.setattr(elementwise, "get_kernels", get_kernels)
+    patch.setattr(elementwise, "_launches", {})   # launches hold the lookup's kernels
     patch.setattr(kernels, "_sm_count", lambda device_id: 1)
-    patch.setattr(kernels, "_occupancy_function", emu._occupancy_function)
-    patch.setattr(kernels, "_occupancy", {})
+    patch.setattr(cluster_kernels, "_occupancy_function", emu._occupancy_function)
+    patch.setattr(cluster_kernels, "_occupancy", {})
     patch.setattr(kernels, "cluster_failures", {})
     patch.setattr(kernels, "refused_sizes", set())
     return fake

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lltm_cupy._cuda import kernels as _kernels
+from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, kernels as _kernels
 from .host_fused import SCHEDULES, build_harness
 
 
@@ -36,7 +36,7 @@ def last_error(lib) -> str | None:
 
 
 def host_get_cluster_kernels(lib, limit: int):
-    """A replacement for lltm_cupy._cuda.kernels.get_cluster_kernels launching the host build,
+    """A replacement for lltm_cupy._cuda.cluster_kernels.get_kernels launching the host build,
     as strict as host_fused.host_get_fused_kernels (and the grid a whole number of clusters);
     each function registered with the emulated driver (its cluster size), so that the occupancy
     query answers for it."""
@@ -80,7 +80,7 @@ def host_get_cluster_kernels(lib, limit: int):
                    _FWD, _FWD_OUTPUTS, dtype, size),
             kernel(getattr(lib, f"lltm_seq_bwd_cluster_{suffix}"), f"seq_bwd_cluster{size}",
                    _BWD, _BWD_OUTPUTS, dtype, size))
-        _kernels.allow_cluster_size(found, size)     # as the real lookup (emulated driver)
+        _cluster_kernels.allow_cluster_size(found, size)   # as the real lookup (emulated driver)
         return found
 
     return get_cluster_kernels
@@ -92,7 +92,7 @@ SM_SHARED = 164 * 1024
 
 
 def resident_blocks(kernel, threads: int, shared: int) -> int:
-    """A stand-in for lltm_cupy._cuda.kernels.resident_blocks on the emulated device (its SMs:
+    """A stand-in for lltm_cupy._cuda.group_kernels.resident_blocks on the emulated device (its SMs:
     kernels._sm_count, which tests set): blocks per SM as shared memory (1 KiB reserved per
     block), threads (2,048 per SM) and the 32-block limit allow, times the SMs (registers do not
     bind at 256 threads of at most 96 registers)."""
@@ -100,7 +100,7 @@ def resident_blocks(kernel, threads: int, shared: int) -> int:
 
 
 def host_get_group_kernels(lib, limit: int):
-    """A replacement for lltm_cupy._cuda.kernels.get_group_kernels launching the host build (each
+    """A replacement for lltm_cupy._cuda.group_kernels.get_kernels launching the host build (each
     group of a tile's blocks as cooperating contexts, shim_launch_group), as strict as a
     cooperative launch of CuPy's: a grid of more blocks than :func:`resident_blocks` says the
     device holds at once fails (CuPy would shrink it and the kernel would wait forever), and as

@@ -1,7 +1,7 @@
 """cuda_src/lltm_fused.cu built as host C++ with block semantics (tests/host_shim/shim.h's
 shim_launch_block: one context per thread, __syncthreads() a real barrier, per-block dynamic
 shared memory poisoned with 0xFF) and loaded with ctypes; and a stand-in for
-lltm_cupy._cuda.kernels.get_fused_kernels that launches it from the emulated CuPy
+lltm_cupy._cuda.fused_kernels.get_kernels that launches it from the emulated CuPy
 (tests/helpers/emulated_cupy.py), as strict about arguments as a RawKernel launch."""
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def host_get_mma_kernels(lib, limit: int):
 
 
 def host_get_fused_kernels(lib, limit: int):
-    """A replacement for lltm_cupy._cuda.kernels.get_fused_kernels launching the host build; a launch
+    """A replacement for lltm_cupy._cuda.fused_kernels.get_kernels launching the host build; a launch
     asking for more than ``limit`` bytes of shared memory fails as on a device with that limit."""
     from helpers import emulated_cupy as emu
 

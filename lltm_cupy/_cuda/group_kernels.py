@@ -1,0 +1,119 @@
+"""The group kernels of ``cuda_src/lltm_fused_cluster.cu`` (the cluster kernels' split without
+clusters, sm_80 and newer: the blocks of a tile exchange through global memory and meet at a
+barrier on a counter per tile, every block of the grid resident at once): their cooperative
+module, one instantiation per group size, the driver's count of blocks a device holds at once,
+and the launch handle that adds the exchange buffer and counters and runs a grid in launches the
+device holds. What to launch is :mod:`.fused_cluster`'s to plan."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import cluster_kernels, kernels
+from .kernels import FusedKernels, current_device
+
+__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "SIZES", "name_expression", "get_kernels",
+           "compile_offline", "resident_blocks", "exchange_elements", "group_launch"]
+
+#: One source with the cluster kernels (:func:`.cluster_kernels.source`).
+SOURCE_NAME = cluster_kernels.SOURCE_NAME
+KERNEL_NAMES = ("lltm_seq_fwd_group_kernel", "lltm_seq_bwd_group_kernel")
+#: Blocks per tile of the group kernels (one instantiation each).
+SIZES = (1, 2, 4, 8)
+#: The instantiations are named as the cluster kernels' (``kernel<type, blocks>``).
+name_expression = cluster_kernels.name_expression
+
+
+def _names(dtype):
+    return [name_expression(k, dtype, p) for p in SIZES for k in KERNEL_NAMES]
+
+
+def get_kernels(dtype, size: int):
+    """The :class:`~.kernels.FusedKernels` (forward, backward) of the group kernels for ``dtype``
+    in groups of ``size`` blocks on the current device: every size's kernels compiled at the
+    first call for the dtype, in a module whose launches are cooperative (every block of the grid
+    resident at once: :func:`resident_blocks` says how many may be; CuPy shrinks a larger
+    one-dimensional grid to that with a warning rather than failing, so the launcher never
+    launches one), each allowed the device's whole opt-in shared memory per block."""
+    import cupy
+
+    def build():
+        fns = kernels.load(cluster_kernels.source(), _names(dtype), cooperative=True)
+        count = len(KERNEL_NAMES)
+        return {p: FusedKernels(*fns[i * count:(i + 1) * count]) for i, p in enumerate(SIZES)}
+
+    dtype = np.dtype(dtype)
+    return kernels.cached(("group", cupy.cuda.Device().id, dtype.str), build)[size]
+
+
+def compile_offline(dtype, arch: int, output: str = "cubin") -> bytes:
+    """The group kernels for ``dtype`` at every group size compiled by NVRTC for ``sm_<arch>``
+    (sm_80 and newer; :func:`.kernels.nvrtc`)."""
+    return kernels.nvrtc(cluster_kernels.source(), SOURCE_NAME, _names(dtype), arch, output)
+
+
+_resident: dict = {}
+
+
+def resident_blocks(kernel, threads: int, shared: int) -> int:
+    """How many blocks of ``kernel`` (a RawKernel of :func:`get_kernels`) with ``threads``
+    threads and ``shared`` bytes of dynamic shared memory the current device holds at once: the
+    driver's cuOccupancyMaxActiveBlocksPerMultiprocessor times the SMs (what CuPy checks a
+    cooperative launch against, cupy/cuda/function.pyx v14.2, which, for a one-dimensional grid
+    past it, shrinks the grid with a warning instead of failing: the launcher never launches one
+    past it). Cached per (device, kernel, threads, shared); the query made after
+    ``kernels.ensure_context`` (CuPy's driver call binds no context to the calling thread)."""
+    import cupy
+
+    device = current_device()
+    key = (device, id(kernel), threads, shared)
+    found = _resident.get(key)
+    if found is None:
+        kernels.ensure_context()
+        per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel.kernel.ptr, threads, shared)
+        found = _resident[key] = per_sm * kernels._sm_count(device)
+    return found
+
+
+def exchange_elements(state: int, tile: int, backward: bool, size: int) -> int:
+    """Elements (of the arithmetic type) of one tile's region of the group kernels' exchange
+    buffer: two buffers of the tile's h (forward) or of the partial sums of d_h that the
+    ``size`` blocks send each other, (size, size, tile, LM) (backward)."""
+    most = -(-state // size)
+    return 2 * (size * size * tile * most if backward else tile * state)
+
+
+def group_launch(kernel, size: int, dtype, state: int, backward: bool):
+    """A launch handle for the group kernel ``kernel`` (a RawKernel of :func:`get_kernels`,
+    ``size`` blocks per tile) with the calling convention of the cluster kernels'
+    (``launch(grid, block, args, shared_mem)``, the same arguments): it adds the exchange buffer,
+    the tiles' counters (zeroed) and the first tile of each launch, and runs the grid in launches
+    of at most as many tiles as the device holds at once (:func:`resident_blocks`; RuntimeError
+    if not even one tile fits, rather than a launch that would wait for blocks that never run).
+    Each launch's grid is checked against that figure right before the launch (RuntimeError past
+    it): CuPy's cooperative launch does not fail for a grid past the device's figure but shrinks
+    it with a warning, and the blocks of the tiles cut off would be waited for forever."""
+    acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+    def launch(grid, block, args, shared_mem=0):
+        cupy = kernels.cupy_module()
+        tiles = grid[0] // size
+        wave = min(tiles, resident_blocks(kernel, block[0], shared_mem) // size)
+        if wave < 1:
+            raise RuntimeError(f"lltm_cupy: the device cannot hold the {size} blocks of one tile "
+                               f"of the fused kernels at once ({block[0]} threads and "
+                               f"{shared_mem} bytes of shared memory per block)")
+        exchange = cupy.empty(wave * exchange_elements(state, int(args[-1]), backward, size), acc)
+        counters = cupy.zeros(tiles, np.uint32)
+        for first in range(0, tiles, wave):
+            blocks = min(wave, tiles - first) * size
+            resident = resident_blocks(kernel, block[0], shared_mem)
+            if blocks > resident:
+                raise RuntimeError(f"lltm_cupy: a cooperative launch of {blocks} blocks of the "
+                                   f"fused group kernels, more than the {resident} the device "
+                                   f"holds at once (CuPy would shrink the grid, and the blocks "
+                                   f"left out would be waited for forever)")
+            kernel((blocks,), block, (*args, exchange, counters[first:], np.int32(first)),
+                   shared_mem=shared_mem)
+
+    return launch
