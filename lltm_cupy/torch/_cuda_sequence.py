@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .._cuda import sequence as _sequence
-from .._cuda.kernels import launch
+from .._cuda.elementwise import launch
 from .._packing import block_steps
 from . import _interop, _torch_gemm
 
