@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -392,6 +393,57 @@ def test_zero_batch_as_nn_lstm():
     want_out, (want_h, _) = nn.LSTM(F, H, num_layers=2, bidirectional=True)(x)
     out, (h, c) = LLTM(F, H, num_layers=2, bidirectional=True)(x)
     assert out.shape == want_out.shape and h.shape == c.shape == want_h.shape
+
+
+# ------------------------------------------------ torch.compile(fullgraph=True), as README.md says
+
+def _readme_row(label: str) -> dict:
+    """README.md's comparison table: the row whose first cell is ``label``, {column header: cell}."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| | lltm_cupy |"))
+    row = next(line for line in lines if line.startswith(f"| {label} |"))
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    return dict(zip([c.strip() for c in header.strip().strip("|").split("|")], cells))
+
+
+def _compiles_fullgraph(module, x) -> str:
+    """"yes" if torch.compile(module, fullgraph=True) runs (the outputs equal the eager
+    module's), "graph break" if Dynamo refuses it. Dynamo alone decides graph breaks: the
+    "eager" backend keeps the test to tracing, without inductor's code generation."""
+    try:
+        got = torch.compile(module, fullgraph=True, backend="eager")(x)
+    except torch._dynamo.exc.Unsupported:
+        return "graph break"
+    want = module(x)
+    assert torch.equal(_flat(got)[0], _flat(want)[0]), type(module).__name__
+    return "yes"
+
+
+def _flat(out):
+    return [out] if isinstance(out, torch.Tensor) else [t for part in out for t in _flat(part)]
+
+
+def test_compile_fullgraph_as_the_readme_table_says():
+    """README.md's row `torch.compile(fullgraph=True)`, run: our modules compile without a graph
+    break (custom operators); the nn column names each of torch's modules with its verdict, or
+    one verdict for both, and each is checked (torch 2.13: nn.LSTMCell compiles, Dynamo refuses
+    nn.LSTM)."""
+    row = _readme_row("`torch.compile(fullgraph=True)`")
+    torch.manual_seed(0)
+    ours = {"LLTMCell": (LLTMCell(F, H), torch.randn(B, F)),
+            "LLTM": (LLTM(F, H, num_layers=2, bidirectional=True), torch.randn(T, B, F))}
+    assert row["lltm_cupy"].startswith("yes"), row
+    for name, (module, x) in ours.items():
+        assert _compiles_fullgraph(module, x) == "yes", name
+    cell = row["`nn.LSTMCell` / `nn.LSTM`"]
+    theirs = {"LSTMCell": (nn.LSTMCell(F, H), torch.randn(B, F)),
+              "LSTM": (nn.LSTM(F, H, num_layers=2, bidirectional=True), torch.randn(T, B, F))}
+    for name, (module, x) in theirs.items():
+        said = re.search(rf"`nn\.{name}`:? (yes|graph break)", cell)
+        verdict = said.group(1) if said else cell.split(" (")[0]
+        assert _compiles_fullgraph(module, x) == verdict, (
+            f"README.md says {verdict!r} for nn.{name} under torch.compile(fullgraph=True) "
+            f"({cell!r}); torch {torch.__version__} does otherwise")
 
 
 # ---------------------------------------------------------------- meta device, TorchScript
