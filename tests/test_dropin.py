@@ -299,6 +299,63 @@ def test_reverse_must_be_a_bool(reverse):
     assert np.array_equal(forward, lltm_cupy.forward_sequence(xs, w, b, h, h, reverse=True)[0])
 
 
+def _documented_flags():
+    """docs/api.md's TypeError list, as written: the functions' flags (which take NumPy's bool
+    too), the modules' flags per class (which take a Python bool only) and those of them that
+    nn.LSTM refuses as a NumPy bool too."""
+    text = " ".join((ROOT / "docs" / "api.md").read_text().split())
+    functions = re.search(r"a function's flag \(([^)]*)\) that is not a `bool` or `numpy\.bool_`",
+                          text)
+    modules = re.search(r"a module's flag \(([^)]*)\) that is not a Python `bool` \(`numpy\.bool_` "
+                        r"too, as `nn\.LSTM` refuses it for ([^)]*)\)", text)
+    assert functions and modules, "docs/api.md should say which bools each kind of flag takes"
+    per_class = [(cls, name) for part in modules.group(1).split(";")
+                 for names, cls in [part.rsplit(" of ", 1)]
+                 for name in re.findall(r"`(\w+)`", names)]
+    return (re.findall(r"`(\w+)`", functions.group(1)),
+            [(cls.strip(" `"), name) for cls, name in per_class],
+            re.findall(r"`(\w+)`", modules.group(2)))
+
+
+def test_flags_take_the_bools_docs_api_says():
+    """Each flag docs/api.md names, run: a function's flag takes NumPy's bool (same results as
+    the Python bool) and refuses 1; a module's flag refuses NumPy's bool, as nn.LSTM does for
+    the flags the page says it does."""
+    functions, module_flags, lstm_refuses = _documented_flags()
+    rng = np.random.default_rng(0)
+    xs, w, b = rng.standard_normal((T, B, F)), rng.standard_normal((3 * H, H + F)), np.zeros(3 * H)
+    h = np.zeros((B, H))
+    t = [torch.from_numpy(a) for a in (xs, w, b, h, h)]
+    params = lltm_cupy.init_parameters(F, H, rng=rng, dtype=np.float64)
+    calls = {   # every call that takes the flag: (what runs, the flag's value to try)
+        "reverse": [(lambda v: lltm_cupy.forward_sequence(xs, w, b, h, h, reverse=v), True),
+                    (lambda v: lltm_sequence(*t, reverse=v), True)],
+        "return_saved": [(lambda v: lltm_cupy.forward(xs[0], w, b, h, h, return_saved=v), False),
+                         (lambda v: lltm_cupy.forward_sequence(xs, w, b, h, h, return_saved=v),
+                          False),
+                         (lambda v: lltm_cupy.forward_layers(xs, params, return_saved=v), False)],
+        "fused": [(lambda v: lltm_cupy.forward_sequence(xs, w, b, h, h, fused=v), False),
+                  (lambda v: lltm_cupy.forward_layers(xs, params, fused=v), False),
+                  (lambda v: lltm_sequence(*t, fused=v), False)],
+    }
+    assert sorted(functions) == sorted(calls), functions
+    for name in functions:
+        for call, value in calls[name]:
+            with pytest.raises(TypeError, match=f"{name} must be True or False"):
+                call(1)
+            got, want = call(np.bool_(value)), call(value)
+            assert all(np.array_equal(np.asarray(g), np.asarray(e))
+                       for g, e in zip(got[:3], want[:3])), name
+    classes = {"LLTM": LLTM, "LLTMCell": LLTMCell}
+    assert {name for _, name in module_flags} >= {"bias", "batch_first", "bidirectional", "fused"}
+    for cls, name in module_flags:
+        with pytest.raises(TypeError, match=name):
+            classes[cls](F, H, **{name: np.True_})
+    for name in lstm_refuses:
+        with pytest.raises(TypeError, match=name):
+            nn.LSTM(F, H, **{name: np.True_})
+
+
 # ------------------------------------------------------------------------------ import cost
 
 def test_import_loads_no_compiler_machinery():
