@@ -5,8 +5,13 @@ computes it. Parameters start from :func:`lltm_cupy.init_parameters`; the head f
 generator, U(-1/sqrt(fan_in), 1/sqrt(fan_in)) as ``nn.Linear``.
 
 With ``compare_torch`` the torch ``LLTM`` (and ``nn.Linear``, ``torch.optim.Adam``) trains beside
-it from the same parameters on the same batches: the same model, so the per-step losses agree
-to float rounding and the accuracies within :data:`ACCURACY_MARGIN`.
+it from the same parameters on the same batches, and at every step a second torch copy, given
+the array model's current parameters (copied in place, as an optimiser writes them), computes
+the loss and every gradient on the same batch: the same model computes the same step wherever
+training takes it, to float rounding (:data:`SAME_PARAMETERS_TOLERANCE`). The two trained
+apart part further as training goes on (Adam amplifies rounding: the array model started one
+ulp away from itself parts from itself alike), so their losses and accuracies are reported,
+not judged.
 
 ``scripts/train_digits_array.py`` is the command line.
 """
@@ -20,18 +25,20 @@ import numpy as np
 import lltm_cupy
 
 from ._extras import require
-from .digits import (LOSS_GAP_TOLERANCE, _first_epoch_loss_gap, _model_rows, _new_record,
+from .digits import (_first_epoch_loss_gap, _model_rows, _new_record,
                      _result, _run_line, load_data)
 
-__all__ = ["ArrayConfig", "ARRAY_MODEL", "TORCH_MODEL", "ACCURACY_MARGIN", "Adam", "train",
-           "format_table"]
+__all__ = ["ArrayConfig", "ARRAY_MODEL", "TORCH_MODEL", "SAME_PARAMETERS_TOLERANCE", "Adam",
+           "train", "format_table"]
 
 ARRAY_MODEL, TORCH_MODEL = "LLTM (array API)", "LLTM (torch)"
-#: The largest test-accuracy difference allowed between the array model and the torch LLTM
-#: trained from the same parameters on the same batches: 0.02 (7 of the 360 test images). Their
-#: losses agree step by step to float rounding (LOSS_GAP_TOLERANCE of lltm_cupy.digits over the
-#: first epoch); later epochs may let rounding flip a few borderline test images.
-ACCURACY_MARGIN = 0.02
+#: The largest relative difference allowed, at any step, between the array model's loss and
+#: gradients and the torch LLTM's from the same parameters on the same batch (each gradient
+#: relative to its largest element). Measured on a CPU along the default run's 450 steps: at
+#: most 4.0e-6 with one layer and 1.4e-5 with two bidirectional (seeds 0-2) in float32, 8.2e-15
+#: in float64 (two layers, seed 0). A wrong derivative or a mixed-up gate differs by percents;
+#: rounding is not amplified here, as it is between two models trained apart (docs/examples.md).
+SAME_PARAMETERS_TOLERANCE = {"float32": 1e-4, "float64": 1e-12}
 
 
 # Apart from digits.Config on purpose: each run's own fields, in its own JSON order.
@@ -47,6 +54,7 @@ class ArrayConfig:
     dtype: str = "float32"
     lr: float = 1e-2
     compare_torch: bool = False
+    nudge: bool = False           # every initial parameter moved one ulp up (numpy.nextafter)
     progress: bool = True
 
 
@@ -96,6 +104,8 @@ class _Model:
         params["head.weight"] = xp.asarray(rng.uniform(-bound, bound, (10, D * cfg.state_size))
                                            .astype(cfg.dtype))
         params["head.bias"] = xp.asarray(rng.uniform(-bound, bound, 10).astype(cfg.dtype))
+        if cfg.nudge:    # how far rounding alone carries a run: one ulp in every parameter
+            params = {k: xp.nextafter(v, xp.inf).astype(v.dtype) for k, v in params.items()}
         self.params = params
 
     def rnn_parameters(self):
@@ -132,25 +142,53 @@ class _Model:
 
 
 def _torch_twin(model: _Model, cfg: ArrayConfig):
-    """The torch LLTM + nn.Linear with the array model's parameters, and its Adam."""
+    """The torch LLTM + nn.Linear with the array model's parameters: its logits function and
+    its parameters by the array model's names."""
     import torch
 
     from .torch import LLTM
 
     dtype = getattr(torch, cfg.dtype)
     rnn = LLTM(8, cfg.state_size, cfg.num_layers, bidirectional=cfg.bidirectional, dtype=dtype)
-    rnn.load_state_dict({k: torch.tensor(_host(v)) for k, v in model.rnn_parameters().items()})
     head = torch.nn.Linear(model.D * cfg.state_size, 10, dtype=dtype)
-    with torch.no_grad():
-        head.weight.copy_(torch.tensor(_host(model.params["head.weight"])))
-        head.bias.copy_(torch.tensor(_host(model.params["head.bias"])))
+    named = dict(rnn.named_parameters())
+    named.update({"head.weight": head.weight, "head.bias": head.bias})
+    _copy_parameters(named, model)
 
     def logits(xs):
         h_n = rnn(xs)[1][0]
         return head(torch.cat(list(h_n[-model.D:]), dim=1))
 
-    params = list(rnn.parameters()) + list(head.parameters())
-    return logits, torch.optim.Adam(params, lr=cfg.lr)
+    return logits, named
+
+
+def _copy_parameters(named: dict, model: _Model) -> None:
+    """The array model's parameters into the torch ones, in place (as an optimiser writes)."""
+    import torch
+
+    with torch.no_grad():
+        for k, p in named.items():
+            p.copy_(torch.from_numpy(_host(model.params[k])).reshape(p.shape))
+
+
+def _same_parameters_gap(probe, model: _Model, xs, ys, loss: float, grads: dict) -> float:
+    """``probe`` (a torch twin) given ``model``'s parameters computes the loss and gradients on
+    the batch ``xs``, ``ys`` (CPU tensors); the largest relative difference from ``loss`` and
+    ``grads`` (the array model's there), each gradient relative to its largest element."""
+    import torch
+
+    logits, named = probe
+    _copy_parameters(named, model)
+    for p in named.values():
+        p.grad = None
+    t_loss = torch.nn.functional.cross_entropy(logits(xs), ys)
+    t_loss.backward()
+    gap = abs(loss - t_loss.item()) / abs(t_loss.item())
+    for k, p in named.items():
+        g = _host(grads[k]).reshape(p.shape)
+        scale = max(float(np.abs(g).max()), float(np.finfo(g.dtype).tiny))
+        gap = max(gap, float(np.abs(p.grad.numpy() - g).max()) / scale)
+    return gap
 
 
 def _host(a):
@@ -160,7 +198,9 @@ def _host(a):
 def train(cfg: ArrayConfig) -> dict:
     """Train the array model (and with ``compare_torch`` its torch twin); a JSON-ready record
     in :func:`lltm_cupy.digits.train`'s layout (per model every step's loss, the test accuracy
-    after every epoch, times), plus the first epoch's largest relative loss gap when compared."""
+    after every epoch, times); when compared, the largest relative gap from the same parameters
+    (judged), and the first epoch's largest relative loss gap and the final accuracy gap of the
+    two trained apart (reported)."""
     (tqdm,) = require("tqdm")
     xp = _xp(cfg.array)
     x_tr, y_tr, x_te, y_te = load_data(cfg.seed)
@@ -175,7 +215,10 @@ def train(cfg: ArrayConfig) -> dict:
     if cfg.compare_torch:
         import torch
 
-        twin, twin_adam = _torch_twin(model, cfg)
+        twin, twin_params = _torch_twin(model, cfg)
+        twin_adam = torch.optim.Adam(list(twin_params.values()), lr=cfg.lr)
+        probe = _torch_twin(model, cfg)
+        same_parameters_gap = 0.0
         x_tr_t, x_te_t = torch.from_numpy(x_tr), torch.from_numpy(x_te)
         y_tr_t = torch.from_numpy(y_tr)
     n = x_tr.shape[1]
@@ -191,6 +234,13 @@ def train(cfg: ArrayConfig) -> dict:
             sync()
             t0 = time.perf_counter()
             loss, grads = model.loss_and_grads(x_tr_d[:, xp.asarray(idx)], y_tr_d[xp.asarray(idx)])
+            if cfg.compare_torch:      # before the update: from the same parameters (not timed)
+                sync()
+                seconds = time.perf_counter() - t0
+                t_idx = torch.from_numpy(idx)
+                same_parameters_gap = max(same_parameters_gap, _same_parameters_gap(
+                    probe, model, x_tr_t[:, t_idx], y_tr_t[t_idx], loss, grads))
+                t0 = time.perf_counter() - seconds
             adam.step(grads)
             sync()
             record[ARRAY_MODEL]["train_seconds"] += time.perf_counter() - t0
@@ -198,7 +248,6 @@ def train(cfg: ArrayConfig) -> dict:
             if cfg.compare_torch:
                 t0 = time.perf_counter()
                 twin_adam.zero_grad()
-                t_idx = torch.from_numpy(idx)
                 t_loss = torch.nn.functional.cross_entropy(twin(x_tr_t[:, t_idx]), y_tr_t[t_idx])
                 t_loss.backward()
                 twin_adam.step()
@@ -217,12 +266,12 @@ def train(cfg: ArrayConfig) -> dict:
     bar.close()
     result = _result(cfg, record, int(n), int(len(y_te)), steps_per_epoch)
     if cfg.compare_torch:
+        result["same_parameters_gap"] = same_parameters_gap
+        result["same_parameters_tolerance"] = SAME_PARAMETERS_TOLERANCE[cfg.dtype]
         result["first_epoch_loss_gap"] = _first_epoch_loss_gap(record, ARRAY_MODEL, TORCH_MODEL,
                                                                steps_per_epoch)
-        result["loss_gap_tolerance"] = LOSS_GAP_TOLERANCE[cfg.dtype]
         result["accuracy_gap"] = abs(record[ARRAY_MODEL]["test_accuracy"][-1]
                                      - record[TORCH_MODEL]["test_accuracy"][-1])
-        result["accuracy_margin"] = ACCURACY_MARGIN
         result["gap_label"] = "array API vs torch"
     return result
 
@@ -232,9 +281,12 @@ def format_table(result: dict) -> str:
     cfg = result["config"]
     lines.append(_run_line(result, cfg["array"], f", {cfg['num_layers']} layer(s)"
                            f"{', bidirectional' if cfg['bidirectional'] else ''}"))
-    if "first_epoch_loss_gap" in result:
-        lines.append(f"array API vs torch LLTM from the same parameters: largest relative gap "
-                     f"between the per-step losses over epoch one {result['first_epoch_loss_gap']:.2e}"
-                     f" (tolerance {result['loss_gap_tolerance']:.0e}); test accuracy gap "
-                     f"{result['accuracy_gap']:.4f} (margin {result['accuracy_margin']})")
+    if "same_parameters_gap" in result:
+        lines.append(f"array API vs torch LLTM from the same parameters at every step: largest "
+                     f"relative gap in the loss and gradients {result['same_parameters_gap']:.2e}"
+                     f" (tolerance {result['same_parameters_tolerance']:.0e})")
+        lines.append(f"trained apart from the same start (not judged: rounding grows with "
+                     f"training): largest relative gap between the per-step losses over epoch "
+                     f"one {result['first_epoch_loss_gap']:.2e}; test accuracy gap "
+                     f"{result['accuracy_gap']:.4f}")
     return "\n".join(lines)

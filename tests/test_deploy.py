@@ -458,9 +458,13 @@ class _Output(torch.nn.Module):
 def test_nn_lstm_beside_it(onnxruntime, tmp_path):
     """What docs/deploy.md says nn.LSTM does, run beside the LLTM (torch 2.13, onnxruntime
     1.32): jit.trace replays it at other sizes and round-trips jit.save/load; the TorchScript
-    ONNX exporter gives dynamic steps and batch; the dynamo exporter's file runs at the export's
-    number of steps only; torch.export with a dynamic number of steps fails, with static steps
-    it exports."""
+    ONNX exporter gives dynamic steps and batch; the dynamo exporter's file, given Dims for the
+    steps and the batch, keeps the export's number of steps (5) in the Reshape that makes its
+    output: at 9 steps (batch 3: 27 rows, not a multiple of 5) onnxruntime fails there, at 10
+    steps (30 rows) it returns the output as (5, 6, 16) without an error, h_n and c_n right (the
+    LLTM exported the same way is right at both); with the batch static that Reshape fails at
+    every other number of steps; torch.export with a dynamic number of steps fails, with
+    static steps it exports."""
     torch.manual_seed(0)
     lstm = torch.nn.LSTM(8, 16).eval()
     example = torch.randn(5, 3, 8)
@@ -475,24 +479,50 @@ def test_nn_lstm_beside_it(onnxruntime, tmp_path):
         assert max_error(traced(other)[0], want) <= TOL
         assert max_error(loaded(other)[0], want) <= TOL
 
-    def session(path):
+    def session(path, everything=False):
         s = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        return lambda x: torch.from_numpy(s.run(None, {s.get_inputs()[0].name: x.numpy()})[0])
 
+        def run(x):
+            out = [torch.from_numpy(a) for a in s.run(None, {s.get_inputs()[0].name: x.numpy()})]
+            return out if everything else out[0]
+        return run
+
+    torch.manual_seed(1)
+    ours = lt.LLTM(8, 16).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(lstm, (example,), str(tmp_path / "ts.onnx"), dynamo=False,
                           input_names=["input"], dynamic_axes={"input": {0: "steps", 1: "batch"}})
-        steps = torch.export.Dim("steps")
-        torch.onnx.export(lstm, (example,), str(tmp_path / "dynamo.onnx"), dynamo=True,
-                          dynamic_shapes=({0: steps},), verbose=False)
+        for name, model, batch in (("dynamo", lstm, True), ("ours", ours, True),
+                                   ("dynamo-static-batch", lstm, False)):
+            dims = {0: torch.export.Dim("steps")}
+            dims.update({1: torch.export.Dim("batch")} if batch else {})
+            torch.onnx.export(model, (example,), str(tmp_path / f"{name}.onnx"), dynamo=True,
+                              dynamic_shapes=(dims,), verbose=False)
     assert max_error(session(tmp_path / "ts.onnx")(other), want) <= TOL
-    dynamo_run = session(tmp_path / "dynamo.onnx")
-    same_steps = torch.randn(5, 3, 8)
+    static_batch = session(tmp_path / "dynamo-static-batch.onnx")
     with torch.no_grad():
-        assert max_error(dynamo_run(same_steps), lstm(same_steps)[0]) <= TOL
-    with pytest.raises(Exception):        # onnxruntime: a Reshape fails at another length
-        dynamo_run(torch.randn(9, 3, 8))
+        assert max_error(static_batch(example), lstm(example)[0]) <= TOL
+    for length in (9, 10):     # with the batch static, a Reshape to (5, 3, 16): fails
+        with pytest.raises(Exception, match="Reshape"):
+            static_batch(torch.randn(length, 3, 8))
+    dynamo_run = session(tmp_path / "dynamo.onnx", everything=True)
+    ours_run = session(tmp_path / "ours.onnx", everything=True)
+    for length in (5, 9, 10):
+        x = torch.randn(length, 3, 8)
+        with torch.no_grad():
+            expected, ours_expected = _flat(lstm(x)), _flat(ours(x))
+        ours_got = ours_run(x)                     # the LLTM: right at every length
+        assert [tuple(t.shape) for t in ours_got] == [tuple(t.shape) for t in ours_expected]
+        assert all(max_error(g, e) <= TOL for g, e in zip(ours_got, ours_expected)), length
+        if length == 9:        # 27 rows: onnxruntime fails in the Reshape to (5, -1, 16)
+            with pytest.raises(Exception, match="Reshape"):
+                dynamo_run(x)
+            continue
+        output, h_n, c_n = dynamo_run(x)
+        assert tuple(output.shape) == (5, 3 * length // 5, 16)   # (5, 6, 16) at 10 steps: wrong
+        assert max_error(output.reshape(length, 3, 16), expected[0]) <= TOL  # its elements in order
+        assert max_error(h_n, expected[1]) <= TOL and max_error(c_n, expected[2]) <= TOL
 
     with pytest.raises(Exception, match="(?i)constraint"):
         torch.export.export(lstm, (example,), dynamic_shapes=({0: torch.export.Dim("steps")},))

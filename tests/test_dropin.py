@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -298,6 +299,63 @@ def test_reverse_must_be_a_bool(reverse):
     assert np.array_equal(forward, lltm_cupy.forward_sequence(xs, w, b, h, h, reverse=True)[0])
 
 
+def _documented_flags():
+    """docs/api.md's TypeError list, as written: the functions' flags (which take NumPy's bool
+    too), the modules' flags per class (which take a Python bool only) and those of them that
+    nn.LSTM refuses as a NumPy bool too."""
+    text = " ".join((ROOT / "docs" / "api.md").read_text().split())
+    functions = re.search(r"a function's flag \(([^)]*)\) that is not a `bool` or `numpy\.bool_`",
+                          text)
+    modules = re.search(r"a module's flag \(([^)]*)\) that is not a Python `bool` \(`numpy\.bool_` "
+                        r"too, as `nn\.LSTM` refuses it for ([^)]*)\)", text)
+    assert functions and modules, "docs/api.md should say which bools each kind of flag takes"
+    per_class = [(cls, name) for part in modules.group(1).split(";")
+                 for names, cls in [part.rsplit(" of ", 1)]
+                 for name in re.findall(r"`(\w+)`", names)]
+    return (re.findall(r"`(\w+)`", functions.group(1)),
+            [(cls.strip(" `"), name) for cls, name in per_class],
+            re.findall(r"`(\w+)`", modules.group(2)))
+
+
+def test_flags_take_the_bools_docs_api_says():
+    """Each flag docs/api.md names, run: a function's flag takes NumPy's bool (same results as
+    the Python bool) and refuses 1; a module's flag refuses NumPy's bool, as nn.LSTM does for
+    the flags the page says it does."""
+    functions, module_flags, lstm_refuses = _documented_flags()
+    rng = np.random.default_rng(0)
+    xs, w, b = rng.standard_normal((T, B, F)), rng.standard_normal((3 * H, H + F)), np.zeros(3 * H)
+    h = np.zeros((B, H))
+    t = [torch.from_numpy(a) for a in (xs, w, b, h, h)]
+    params = lltm_cupy.init_parameters(F, H, rng=rng, dtype=np.float64)
+    calls = {   # every call that takes the flag: (what runs, the flag's value to try)
+        "reverse": [(lambda v: lltm_cupy.forward_sequence(xs, w, b, h, h, reverse=v), True),
+                    (lambda v: lltm_sequence(*t, reverse=v), True)],
+        "return_saved": [(lambda v: lltm_cupy.forward(xs[0], w, b, h, h, return_saved=v), False),
+                         (lambda v: lltm_cupy.forward_sequence(xs, w, b, h, h, return_saved=v),
+                          False),
+                         (lambda v: lltm_cupy.forward_layers(xs, params, return_saved=v), False)],
+        "fused": [(lambda v: lltm_cupy.forward_sequence(xs, w, b, h, h, fused=v), False),
+                  (lambda v: lltm_cupy.forward_layers(xs, params, fused=v), False),
+                  (lambda v: lltm_sequence(*t, fused=v), False)],
+    }
+    assert sorted(functions) == sorted(calls), functions
+    for name in functions:
+        for call, value in calls[name]:
+            with pytest.raises(TypeError, match=f"{name} must be True or False"):
+                call(1)
+            got, want = call(np.bool_(value)), call(value)
+            assert all(np.array_equal(np.asarray(g), np.asarray(e))
+                       for g, e in zip(got[:3], want[:3])), name
+    classes = {"LLTM": LLTM, "LLTMCell": LLTMCell}
+    assert {name for _, name in module_flags} >= {"bias", "batch_first", "bidirectional", "fused"}
+    for cls, name in module_flags:
+        with pytest.raises(TypeError, match=name):
+            classes[cls](F, H, **{name: np.True_})
+    for name in lstm_refuses:
+        with pytest.raises(TypeError, match=name):
+            nn.LSTM(F, H, **{name: np.True_})
+
+
 # ------------------------------------------------------------------------------ import cost
 
 def test_import_loads_no_compiler_machinery():
@@ -392,6 +450,57 @@ def test_zero_batch_as_nn_lstm():
     want_out, (want_h, _) = nn.LSTM(F, H, num_layers=2, bidirectional=True)(x)
     out, (h, c) = LLTM(F, H, num_layers=2, bidirectional=True)(x)
     assert out.shape == want_out.shape and h.shape == c.shape == want_h.shape
+
+
+# ------------------------------------------------ torch.compile(fullgraph=True), as README.md says
+
+def _readme_row(label: str) -> dict:
+    """README.md's comparison table: the row whose first cell is ``label``, {column header: cell}."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| | lltm_cupy |"))
+    row = next(line for line in lines if line.startswith(f"| {label} |"))
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    return dict(zip([c.strip() for c in header.strip().strip("|").split("|")], cells))
+
+
+def _compiles_fullgraph(module, x) -> str:
+    """"yes" if torch.compile(module, fullgraph=True) runs (the outputs equal the eager
+    module's), "graph break" if Dynamo refuses it. Dynamo alone decides graph breaks: the
+    "eager" backend keeps the test to tracing, without inductor's code generation."""
+    try:
+        got = torch.compile(module, fullgraph=True, backend="eager")(x)
+    except torch._dynamo.exc.Unsupported:
+        return "graph break"
+    want = module(x)
+    assert torch.equal(_flat(got)[0], _flat(want)[0]), type(module).__name__
+    return "yes"
+
+
+def _flat(out):
+    return [out] if isinstance(out, torch.Tensor) else [t for part in out for t in _flat(part)]
+
+
+def test_compile_fullgraph_as_the_readme_table_says():
+    """README.md's row `torch.compile(fullgraph=True)`, run: our modules compile without a graph
+    break (custom operators); the nn column names each of torch's modules with its verdict, or
+    one verdict for both, and each is checked (torch 2.13: nn.LSTMCell compiles, Dynamo refuses
+    nn.LSTM)."""
+    row = _readme_row("`torch.compile(fullgraph=True)`")
+    torch.manual_seed(0)
+    ours = {"LLTMCell": (LLTMCell(F, H), torch.randn(B, F)),
+            "LLTM": (LLTM(F, H, num_layers=2, bidirectional=True), torch.randn(T, B, F))}
+    assert row["lltm_cupy"].startswith("yes"), row
+    for name, (module, x) in ours.items():
+        assert _compiles_fullgraph(module, x) == "yes", name
+    cell = row["`nn.LSTMCell` / `nn.LSTM`"]
+    theirs = {"LSTMCell": (nn.LSTMCell(F, H), torch.randn(B, F)),
+              "LSTM": (nn.LSTM(F, H, num_layers=2, bidirectional=True), torch.randn(T, B, F))}
+    for name, (module, x) in theirs.items():
+        said = re.search(rf"`nn\.{name}`:? (yes|graph break)", cell)
+        verdict = said.group(1) if said else cell.split(" (")[0]
+        assert _compiles_fullgraph(module, x) == verdict, (
+            f"README.md says {verdict!r} for nn.{name} under torch.compile(fullgraph=True) "
+            f"({cell!r}); torch {torch.__version__} does otherwise")
 
 
 # ---------------------------------------------------------------- meta device, TorchScript

@@ -1,6 +1,7 @@
 """The command-line entry points run and report honestly."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -358,6 +359,28 @@ def test_mutation_audit_lists_mutants_that_all_still_apply():
     assert len(lines) >= 20, proc.stdout
     stale = [line for line in lines if "[NOT FOUND]" in line]
     assert not stale, "update these mutants in scripts/mutation_audit.py:\n" + "\n".join(stale)
+
+
+def test_mutation_table_of_the_docs_lists_every_mutant():
+    """docs/testing.md's table of the audit has one row per mutant of ``mutation_audit.py
+    --list``, each with its file and description as the script has them: a mutant added,
+    renamed or redescribed without its row (and the run that fills it) fails here."""
+    proc = script("mutation_audit.py", "--list")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    listed = {}
+    for line in proc.stdout.splitlines():
+        name, path, what = line.split(None, 2)
+        listed[name] = (path, what.removeprefix("[NOT FOUND] "))
+    text = (ROOT / "docs" / "testing.md").read_text()
+    rows = re.findall(r"^\| `([\w-]+)` \| `([^`]+)` \| (.+?) \| (\w+) \|", text, re.M)
+    table = {name: (path, what) for name, path, what, _ in rows}
+    assert len(rows) == len(table), "a mutant has two rows in docs/testing.md"
+    missing, extra = sorted(set(listed) - set(table)), sorted(set(table) - set(listed))
+    assert not missing, f"mutants without a row in docs/testing.md: {missing}"
+    assert not extra, f"rows of docs/testing.md for no mutant: {extra}"
+    differ = {n: (table[n], listed[n]) for n in listed if table[n] != listed[n]}
+    assert not differ, f"rows that differ from --list (table, script): {differ}"
+    assert all(verdict == "killed" for *_, verdict in rows), rows
 
 
 def test_inference_benchmark_measures_both_in_fresh_processes():
