@@ -23,7 +23,7 @@ COLUMNS = ("new_h", "new_cell", *verify.GRAD_OF)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("-b", "--batch-size", type=int, default=16)
     p.add_argument("-f", "--features", type=int, default=32)
     p.add_argument("-s", "--state-size", type=int, default=128)

@@ -70,7 +70,7 @@ def measure(T, B, F, S, rounds, reps=5):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--sizes", default="64x16x32x128,32x64x256x512,16x4x8x16")
     p.add_argument("--rounds", type=int, default=41)
     args = p.parse_args(argv)

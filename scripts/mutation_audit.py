@@ -267,8 +267,8 @@ MUTANTS = [
            "the differentiable backward's tanh'(c) with sigmoid(2c) twice"),
     # ------------------------------------------------- forward only (keep=False) paths
     Mutant("torch-forward-only-input-ignored", "lltm_cupy/torch/_ops.py",
-           "    if _grad_on() and (input.requires_grad or weights.requires_grad or bias.requires_grad",
-           "    if _grad_on() and (weights.requires_grad or bias.requires_grad",
+           "    return _grad_on() and (a.requires_grad or b.requires_grad or c.requires_grad",
+           "    return _grad_on() and (b.requires_grad or c.requires_grad",
            INFERENCE_TESTS + ("tests/test_torch.py", "tests/test_torch_sequence.py"),
            "torch layer: forward only chosen when only the input requires grad (frozen "
            "parameters: the input gets no gradient)"),

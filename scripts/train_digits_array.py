@@ -22,7 +22,7 @@ from lltm_cupy import digits, digits_array  # noqa: E402
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--array", choices=("numpy", "cupy"), default="numpy",
                    help="NumPy on the CPU or CuPy on the GPU (default numpy)")
     digits.add_training_options(p, digits_array.ArrayConfig)

@@ -780,3 +780,18 @@ def test_float64_cells_trained_with_lbfgs():
     assert len(ours) > 10 and all(np.isfinite(ours))
     assert ours[-1] < 0.2 * ours[0], (ours[0], ours[-1])
     assert theirs[-1] < 0.2 * theirs[0]   # the same pattern with nn.LSTMCell, for scale
+
+
+def test_unbatched_cell_input_takes_unbatched_state_as_nn_lstmcell():
+    """An unbatched input (features,) with a batched (1, hidden) state: nn.LSTMCell refuses
+    it, and so does LLTMCell (it returned (hidden,) states before); (hidden,) states work for
+    both and come back (hidden,)."""
+    x = torch.randn(F)
+    for cell in (nn.LSTMCell(F, H), LLTMCell(F, H)):
+        for state in ((torch.randn(1, H), torch.randn(1, H)), (torch.randn(H), torch.randn(1, H))):
+            with pytest.raises((RuntimeError, ValueError)):
+                cell(x, state)
+        h, c = cell(x, (torch.randn(H), torch.randn(H)))
+        assert h.shape == c.shape == (H,)
+    with pytest.raises(ValueError, match=r"LLTMCell: an unbatched input .* h must have shape"):
+        LLTMCell(F, H)(x, (torch.randn(1, H), torch.randn(1, H)))

@@ -402,3 +402,28 @@ def test_inference_benchmark_measures_both_in_fresh_processes():
     assert "nn.LSTM MB" in text and "nn.LSTM ms" in text and "training step" in text
     proc = script("benchmark.py", "--inference", "--cuda")
     assert proc.returncode == 2 and "CPU" in proc.stderr, proc.stderr
+
+
+def test_every_scripts_help_says_what_it_does_in_whole_sentences():
+    """``--help`` of every Python script: its description is a whole sentence (or more), not a
+    first line cut where the docstring wraps. One process imports them all."""
+    code = (
+        "import contextlib, io, runpy, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    out = io.StringIO()\n"
+        "    sys.argv = [path, '--help']\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        "        try:\n"
+        "            runpy.run_path(path, run_name='__main__')\n"
+        "        except SystemExit:\n"
+        "            pass\n"
+        "    text = out.getvalue().split('\\n\\n')\n"
+        "    print(path, '|', ' '.join(text[1].split()) if len(text) > 1 else '')\n")
+    paths = sorted(str(p) for p in (ROOT / "scripts").glob("*.py"))
+    proc = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(" | ", 1) for line in proc.stdout.splitlines() if " | " in line)
+    assert set(lines) == set(paths), proc.stdout + proc.stderr
+    for path, description in lines.items():
+        assert description.rstrip().endswith((".", ")")), f"{path}: {description!r}"

@@ -253,3 +253,43 @@ def test_reference_backward_formulas_equal_autograd_of_the_reference():
         want = torch.autograd.grad(reference.lltm_reference(*args), args, (gh, gc))
         for i, (a, b) in enumerate(zip(got, want)):
             _assert_close(a, b, f"formula {i} at scale {scale}", 1e-12)
+
+
+@pytest.mark.parametrize("model", ["LLTMCell", "LLTM 2 layers bidirectional"])
+def test_compiled_second_derivatives_are_torchs_error_at_the_second_differentiation(model):
+    """Under torch.compile, as docs/api.md says: ``create_graph=True`` is accepted, and
+    differentiating the gradients raises torch's own RuntimeError (AOTAutograd has no double
+    backward), for the cell and a layered model alike; eagerly the same gradient penalty
+    works."""
+    torch.manual_seed(11)
+    if model == "LLTMCell":
+        module, x = lt.LLTMCell(F, S, dtype=f64), torch.randn(B, F, dtype=f64)
+        weight = module.weights
+    else:
+        module = lt.LLTM(F, S, num_layers=2, bidirectional=True, dtype=f64)
+        x, weight = torch.randn(T, B, F, dtype=f64), module.weights_l0
+
+    def penalty(m):
+        out = m(x)[0]
+        (g,) = torch.autograd.grad(out.pow(2).sum(), weight, create_graph=True)
+        return g.pow(2).sum()
+
+    penalty(module).backward()                                   # eagerly: works
+    assert weight.grad is not None and float(weight.grad.abs().max()) > 0
+    weight.grad = None
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    loss = penalty(compiled)                                     # create_graph=True: accepted
+    with pytest.raises(RuntimeError, match="torch.compile with aot_autograd does not currently "
+                                           "support double backward"):
+        loss.backward()
+
+
+def test_nn_lstm_on_the_cpu_has_second_derivatives_as_the_layer_does():
+    """What docs/api.md's table says of nn.LSTM on the CPU, run beside the layer: a gradient
+    penalty through it backpropagates."""
+    torch.manual_seed(12)
+    for module in (torch.nn.LSTM(F, S, dtype=f64), lt.LLTM(F, S, dtype=f64)):
+        x = torch.randn(T, B, F, dtype=f64, requires_grad=True)
+        (g,) = torch.autograd.grad(module(x)[0].pow(2).sum(), x, create_graph=True)
+        g.pow(2).sum().backward()
+        assert all(float(p.grad.abs().max()) > 0 for p in module.parameters())

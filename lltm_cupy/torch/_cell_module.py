@@ -35,7 +35,12 @@ class LLTMCell(_CellBase):
         if isinstance(input, Tensor) and input.dim() == 1:
             if state is not None:
                 _check_pair("LLTMCell", state)
-                state = tuple(t.unsqueeze(0) if t.dim() == 1 else t for t in state)
+                for part, t in zip("hc", state):
+                    if t.dim() != 1:    # (as nn.LSTMCell: unbatched input, unbatched state)
+                        raise ValueError(f"LLTMCell: an unbatched input ({self.input_size},) "
+                                         f"takes an unbatched state: {part} must have shape "
+                                         f"({self.hidden_size},), got {tuple(t.shape)}")
+                state = tuple(t.unsqueeze(0) for t in state)
             h, c = lltm(*self._args(input.unsqueeze(0), state))
             return h.squeeze(0), c.squeeze(0)
         return lltm(*self._args(input, state))

@@ -128,8 +128,7 @@ def eager_step(input, weights, bias, old_h, old_cell):
     (then :func:`lltm` takes the general path)."""
     if not _plain_step(input, weights, bias, old_h, old_cell):
         return None
-    if _grad_on() and (input.requires_grad or weights.requires_grad or bias.requires_grad
-                       or old_h.requires_grad or old_cell.requires_grad):
+    if _needs_backward(input, weights, bias, old_h, old_cell):
         return _step_apply(input, weights, bias, old_h, old_cell)[:2]
     return step_forward_only(input, weights, bias, old_h, old_cell)
 
