@@ -21,6 +21,12 @@ Examples:
     python scripts/profile_step.py --cuda                # the same on the GPU
     python scripts/profile_step.py --cuda --sequence     # LLTM over T = 64 steps on the GPU
     OMP_NUM_THREADS=1 python scripts/profile_step.py --emulated   # host work of the CUDA path
+    python scripts/profile_step.py --calls               # Python calls per step, CPU and CUDA
+
+With ``--calls`` it counts, with ``sys.setprofile``, the calls of functions defined in lltm_cupy/
+and the calls lltm_cupy code makes into CuPy (tests/helpers/calls.py), per LLTMCell forward +
+backward and per LLTM call and step, on the CPU and on the emulated CUDA path: deterministic,
+no clock, what tests/test_call_budget.py holds to its budgets.
 """
 from __future__ import annotations
 
@@ -53,7 +59,13 @@ def main(argv=None) -> int:
                    help="count and time the CUDA path's host work on the emulated CuPy")
     p.add_argument("--repeats", type=int, default=7,
                    help="interleaved repetitions of the --emulated timings (default: 7)")
+    p.add_argument("--calls", action="store_true",
+                   help="count the Python calls of a step (lltm_cupy's functions, and its calls "
+                        "into CuPy) on the CPU and on the emulated CUDA path, instead of "
+                        "profiling: the figures tests/test_call_budget.py pins")
     args = p.parse_args(argv)
+    if args.calls:
+        return calls(args)
     if args.emulated:
         return emulated(args)
 
@@ -108,6 +120,63 @@ def main(argv=None) -> int:
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats(args.sort).print_stats(args.top)
     print(out.getvalue().rstrip())
+    return 0
+
+
+def calls(args) -> int:
+    """--calls: the Python calls of a step (see the module docstring)."""
+    import pytest
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests"))
+    from helpers import emulated_cupy as emu, emulated_torch
+    from helpers.calls import counted
+
+    from lltm_cupy.torch import LLTM, LLTMCell
+
+    B, F, S = args.batch_size, args.features, args.state_size
+    torch.manual_seed(0)
+    h, c, ones = torch.randn(B, S), torch.randn(B, S), torch.ones(B, S)
+    x = torch.randn(B, F)
+
+    def cell_step():
+        cell = LLTMCell(F, S)
+        return lambda: torch.autograd.backward(cell(x, (h, c)), (ones, ones))
+
+    def lltm_call(steps):
+        model = LLTM(F, S)
+        xs = torch.randn(steps, B, F)
+
+        def call():
+            out, (_, c_n) = model(xs, (h[None], c[None]))
+            torch.autograd.backward((out, c_n), (torch.ones_like(out), torch.ones_like(c_n)))
+        return call
+
+    def count(run):
+        run()
+        run()
+        return counted(run)[1]
+
+    def report(where):
+        cell = count(cell_step())
+        short, long = count(lltm_call(4)), count(lltm_call(8))
+        step = (long.total - short.total) / 4
+        print(f"{where}: LLTMCell forward + backward {cell.library} library + {cell.cupy} "
+              f"CuPy calls; LLTM call beyond its steps {short.total - 4 * step:g}, a step "
+              f"{step:g} (library + CuPy; T = 4 and 8)")
+        if args.top:
+            top = sorted(cell.names.items(), key=lambda kv: -kv[1])[:args.top]
+            print("  LLTMCell's: " + ", ".join(f"{n} x{k}" for n, k in top))
+
+    print(f"Python calls at (batch, features, state) = ({B}, {F}, {S}), float32, torch "
+          f"{torch.__version__}")
+    report("CPU")
+    with pytest.MonkeyPatch.context() as patch:
+        fake = emulated_torch.install_cupy(patch, emu.host_get_kernels(None))
+        emulated_torch.install_torch(patch, fake)
+        fake.emulator.noop = True
+        report("CUDA (emulated CuPy)")
     return 0
 
 

@@ -427,3 +427,12 @@ def test_every_scripts_help_says_what_it_does_in_whole_sentences():
     assert set(lines) == set(paths), proc.stdout + proc.stderr
     for path, description in lines.items():
         assert description.rstrip().endswith((".", ")")), f"{path}: {description!r}"
+
+
+def test_profile_step_calls_prints_the_budgets_figures():
+    proc = script("profile_step.py", "--calls", "-b", "4", "-f", "3", "-s", "5", "--top", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for where in ("CPU", "CUDA (emulated CuPy)"):
+        line = next(l for l in proc.stdout.splitlines() if l.startswith(where + ":"))
+        cell = int(re.search(r"LLTMCell forward \+ backward (\d+) library", line).group(1))
+        assert 0 < cell <= 60, line

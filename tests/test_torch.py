@@ -106,10 +106,10 @@ def test_zero_copy_in_and_out(monkeypatch):
     def ptr(a):
         return a.ctypes.data
 
-    def forward(gates, old_cell, new_h, new_cell, factors=None):
+    def forward(gates, old_cell, new_h, new_cell, factors=None, gate_major=False):
         seen["in"] = ptr(old_cell)
         seen["out"] = [ptr(new_h), ptr(new_cell)]
-        return real_forward(gates, old_cell, new_h, new_cell, factors)
+        return real_forward(gates, old_cell, new_h, new_cell, factors, gate_major)
 
     def backward(gh, gc, factors, d_gates=None, bias=False):
         seen["grad_in"] = [ptr(gh), ptr(gc)]

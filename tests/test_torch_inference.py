@@ -41,9 +41,9 @@ def kept(monkeypatch):
         monkeypatch.setattr(backend, "forward_sequence", spy)
     real_step = _numpy.step.cell_forward_into
 
-    def step_spy(gates, old_cell, new_h, new_cell, factors=None):
+    def step_spy(gates, old_cell, new_h, new_cell, factors=None, gate_major=False):
         seen.append(factors is not None)
-        return real_step(gates, old_cell, new_h, new_cell, factors)
+        return real_step(gates, old_cell, new_h, new_cell, factors, gate_major)
     monkeypatch.setattr(_numpy.step, "cell_forward_into", step_spy)
     real_array_step = _numpy.forward        # (the compiled path's custom operators)
 

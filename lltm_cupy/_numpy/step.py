@@ -30,7 +30,7 @@ from .._types import LLTMCellGrads, LLTMCellSaved, LLTMGrads
 from .gemm import NUMPY_GEMM
 
 __all__ = ["forward", "backward", "cell_forward", "cell_backward", "cell_forward_into",
-           "cell_backward_into", "scratch", "quiet", "loud"]
+           "cell_backward_into", "cell_rows", "scratch", "quiet", "loud"]
 
 try:    # NumPy 2: the error state is a context variable; setting it is one C call
     from numpy._core.umath import _extobj_contextvar as _ERROR_STATE, _make_extobj
@@ -303,18 +303,27 @@ def backward(grad_h, grad_cell, factors, weights, bias_shape, X=None, old_h=None
 
 # -------------------------------------------- the element-wise cell alone (GEMMs elsewhere)
 
-def cell_forward_into(gates, old_cell, new_h, new_cell, factors=None) -> None:
-    """The element-wise forward of one step on the gate pre-activations ``gates`` (batch,
-    3 * state) the caller computed (bias included): writes new_h, new_cell (batch, state) and,
-    for a backward, ``factors`` (4, batch, state) (None: forward only, the same outputs).
+def cell_rows(batch: int, state: int, dtype) -> np.ndarray:
+    """This thread's scratch for one step's element-wise forward, (9, batch, state): a caller
+    that computes the gate pre-activations gate-major writes them into its first three rows and
+    passes them to :func:`cell_forward_into` (``gate_major=True``)."""
+    return scratch(9 * batch * state, dtype).reshape(9, batch, state)
+
+
+def cell_forward_into(gates, old_cell, new_h, new_cell, factors=None,
+                      gate_major=False) -> None:
+    """The element-wise forward of one step on the gate pre-activations ``gates`` the caller
+    computed (bias included): (batch, 3 * state), or with ``gate_major`` the first three rows
+    of :func:`cell_rows` (3, batch, state), overwritten; writes new_h, new_cell (batch, state)
+    and, for a backward, ``factors`` (4, batch, state) (None: forward only, the same outputs).
     What the torch layer calls around torch's GEMMs."""
     token = quiet()
     try:
         batch, state = old_cell.shape
-        n = batch * state
-        rows = scratch(9 * n, gates.dtype).reshape(9, batch, state)
+        rows = cell_rows(batch, state, gates.dtype)
         z = rows[:3]
-        np.copyto(z, gates.reshape(batch, 3, state).transpose(1, 0, 2))
+        if not gate_major:
+            np.copyto(z, gates.reshape(batch, 3, state).transpose(1, 0, 2))
         _step(z, old_cell, new_h, new_cell, rows[3:], factors is not None)
         if factors is not None:
             _step_factors(z[1:], rows[3:], new_h, new_cell, factors)

@@ -51,7 +51,7 @@ INPLACE_MESSAGE = (
     "out.relu_()), or use the out-of-place operation (out = out.relu()).")
 
 _from_numpy = torch.from_numpy
-_addmm, _cat, _mm = torch.addmm, torch.cat, torch.mm
+_baddbmm, _cat, _mm = torch.baddbmm, torch.cat, torch.mm
 _autocast_on = torch.is_autocast_enabled
 
 
@@ -118,13 +118,12 @@ class LLTMFunction(torch.autograd.Function):
                 return LLTMFunction.forward(input, weights, bias, old_h, old_cell)
         if cuda:
             return cuda_step_forward(input, weights, bias, old_h, old_cell)
-        # torch's GEMM on the tensors themselves, the NumPy backend's element-wise step
-        gates = _addmm(bias, _cat((old_h, input), 1), weights.t()).numpy()
         c = old_cell.numpy(force=True)      # (one C call: detached, no copy for a CPU tensor)
         shape, dtype = c.shape, c.dtype
         new_h, new_cell = np.empty(shape, dtype), np.empty(shape, dtype)
         factors = np.empty((4,) + shape, dtype)
-        _step.cell_forward_into(gates, c, new_h, new_cell, factors)
+        _step.cell_forward_into(_cpu_gates(input, weights, bias, old_h, shape, dtype), c, new_h,
+                                new_cell, factors, gate_major=True)
         return _from_numpy(new_h), _from_numpy(new_cell), _from_numpy(factors)
 
     @staticmethod
@@ -165,11 +164,24 @@ def step_forward_only(input, weights, bias, old_h, old_cell):
     ``(new_h, new_cell)``, the same bits as :class:`LLTMFunction`'s."""
     if input.is_cuda or _interop.EMULATED_CUDA:
         return cuda_step_forward(input, weights, bias, old_h, old_cell, keep=False)
-    gates = _addmm(bias, _cat((old_h, input), 1), weights.t()).numpy(force=True)
     c = old_cell.numpy(force=True)
     new_h, new_cell = np.empty(c.shape, c.dtype), np.empty(c.shape, c.dtype)
-    _step.cell_forward_into(gates, c, new_h, new_cell)
+    with torch.no_grad():
+        gates = _cpu_gates(input, weights, bias, old_h, c.shape, c.dtype)
+    _step.cell_forward_into(gates, c, new_h, new_cell, gate_major=True)
     return _from_numpy(new_h), _from_numpy(new_cell)
+
+
+def _cpu_gates(input, weights, bias, old_h, shape, dtype):
+    """The CPU step's gate pre-activations, gate-major (3, batch, state), by torch's batched
+    GEMM (one product per gate, the bias added) straight into the NumPy backend's scratch
+    (``step.cell_rows``): no pass moves them into the element-wise step's layout."""
+    batch, state = shape
+    z = _step.cell_rows(batch, state, dtype)[:3]
+    X = _cat((old_h, input), 1)
+    _baddbmm(bias.reshape(3, 1, state), X.expand(3, batch, X.shape[1]),
+             weights.view(3, state, X.shape[1]).transpose(1, 2), out=_from_numpy(z))
+    return z
 
 
 def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, old_h=None,
