@@ -206,7 +206,7 @@ def main(argv=None):
                 print(f"FAIL: {exc}")
                 status = 1
                 continue
-            blocks = _fused._cluster(S, np.dtype(STORAGE[dtype])) or 1
+            blocks = _fused.cluster_size(S, np.dtype(STORAGE[dtype])) or 1
             print(f"{T:>5} {B:>4} {F:>4} {S:>4} {dtype:>9} {fwd:>11.2f} {bwd:>11.2f} "
                   f"{whole:>11.2f} {err:>9.2g} {default:>9.2g} {blocks:>6}")
     return status

@@ -13,7 +13,9 @@ about 270 per cell step and 400 per LLTM call on the emulated CUDA path):
   step at most :data:`CPU_LLTM`;
 - emulated CUDA: an ``LLTMCell`` step at most :data:`CUDA_CELL`, an ``LLTM`` call at most
   :data:`CUDA_LLTM` beyond its steps and a sequence step at most :data:`CUDA_STEP` (the
-  difference of two lengths, divided by the steps between them).
+  difference of two lengths, divided by the steps between them), with ``fused=True`` a call
+  at most :data:`CUDA_LLTM` whatever its steps (about 300 before the fused kernels ran on
+  torch's buffers).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from lltm_cupy.torch import LLTM, LLTMCell  # noqa: E402
 from helpers.calls import counted  # noqa: E402
+from test_fused_sequence import fused_cupy, fused_lib  # noqa: E402,F401  (fixtures)
 
 CPU_CELL = 30
 CPU_LLTM = 60
@@ -83,3 +86,15 @@ def test_emulated_cuda_lltm_calls(emulated_cuda_torch, layers):
     assert per_step <= CUDA_STEP, (per_step, short, long)
     assert fixed <= CUDA_LLTM, (fixed, short)
 
+
+
+def test_emulated_cuda_fused_lltm_calls(fused_cupy, emulated_cuda_torch):
+    """``fused=True`` (the fused sequence kernels, one launch each way): a call, whatever its
+    steps."""
+    emulator = fused_cupy.emulator
+    short, long = (_calls(_lltm_call(steps, fused=True)) for steps in (4, 8))
+    emulator.reset()
+    _lltm_call(4, fused=True)()
+    assert emulator.log.count("kernel:seq_fwd") == emulator.log.count("kernel:seq_bwd") == 1
+    assert long.total == short.total, (short, long)
+    assert short.total <= CUDA_LLTM, short

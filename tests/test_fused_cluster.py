@@ -116,7 +116,7 @@ def test_state_sizes_beyond_one_block_run_in_a_cluster(cluster_cupy, monkeypatch
     544, 384 (float32 S = 512 among them); packed lengths that end at different steps, 3 rows in
     tiles that do not divide them."""
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 16)
-    size = _fused._cluster(state, dtype)
+    size = _fused.cluster_size(state, dtype)
     assert size is not None and size > 1
     emu = cluster_cupy.emulator
     stored, case = make(3, 3, 3, state, dtype, seed=state)
@@ -137,7 +137,7 @@ def test_float32_512_runs_in_16_block_clusters(cluster_cupy, monkeypatch, revers
     f32 = np.dtype(np.float32)
     assert _cluster.cluster_size(512, f32, LIMIT) is None        # no portable size holds it
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 32)
-    assert _fused._cluster(512, f32) == 16
+    assert _fused.cluster_size(512, f32) == 16
     emu = cluster_cupy.emulator
     stored, case = make(3, 5, 2, 512, f32, seed=11 + reverse)
     lengths = [3, 0, 2, 3, 1]
@@ -745,7 +745,7 @@ def test_gpu_cluster_equals_the_stepped_path(monkeypatch, dtype, state, size):
     monkeypatch.setattr(_cluster, "FORCED_SIZE", size)
     dtype = DTYPES[dtype]
     if size is None:
-        assert _fused._cluster(state, dtype) is not None, "the one-block kernels would run"
+        assert _fused.cluster_size(state, dtype) is not None, "the one-block kernels would run"
     lengths = [7, 0, 3, 7, 1]
     stored, case = make(7, 5, 6, state, dtype, seed=state)
     fused = run(cupy, stored, lengths, False, True)
@@ -783,7 +783,7 @@ def test_gpu_warmup_and_16_block_clusters():
         pytest.skip(f"GPU test: this device holds no 16-block cluster of the fused kernels "
                     f"(occupancy query: {held}; refused sizes: {sorted(_kernels.refused_sizes)}; "
                     f"{_kernels.cluster_failures or 'no failure recorded'}): the stepped path ran")
-    assert _fused._cluster(512, f32) == 16
+    assert _fused.cluster_size(512, f32) == 16
     fused = run(cupy, stored, lengths, False, True)
     compare(fused, stepped, _want(case, lengths, False, 5, 5), f32, "gpu 16-block clusters")
 
@@ -943,7 +943,7 @@ def test_a_portable_size_the_query_says_none_fits_is_not_launched(cluster_cupy, 
     emu.gpc_sms = (6, 6)
     assert _cluster.cluster_size(388, f32, LIMIT) == 8 and _cluster.held(388, f32, 8) == 0
     assert not _fused.usable(388, f32)
-    assert _fused._cluster(256, f32) == 4 and _fused.usable(256, f32)
+    assert _fused.cluster_size(256, f32) == 4 and _fused.usable(256, f32)
     monkeypatch.setattr(_cluster, "FORCED_SIZE", 8)
     with pytest.raises(RuntimeError, match="holds no cluster of 8 blocks.*answered 0"):
         _cluster.chosen_size(388, f32)

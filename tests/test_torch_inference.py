@@ -54,9 +54,9 @@ def kept(monkeypatch):
     for module, name in ((_functions, "cuda_step_forward"), (_cuda_sequence, "forward")):
         real = getattr(module, name)
 
-        def spy(*args, _real=real, keep=True):
+        def spy(*args, _real=real, keep=True, **kw):
             seen.append(keep)
-            return _real(*args, keep=keep)
+            return _real(*args, keep=keep, **kw)
         monkeypatch.setattr(module, name, spy)
     return seen
 

@@ -52,7 +52,7 @@ from .._packing import block_steps, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 
 __all__ = ["ARCH_SHARED_MEMORY", "shared_bytes", "max_state", "usable", "forward_fused",
-           "backward_fused"]
+           "backward_fused", "launch_forward", "launch_backward", "variant"]
 
 #: Opt-in shared memory per block (bytes) of the architectures the tests check the bound for
 #: (CUDA C++ Programming Guide, "Compute Capabilities", maximum shared memory per thread block).
@@ -86,7 +86,7 @@ def usable(state: int, dtype) -> bool:
             or fused_cluster.usable(state, dtype))
 
 
-def _cluster(state: int, dtype):
+def cluster_size(state: int, dtype):
     """None where the one-block kernels run ``state`` (and no cluster size is forced), else the
     blocks per tile of the cluster (or group) kernels."""
     if fused_cluster.FORCED_SIZE is None and \
@@ -95,11 +95,11 @@ def _cluster(state: int, dtype):
     return fused_cluster.chosen_size(state, dtype)
 
 
-def _kernel_and_geometry(batch: int, state: int, dtype, backward: bool, size=None):
+def variant(batch: int, state: int, dtype, backward: bool, size=None):
     """(kernel, blocks, threads, tile, shared bytes) of the variant that runs ``state`` (``size``:
     that many blocks per tile instead of the launcher's choice). A cluster launch of a
     non-portable size raises cluster_kernels.LaunchRefused where the driver refuses it."""
-    size = _cluster(state, dtype) if size is None else size
+    size = cluster_size(state, dtype) if size is None else size
     if size is None and fused_mma.usable(state, dtype, backward):          # tensor cores
         fns = fused_mma.get_kernels(dtype)
         return (fns.bwd if backward else fns.fwd, *fused_mma.geometry(batch, state, backward))
@@ -126,11 +126,11 @@ def _geometry(cupy, batch: int, state: int, dtype, backward: bool):
     as many rows per tile as shared memory holds."""
     device = kernels.current_device()
     limit = kernels.shared_memory_limit(device)
-    per_row = shared_bytes(state, dtype, 1, backward) - shared_bytes(state, dtype, 0, backward)
-    fits = (limit - shared_bytes(state, dtype, 0, backward)) // per_row
-    tile = max(1, min(-(-batch // kernels._sm_count(device)), fits))
+    base = shared_bytes(state, dtype, 0, backward)                # W_h
+    per_row = (5 if backward else 3) * state * acc_size(dtype)   # a batch row of the tile
+    tile = max(1, min(-(-batch // kernels._sm_count(device)), (limit - base) // per_row))
     threads = min(THREADS, -(-tile * state // 32) * 32)
-    return -(-batch // tile), threads, tile, shared_bytes(state, dtype, tile, backward)
+    return -(-batch // tile), threads, tile, base + tile * per_row
 
 
 def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_rows=2048,
@@ -175,23 +175,26 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
                   for _ in range(min(len(spans), 2))]
         w_x_t = weights[:, state:].T
         if batch and spans:
-            kernel, blocks, threads, tile, smem = _kernel_and_geometry(batch, state, dtype,
-                                                                       False, size)
+            h_prev, c_prev = cupy.ascontiguousarray(h_prev), cupy.ascontiguousarray(c_prev)
             w = cupy.ascontiguousarray(weights)
             bias_c = cupy.ascontiguousarray(bias.reshape(-1))
-        for i, (t0, t1) in enumerate(spans):
-            r0, r1 = starts[t0], starts[t1]
-            g, c = gates[: r1 - r0], cells[: r1 - r0]
-            gemm(x[r0:r1], w_x_t, g)     # the input projection of the block's steps
-            h_last, c_last = finals[i % 2]
-            if batch:
-                kernel((blocks,), (threads,), (
-                    w, np.int64(weights.shape[1]), bias_c, g, h_prev, c_prev, out[r0:r1], c,
-                    h_last, c_last, offsets[t0: t1 + 1] if packed else offsets, packed,
-                    np.int32(t1 - t0), np.int32(batch), np.int32(state), np.int32(tile)),
-                    shared_mem=smem)
-            h_prev, c_prev = h_last, c_last
-        if not spans:                    # no step: the final state is the initial one
+
+            def project(r0, r1):    # the input projection of a span's steps, one GEMM
+                gemm(x[r0:r1], w_x_t, gates[: r1 - r0])
+
+            last = launch_forward(
+                variant(batch, state, dtype, False, size), spans, starts, project,
+                w.data.ptr, weights.shape[1], bias_c.data.ptr, gates.data.ptr, h_prev.data.ptr,
+                c_prev.data.ptr, out.data.ptr, out.strides[0], cells.data.ptr,
+                [(h.data.ptr, c.data.ptr) for h, c in finals], offsets.data.ptr, packed, batch,
+                state)
+            h_prev, c_prev = finals[(len(spans) - 1) % 2]
+            assert last == (h_prev.data.ptr, c_prev.data.ptr)
+        elif spans:                      # no batch: nothing to launch, the input projections
+            for t0, t1 in spans:
+                gemm(x[starts[t0]: starts[t1]], w_x_t, gates[: starts[t1] - starts[t0]])
+            h_prev, c_prev = finals[(len(spans) - 1) % 2]
+        else:                            # no step: the final state is the initial one
             h_prev, c_prev = cupy.array(h_prev), cupy.array(c_prev)
         if plan is None:
             outputs, h_n, c_n = hs[1:], h_prev, c_prev
@@ -235,20 +238,17 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm, size=N
         if batch:
             offsets, packed = ((cupy.zeros(1, np.int64), np.int32(0)) if plan is None else
                                (d.offsets, np.int32(1)))
-            kernel, blocks, threads, tile, smem = _kernel_and_geometry(batch, state, dtype,
-                                                                       True, size)
-            gates = saved.gates.reshape(rows, 3 * state)
-            cells = saved.cells.reshape(rows, state)
-            present = [a for a in (grad_out, ghn, gcn) if a is not None]
-            placeholder = cells if not present else present[0]   # read only where flagged
-            kernel((blocks,), (threads,), (
-                cupy.ascontiguousarray(weights), np.int64(weights.shape[1]), gates, cells,
-                placeholder if grad_out is None else grad_out,
-                placeholder if ghn is None else cupy.ascontiguousarray(ghn),
-                placeholder if gcn is None else cupy.ascontiguousarray(gcn), d_gates, d_h0, d_c0,
-                offsets, packed, np.int32(grad_out is not None), np.int32(ghn is not None),
-                np.int32(gcn is not None), np.int32(steps), np.int32(batch), np.int32(state),
-                np.int32(tile)), shared_mem=smem)
+            gates = cupy.ascontiguousarray(saved.gates.reshape(rows, 3 * state))
+            cells = cupy.ascontiguousarray(saved.cells.reshape(rows, state))
+            ghn = None if ghn is None else cupy.ascontiguousarray(ghn)
+            gcn = None if gcn is None else cupy.ascontiguousarray(gcn)
+            w = cupy.ascontiguousarray(weights)
+            launch_backward(
+                variant(batch, state, dtype, True, size), w.data.ptr,
+                weights.shape[1], gates.data.ptr, cells.data.ptr,
+                *(None if a is None else a.data.ptr for a in (grad_out, ghn, gcn)),
+                d_gates.data.ptr, d_h0.data.ptr, d_c0.data.ptr, offsets.data.ptr, packed, steps,
+                batch, state)
         if plan is None:
             h_in = hs[:-1].reshape(rows, state)
         else:
@@ -265,6 +265,55 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm, size=N
                         else unpack_rows(d_inputs, plan, cupy, *index))
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)
+
+
+# ------------------------------------------------------ the launches, on pointers (any engine)
+
+def launch_forward(variant, spans, starts, project, w, features_and_state, bias, gates, h0, c0,
+                   out, out_row, cells, finals, offsets, packed, batch, state):
+    """The fused forward's launches, on device pointers (ints) of C-contiguous buffers, on the
+    current device and CuPy's current stream: per span (t0, t1) of steps, ``project(r0, r1)``
+    (the input projection of its rows r0 = starts[t0] .. r1 into ``gates``' first rows), then
+    one launch of ``variant`` (:func:`variant`'s (kernel, blocks, threads, tile,
+    shared bytes)) from the (h, c) the span before ended with (``h0``, ``c0`` first) into the
+    span's rows of ``out`` (``out_row`` bytes a row), ``cells``' first rows and the pair of
+    ``finals`` taken in turn; returns the last span's final (h, c). w: the weights (3S, S + F)
+    with ``features_and_state`` = S + F columns, bias (3S); ``offsets``: the plan's step
+    offsets (int64) where ``packed`` is 1, else any pointer (not read). Shared by the array API
+    (CuPy arrays, cuBLAS) and the torch layer (torch tensors, torch's GEMMs)."""
+    kernel, blocks, threads, tile, smem = variant
+    columns, b32, s32, t32 = np.int64(features_and_state), np.int32(batch), np.int32(state), \
+        np.int32(tile)
+    h_prev, c_prev = h0, c0
+    for i, (t0, t1) in enumerate(spans):
+        r0, r1 = starts[t0], starts[t1]
+        project(r0, r1)
+        h_last, c_last = finals[i % 2]
+        kernel((blocks,), (threads,), (
+            w, columns, bias, gates, h_prev, c_prev, out + r0 * out_row, cells, h_last, c_last,
+            offsets + 8 * t0 if packed else offsets, packed, np.int32(t1 - t0), b32, s32, t32),
+            shared_mem=smem)
+        h_prev, c_prev = h_last, c_last
+    return h_prev, c_prev
+
+
+def launch_backward(variant, w, features_and_state, gates, cells, grad_out, grad_h_n, grad_c_n,
+                    d_gates, d_h0, d_c0, offsets, packed, steps, batch, state) -> None:
+    """The fused backward's launch, on device pointers (ints) of C-contiguous buffers, on the
+    current device and CuPy's current stream: d_gates (rows, 3S), d_h0, d_c0 (B, S) from the
+    forward's gates and cells and the gradients (None: zero) of the outputs (rows, S) and of
+    the final state (B, S); ``offsets`` as in :func:`launch_forward`."""
+    kernel, blocks, threads, tile, smem = variant
+    present = [a for a in (grad_out, grad_h_n, grad_c_n) if a is not None]
+    placeholder = cells if not present else present[0]      # read only where flagged
+    kernel((blocks,), (threads,), (
+        w, np.int64(features_and_state), gates, cells,
+        placeholder if grad_out is None else grad_out,
+        placeholder if grad_h_n is None else grad_h_n,
+        placeholder if grad_c_n is None else grad_c_n, d_gates, d_h0, d_c0, offsets, packed,
+        np.int32(grad_out is not None), np.int32(grad_h_n is not None),
+        np.int32(grad_c_n is not None), np.int32(steps), np.int32(batch), np.int32(state),
+        np.int32(tile)), shared_mem=smem)
 
 
 def _device_arrays(cupy, plan):

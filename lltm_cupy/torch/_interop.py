@@ -345,16 +345,27 @@ def fused_kw(call) -> dict:
 
 # ---------------------------------------------------------------- the CUDA step's launches
 
-class launching:
-    """``with launching(device):`` the tensors' device is CuPy's current device (entered only
-    when it is not already) and torch's current stream there CuPy's current stream (its handle
-    read now, never cached): what a pointer launch of the step's kernels needs, and nothing
-    else (no allocator, no conversion)."""
+def launching(device: torch.device):
+    """``with launching(device):`` the tensors' device is CuPy's current device and torch's
+    current stream there CuPy's current stream (its handle read now, never cached): what a
+    pointer launch of the backend's kernels needs, and nothing else (no allocator, no
+    conversion). Where the device is current already (as in the layer's calls), the CuPy stream
+    itself is the context."""
+    from .._cuda import kernels
+
+    index = 0 if device.index is None else device.index
+    if kernels.current_device() == index:
+        return _torch_stream(index)
+    return _OnDevice(index)
+
+
+class _OnDevice:
+    """:func:`launching` where the device is not current: enters it, then torch's stream."""
 
     __slots__ = ("_index", "_device", "_stream")
 
-    def __init__(self, device: torch.device):
-        self._index = _device_index(device)
+    def __init__(self, index: int):
+        self._index = index
 
     def __enter__(self):
         from .._cuda import kernels

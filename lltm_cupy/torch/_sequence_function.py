@@ -36,8 +36,8 @@ def _stand_in(shape, dtype):
 
 class LLTMSequenceFunction(torch.autograd.Function):
     """A whole sequence with autograd: ``apply(inputs, weights, bias, h0, c0, plan, fused)``
-    returns ``(outputs, h_n, c_n)`` followed by whether the fused kernels ran and what the
-    backward keeps. ``plan``: None
+    returns ``(outputs, h_n, c_n)`` followed by (whether the fused kernels ran, whether on
+    torch's buffers: ``_cuda_sequence``) and what the backward keeps. ``plan``: None
     (every sequence runs all of ``inputs`` (steps, batch, features)) or the packed layout of
     variable lengths (``lltm_cupy._packing``). The outputs are a view of the hidden states the
     backward reads: an in-place change of them is refused (clone them first).
@@ -50,11 +50,14 @@ class LLTMSequenceFunction(torch.autograd.Function):
         if _tracing():
             raise _refusal()
         if inputs.is_cuda or _interop.EMULATED_CUDA:
-            if plan is None and not fused:      # torch's buffers and GEMMs, pointer launches
+            if plan is None:        # torch's buffers and GEMMs, pointer launches
                 if _autocast_on("cuda"):
                     with torch.autocast("cuda", enabled=False):
-                        return _native_forward(inputs, weights, bias, h0, c0)
-                return _native_forward(inputs, weights, bias, h0, c0)
+                        found = _native_forward(inputs, weights, bias, h0, c0, fused)
+                else:
+                    found = _native_forward(inputs, weights, bias, h0, c0, fused)
+                if found is not None:
+                    return found
             with _interop.backend_call(inputs.device) as call:
                 return _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused)
         if _autocast_on("cpu"):     # (the general path, under autocast: torch's GEMMs as cast)
@@ -67,7 +70,8 @@ class LLTMSequenceFunction(torch.autograd.Function):
         kept = output[4:]
         ctx.mark_non_differentiable(*kept)
         ctx.set_materialize_grads(False)
-        ctx.plan, ctx.fused = inputs[5], output[3]
+        ctx.plan = inputs[5]
+        ctx.fused, ctx.native = output[3]   # the fused kernels ran; on torch's buffers
         plan = ctx.plan
         if plan is not None and plan.packed_io and plan.data_index is None:
             ctx.save_for_backward(*inputs[:5], output[0], *kept)     # the output is hs
@@ -87,7 +91,7 @@ class LLTMSequenceFunction(torch.autograd.Function):
             return (*grads, None, None)
         grads = (grad_outputs, grad_h_n, grad_c_n)
         if inputs.is_cuda or _interop.EMULATED_CUDA:
-            if ctx.plan is None and not ctx.fused:
+            if ctx.native:
                 if _autocast_on("cuda"):
                     with torch.autocast("cuda", enabled=False):
                         return _native_backward(ctx, grads, saved)
@@ -132,15 +136,18 @@ def _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused):
         kept.append(contiguous)
     if plan is not None:
         kept.append(tensor(saved.h0))
-    return (out, tensor(h_n), tensor(c_n), saved.fused, *kept)
+    return (out, tensor(h_n), tensor(c_n), (saved.fused, False), *kept)
 
 
-def _native_forward(inputs, weights, bias, h0, c0):
+def _native_forward(inputs, weights, bias, h0, c0, fused):
     """CUDA, one length for all: ``_cuda_sequence`` (torch's buffers and GEMMs)."""
     contiguous = inputs.contiguous()
-    hs, h_n, c_n, gates, cells = _cuda_sequence.forward(contiguous, weights, bias, h0, c0)
+    found = _cuda_sequence.forward(contiguous, weights, bias, h0, c0, fused=fused)
+    if found is _cuda_sequence.GROUP:       # the fused group variant: the backend's arrays
+        return None
+    hs, h_n, c_n, gates, cells, ran = found
     kept = (hs, gates, cells) if contiguous is inputs else (hs, gates, cells, contiguous)
-    return (hs[1:], h_n, c_n, False, *kept)
+    return (hs[1:], h_n, c_n, (ran, True), *kept)
 
 
 def _native_backward(ctx, grads, saved):
@@ -148,7 +155,7 @@ def _native_backward(ctx, grads, saved):
     hs, gates, cells = saved[5:8]
     x = inputs if len(saved) == 8 else saved[8]
     d = _cuda_sequence.backward(*grads, x.view(-1, x.shape[-1]), hs, gates, cells, weights,
-                                bias.shape, tuple(ctx.needs_input_grad[:5]))
+                                bias.shape, tuple(ctx.needs_input_grad[:5]), ctx.fused)
     return (*d, None, None)
 
 
@@ -188,12 +195,13 @@ def _direct(plan) -> bool:
 def sequence_forward_only(inputs, weights, bias, h0, c0, plan=None, fused=False):
     """A sequence with no backward to follow: ``(outputs, h_n, c_n)``, the same bits as
     :class:`LLTMSequenceFunction`'s, nothing computed or kept for a backward."""
-    if (inputs.is_cuda or _interop.EMULATED_CUDA) and plan is None and not fused:
+    if (inputs.is_cuda or _interop.EMULATED_CUDA) and plan is None:
         if _autocast_on("cuda"):
             with torch.autocast("cuda", enabled=False):
-                return sequence_forward_only(inputs, weights, bias, h0, c0)
-        hs, h_n, c_n, _, _ = _cuda_sequence.forward(inputs, weights, bias, h0, c0, keep=False)
-        return hs[1:], h_n, c_n
+                return sequence_forward_only(inputs, weights, bias, h0, c0, fused=fused)
+        found = _cuda_sequence.forward(inputs, weights, bias, h0, c0, keep=False, fused=fused)
+        if found is not _cuda_sequence.GROUP:
+            return found[0][1:], found[1], found[2]
     kw = {} if plan is None else {"plan": plan}
     with _interop.backend_call(inputs.device) as call:
         if fused:

@@ -820,22 +820,24 @@ def make_module() -> types.ModuleType:
     return cupy
 
 
-def convert_kernel_args(args, dtype, kinds, outputs, extents=None):
+def convert_kernel_args(args, dtype, kinds, outputs, extents=None, index_extents=False):
     """ctypes arguments for a host-compiled kernel, as strict as a RawKernel launch: ``kinds``
     names each argument ("array": an emulated array of ``dtype``, or an int device pointer;
-    "index": an array of int64; "int32", "int64": NumPy scalars of exactly that type), and no
-    range the kernel writes (``outputs``, argument indices) may overlap another argument's: every
-    pointer is __restrict__. ``extents(args)``: the elements the kernel touches from each
-    "array" argument, in order (a pointer must have them in live memory, an array at least
+    "index": an array of int64, or (with ``index_extents``) a pointer; "int32", "int64": NumPy
+    scalars of exactly that type), and no range the kernel writes (``outputs``, argument
+    indices) may overlap another argument's: every pointer is __restrict__. ``extents(args)``:
+    the elements the kernel touches from each "array" argument (and, with ``index_extents``,
+    each "index" one), in order (a pointer must have them in live memory, an array at least
     them); without it pointers are refused."""
     assert len(args) == len(kinds), f"kernel takes {len(kinds)} arguments, got {len(args)}"
     sizes = iter(extents(args) if extents is not None else ())
     spans = []
     converted = []
     for i, (a, kind) in enumerate(zip(args, kinds)):
-        if kind == "array" and type(a) is int:
-            nbytes = next(sizes) * np.dtype(dtype).itemsize
+        if kind in ("array", "index") and type(a) is int:
+            item = np.dtype(dtype if kind == "array" else np.int64).itemsize
             assert extents is not None, f"argument {i}: this kernel takes no pointers"
+            nbytes = next(sizes) * item
             assert nbytes == 0 or _in_live_memory(a, nbytes), \
                 f"argument {i}: pointer {a:#x} (+{nbytes} bytes) is in no live device memory"
             spans.append((i, a, nbytes))
@@ -844,7 +846,7 @@ def convert_kernel_args(args, dtype, kinds, outputs, extents=None):
             want = np.dtype(dtype) if kind == "array" else np.dtype(np.int64)
             assert isinstance(a, ndarray) and a.dtype == want, \
                 f"kernel array argument of dtype {getattr(a, 'dtype', type(a))}, expected {want}"
-            if kind == "array" and extents is not None:
+            if extents is not None and (kind == "array" or index_extents):
                 need = next(sizes)
                 assert a.size >= need, f"argument {i}: {a.size} elements, the kernel reads {need}"
             converted.append(ptr(a))

@@ -41,10 +41,10 @@ def host_get_cluster_kernels(lib, limit: int):
     each function registered with the emulated driver (its cluster size), so that the occupancy
     query answers for it."""
     from helpers import emulated_cupy as emu
-    from helpers.host_fused import _BWD, _BWD_OUTPUTS, _FWD, _FWD_OUTPUTS
+    from helpers.host_fused import _BWD, _BWD_OUTPUTS, _FWD, _FWD_OUTPUTS, convert_fused
     from helpers.host_kernels import SUFFIX
 
-    convert = emu.convert_kernel_args
+    convert = convert_fused
 
     def kernel(fn, name, kinds, outputs, dtype, size):
         def launch(grid, block, args, shared_mem=0):
@@ -107,10 +107,10 @@ def host_get_group_kernels(lib, limit: int):
     strict about arguments as host_fused.host_get_fused_kernels; the exchange buffer (whose
     content is undefined at the launch) is filled with NaN first, the counters must be zero."""
     from helpers import emulated_cupy as emu
-    from helpers.host_fused import _BWD, _BWD_OUTPUTS, _FWD, _FWD_OUTPUTS
+    from helpers.host_fused import _BWD, _BWD_OUTPUTS, _FWD, _FWD_OUTPUTS, convert_fused
     from helpers.host_kernels import SUFFIX, ptr
 
-    convert = emu.convert_kernel_args
+    convert = convert_fused
 
     def kernel(fn, name, kinds, outputs, dtype, size):
         acc = np.dtype(np.float64 if dtype == np.float64 else np.float32)

@@ -53,6 +53,50 @@ _BWD = ["array", "int64"] + ["array"] * 8 + ["index"] + ["int32"] * 8
 _BWD_OUTPUTS = (7, 8, 9)
 
 
+def _rows(offsets, packed, steps, batch) -> int:
+    """The packed rows a launch runs: from the plan's step offsets (an array or a pointer into
+    live memory), or steps * batch."""
+    if not packed:
+        return steps * batch
+    from helpers import emulated_cupy as emu
+
+    off = emu._host_view(offsets, steps + 1, np.int64) if type(offsets) is int \
+        else np.asarray(offsets)
+    return int(off[steps] - off[0])
+
+
+def fused_extents(kinds):
+    """The elements each array and index argument of a fused launch touches (the kernels of
+    cuda_src/lltm_fused.cu and their cluster, group and tensor-core variants), so that they may
+    be passed as device pointers."""
+    if kinds is _FWD:
+        def extents(args):
+            w, k, _, _, _, _, _, _, _, _, offsets, packed, steps, batch, state, _ = args
+            steps, batch, state = int(steps), int(batch), int(state)
+            rows, n = _rows(offsets, int(packed), steps, batch), batch * state
+            return (3 * state * int(k), 3 * state, rows * 3 * state, n, n, rows * state,
+                    rows * state, n, n, steps + 1 if int(packed) else 0)
+        return extents
+
+    def extents(args):
+        (w, k, _, _, _, _, _, _, _, _, offsets, packed, has_out, has_h, has_c, steps, batch,
+         state, _) = args
+        steps, batch, state = int(steps), int(batch), int(state)
+        rows, n = _rows(offsets, int(packed), steps, batch), batch * state
+        return (3 * state * int(k), rows * 3 * state, rows * state,
+                rows * state if has_out else 0, n if has_h else 0, n if has_c else 0,
+                rows * 3 * state, n, n, steps + 1 if int(packed) else 0)
+    return extents
+
+
+def convert_fused(args, dtype, kinds, outputs):
+    """emulated_cupy.convert_kernel_args for a fused launch: arrays or device pointers."""
+    from helpers import emulated_cupy as emu
+
+    return emu.convert_kernel_args(args, dtype, kinds, outputs, fused_extents(kinds),
+                                   index_extents=True)
+
+
 def _host_kernel(lib, limit, fn, name, kinds, outputs, dtype, variant=None):
     """A launch handle (as CuPy's) of the host build's entry point ``fn``, logged as
     ``kernel:<name>`` in the emulated CuPy's log (after ``variant:<variant>`` if given)."""
@@ -66,7 +110,7 @@ def _host_kernel(lib, limit, fn, name, kinds, outputs, dtype, variant=None):
             emu._state.log.append(f"variant:{variant}")
         emu._state.log.append(f"kernel:{name}")
         fn(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), ctypes.c_ulonglong(shared_mem),
-           *emu.convert_kernel_args(args, dtype, kinds, outputs))
+           *convert_fused(args, dtype, kinds, outputs))
         error = lib.lltm_host_last_error()
         assert error is None, f"{name}: {error.decode()}"
     return launch
