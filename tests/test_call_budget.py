@@ -88,7 +88,7 @@ def test_emulated_cuda_lltm_calls(emulated_cuda_torch, layers):
 
 
 
-def test_emulated_cuda_fused_lltm_calls(fused_cupy, emulated_cuda_torch):
+def test_emulated_cuda_fused_lltm_calls(fused_cupy, emulated_cuda_torch):  # noqa: F811
     """``fused=True`` (the fused sequence kernels, one launch each way): a call, whatever its
     steps."""
     emulator = fused_cupy.emulator

@@ -1,7 +1,6 @@
 """lltm_cupy.torch against the pure-torch reference LLTM (autograd through torch ops)."""
 from __future__ import annotations
 
-import importlib
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 import lltm_cupy  # noqa: E402
 import lltm_cupy._numpy  # noqa: E402
 import lltm_cupy.torch as lt  # noqa: E402
-from conftest import GRAD_NAMES, TOLERANCE, make_case, max_error  # noqa: E402
+from conftest import TOLERANCE, make_case, max_error  # noqa: E402
 
 NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 TORCH_TO_NP = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from .._cuda import step as _cuda_step
 from .._numpy import step as _step

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from lltm_cupy._cuda import kernels as _kernels
-from .host_kernels import SHIM, SUFFIX, ptr
+from .host_kernels import SHIM, SUFFIX
 
 #: scheduling orders of the shim: threads ascending, descending, a random permutation per barrier
 SCHEDULES = {"ascending": 0, "descending": 1, "random": 2}
