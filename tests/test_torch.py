@@ -1,7 +1,6 @@
 """lltm_cupy.torch against the pure-torch reference LLTM (autograd through torch ops)."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
