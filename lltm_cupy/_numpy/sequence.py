@@ -24,6 +24,7 @@ from operator import getitem
 
 import numpy as np
 
+from .. import _packing
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 from .gemm import row_blocks
 from .step import _backward_step, _forward_step, _mapped, _step_factors, scratch, zeros
@@ -121,14 +122,7 @@ def _blocks(sizes, offsets):
         steps = len(offsets) - 1
         k = max(1, _BLOCK_ROWS // max(sizes, 1))
         return zip(range(0, steps, k), chain(range(k, steps, k), (steps,)))   # (lazily)
-    blocks, a = [], 0
-    for t in range(1, len(offsets)):
-        if offsets[t] - offsets[a] > _BLOCK_ROWS and t - 1 > a:
-            blocks.append((a, t - 1))
-            a = t - 1
-    if len(offsets) > 1:
-        blocks.append((a, len(offsets) - 1))
-    return blocks
+    return _packing.step_blocks(offsets, _BLOCK_ROWS)
 
 
 def block_rows(sizes, offsets) -> int:
@@ -136,13 +130,17 @@ def block_rows(sizes, offsets) -> int:
     return max(offsets[b] - offsets[a] for a, b in _blocks(sizes, offsets))
 
 
-def _gate_pieces(a, sizes) -> list:
-    """The consecutive pieces of gate-major ``a`` (3, R, S) of ``sizes`` rows: (3, n, S) each."""
-    out, start = [], 0
-    for n in sizes:
-        out.append(a[:, start: start + n])
-        start += n
-    return out
+def _runs(sizes, a: int, b: int) -> list:
+    """Steps a to b - 1 as runs of steps of the same rows: ``[(t0, t1, n), ...]`` (``sizes``:
+    per step, or an int, every step's)."""
+    if isinstance(sizes, int):
+        return [(a, b, sizes)]
+    runs, t0 = [], a
+    for t in range(a + 1, b + 1):
+        if t == b or sizes[t] != sizes[t0]:
+            runs.append((t0, t, sizes[t0]))
+            t0 = t
+    return runs
 
 
 def forget_workspaces() -> None:
@@ -199,6 +197,8 @@ def _forward_loop(x, weights, bias, mm, sizes, offsets, h, first, cells, c0, fac
     steps = len(offsets) - 1
     if not steps:
         return
+    if not isinstance(sizes, int) and sizes.count(sizes[0]) == steps:
+        sizes = sizes[0]
     one = isinstance(sizes, int)        # every step `sizes` rows
     state = h.shape[1]
     dtype = h.dtype
@@ -238,25 +238,24 @@ def _forward_loop(x, weights, bias, mm, sizes, offsets, h, first, cells, c0, fac
         k = offsets[b] - offsets[a]
         project(mm.operand(x[offsets[a]: offsets[b]]), w_x, bias, projection_op[:, :k])
         n_t = (sizes,) * (b - a) if one else sizes[a:b]
-        p_in = ([*projection[:, :k].reshape(3, b - a, sizes, state).swapaxes(0, 1)] if one
-                else _gate_pieces(projection, n_t))
         if emit is None:
             base, read = first, first + offsets[a - 1] if a else 0
         else:       # the rows step a reads at the front, the block's after them
             base, read = (n_t[0] if not a else sizes if one else sizes[a - 1]) - offsets[a], 0
-        if one:     # (ranges: consecutive blocks of one size, one view and `list` each)
-            starts = range(base + offsets[a], base + offsets[b], sizes)
-            reads = range(read, read + (b - a) * sizes, sizes)
-            h_out = [*h[starts[0]: starts[-1] + sizes].reshape(b - a, sizes, state)]
-        else:
-            starts = [base + o for o in offsets[a:b]]
-            reads = [read, *starts[:-1]]
-            h_out = row_blocks(h, starts, n_t)
-        h_in = mm.gate_inputs(h_op, reads, n_t)
+        # the per-step views of each run of steps of the same rows: one reshape each
+        starts, h_out, p_in, c_out = [], [], [], []
+        for r0, r1, n in [(a, b, sizes)] if one else _runs(sizes, a, b):
+            at, rows = offsets[r0], (r1 - r0) * n
+            starts += range(base + at, base + at + rows, n)
+            h_out.extend(h[base + at: base + at + rows].reshape(r1 - r0, n, state))
+            at -= offsets[a]
+            p_in.extend(
+                projection[:, at: at + rows].reshape(3, r1 - r0, n, state).swapaxes(0, 1))
+            if keep:
+                c_out.extend(cells[offsets[r0]: offsets[r0] + rows].reshape(r1 - r0, n, state))
+        h_in = mm.gate_inputs(h_op, [read, *starts[:-1]], n_t)
         if keep:
             keys = [*zip(slots[a:b], n_t)]
-            c_out = ([*cells[offsets[a]: offsets[b]].reshape(b - a, sizes, state)] if one
-                     else row_blocks(cells, offsets[a:b], n_t))
             c_in = [c0[: n_t[0]] if not a else cells[offsets[a - 1]: offsets[a - 1] + n_t[0]]]
             c_in += c_out[:-1] if one else map(getitem, c_out[:-1], map(slice, n_t[1:]))
             done = [*map(after.get, range(a, b))]
@@ -334,6 +333,8 @@ def _backward_loop(grad_h, grad_c, factors, flat, w_h, mm, sizes, offsets):
     None (zero). Returns the cell gradient (batch, S), sorted: d_c0 (this thread's workspace:
     valid until its next call on this thread)."""
     steps = len(offsets) - 1
+    if not isinstance(sizes, int) and sizes.count(sizes[0]) == steps:
+        sizes = sizes[0]
     one = isinstance(sizes, int)
     batch, state = sizes if one else sizes[0], grad_h.shape[1]
     space = _workspace(batch, state, grad_h.dtype)
@@ -343,23 +344,18 @@ def _backward_loop(grad_h, grad_c, factors, flat, w_h, mm, sizes, offsets):
     else:
         np.copyto(d_c, grad_c)
     # the cell gradient of a step's rows is d_c's first rows: rows past the next step's are
-    # those whose sequences end here, which still hold grad_c (no later step touches them)
-    if one:     # every list in one reshape
-        n_t = (batch,) * steps
-        g_rows = [*grad_h.reshape(steps, batch, state)]
-        f = factors.reshape(steps, 4, batch, state)
-        f_io, f_oc = [*f[:, 0::2]], [*f[:, 1::2]]
-        d_rows = [*flat.reshape(steps, batch, 3, state).transpose(0, 2, 1, 3)]
-        made = [space.backward(batch)] * steps
-    else:
-        n_t, starts = sizes, offsets[:-1]
-        g_rows = row_blocks(grad_h, starts, sizes)
-        f = [factors[4 * state * s: 4 * state * (s + n)].reshape(4, n, state)
-             for s, n in zip(starts, sizes)]
-        f_io, f_oc = [a[0::2] for a in f], [a[1::2] for a in f]
-        d_rows = [flat[s: s + n].reshape(n, 3, state).transpose(1, 0, 2)
-                  for s, n in zip(starts, sizes)]
-        made = [space.backward(n) for n in sizes]
+    # those whose sequences end here, which still hold grad_c (no later step touches them).
+    # The per-step views of each run of steps of the same rows: one reshape each
+    n_t = (batch,) * steps if one else sizes
+    g_rows, f_io, f_oc, d_rows, made = [], [], [], [], []
+    for t0, t1, n in [(0, steps, sizes)] if one else _runs(sizes, 0, steps):
+        k, at = t1 - t0, offsets[t0]
+        g_rows.extend(grad_h[at: at + k * n].reshape(k, n, state))
+        f = factors[4 * state * at: 4 * state * (at + k * n)].reshape(k, 4, n, state)
+        f_io.extend(f[:, 0::2])
+        f_oc.extend(f[:, 1::2])
+        d_rows.extend(flat[at: at + k * n].reshape(k, n, 3, state).transpose(0, 2, 1, 3))
+        made += [space.backward(n)] * k
     d_ops = mm.steps_of(mm.operand(flat), n_t)
     # step t > 0 adds into the first sizes[t] rows of step t - 1's
     g_ops = [None, *mm.row_blocks(mm.operand(grad_h), offsets[:steps - 1], n_t[1:])]
