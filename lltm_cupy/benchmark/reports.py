@@ -159,13 +159,13 @@ def plot_inference(timing: dict, training: dict, path, title: str = "") -> tuple
             bars = ax.bar(xs, ys, width, label=label)
             ratios = [table[size][f"{row}_s"] / table[size]["lstm_s"] for size in sizes
                       if f"{row}_s" in table[size]]
-            ax.bar_label(bars, [f"{y:.3g}\n{r:.2f}x" for y, r in zip(ys, ratios)], fontsize=6,
-                         padding=1)
+            ax.bar_label(bars, [f"{_ms(y)}\n{r:.2f}x" for y, r in zip(ys, ratios)],
+                         fontsize=6, padding=1)
         ax.set_yscale("log")
         ax.set_xticks(range(len(sizes)), [s.replace(" ", "") for s in sizes], fontsize=7)
         ax.set_xlabel("(T, B, F, S)")
-        ax.set_ylabel("ms per call (log); label: ms, x nn.LSTM's time")
-        ax.set_title(name, fontsize=9)
+        ax.set_ylabel("ms per call (log scale)")
+        ax.set_title(f"{name}\nbar labels: ms, and the time over nn.LSTM's", fontsize=8)
         low, high = ax.get_ylim()
         ax.set_ylim(low, high * 4)      # room for the labels and the legend
         ax.legend(fontsize=7, loc="upper left")
@@ -177,3 +177,8 @@ def plot_inference(timing: dict, training: dict, path, title: str = "") -> tuple
     size = tuple(int(v) for v in fig.get_size_inches() * fig.dpi)
     plt.close(fig)
     return size
+
+
+def _ms(value: float) -> str:
+    """A time in ms, three digits at most, no exponent."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
