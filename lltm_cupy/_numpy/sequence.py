@@ -200,6 +200,8 @@ def _forward_loop(x, weights, bias, mm, sizes, offsets, h, first, cells, c0, fac
     if not isinstance(sizes, int) and sizes.count(sizes[0]) == steps:
         sizes = sizes[0]
     one = isinstance(sizes, int)        # every step `sizes` rows
+    if one and not sizes:               # (an empty batch: nothing to compute)
+        return
     state = h.shape[1]
     dtype = h.dtype
     keep = cells is not None
@@ -218,9 +220,10 @@ def _forward_loop(x, weights, bias, mm, sizes, offsets, h, first, cells, c0, fac
                 slots[t0:t] = range(t - t0)
                 total, rest = space.group_views(t - t0, n)
                 a, b = offsets[t0], offsets[t0] + (t - t0) * n
-                after[t - 1] = (total, rest, h[first + a: first + b].reshape(-1, n, state),
-                                cells[a:b].reshape(-1, n, state),
-                                factors[4 * state * a: 4 * state * b].reshape(-1, 4, n, state))
+                k = t - t0
+                after[t - 1] = (total, rest, h[first + a: first + b].reshape(k, n, state),
+                                cells[a:b].reshape(k, n, state),
+                                factors[4 * state * a: 4 * state * b].reshape(k, 4, n, state))
                 t0 = t
     cell_rows = {} if keep else {n: c0[:n] for n in ((sizes,) if one else set(sizes))}
     h_op = mm.operand(h)
@@ -309,7 +312,8 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
     if grad_h_n is not None:
         grad_h[-1] += grad_h_n
     d_c = _backward_loop(grad_h.reshape(rows, state), grad_c_n, factors.reshape(-1), flat,
-                         weights[:, :state], mm, batch, range(0, rows + batch, batch))
+                         weights[:, :state], mm, batch,
+                         range(0, rows + batch, batch) if batch else [0] * (steps + 1))
     d_h0 = mm(flat[:batch], weights[:, :state]) if need_h0 else None
     d_weights = d_bias = d_inputs = None
     if need_w:
@@ -343,6 +347,8 @@ def _backward_loop(grad_h, grad_c, factors, flat, w_h, mm, sizes, offsets):
         d_c[...] = 0
     else:
         np.copyto(d_c, grad_c)
+    if not batch:                       # (an empty batch: nothing to compute)
+        return d_c
     # the cell gradient of a step's rows is d_c's first rows: rows past the next step's are
     # those whose sequences end here, which still hold grad_c (no later step touches them).
     # The per-step views of each run of steps of the same rows: one reshape each
