@@ -7,7 +7,8 @@ Examples:
     python scripts/benchmark.py --cuda --json gpu.json
     python scripts/benchmark.py --mixed               # the cell between torch layers (CPU)
     python scripts/benchmark.py --sequence            # T = 64: our LLTM vs stepped cells
-    python scripts/benchmark.py --inference           # no_grad forward: memory and time vs nn.LSTM
+    python scripts/benchmark.py --inference           # sequences against nn.LSTM: memory, time, split
+    python scripts/benchmark.py --inference --plot docs/cpu_sequences.png   # and the picture
 
 Options -b/-f/-s/-r/--scale/-c/-d are those of the tutorial's benchmark.py. Giving any of
 -b/-f/-s runs that one size; otherwise the sweep of --sizes (default: the CPU or GPU sweep).
@@ -74,18 +75,21 @@ def main(argv=None) -> int:
     p.add_argument("-t", "--steps", type=_int_list, default=[64],
                    help="sequence length for --sequence; several separated by commas (64,512)")
     p.add_argument("--inference", action="store_true",
-                   help="a forward under torch.no_grad, our LLTM against nn.LSTM (CPU): peak "
-                        "resident memory added (a fresh process per implementation) at "
-                        "(T, B, F, S) = (500, 64, 16, 512), and process CPU time at (128, 32, "
-                        "128, 256) and (64, 64, 256, 512), interleaved, medians; and a training "
-                        "step's time at four sizes")
+                   help="our LLTM against nn.LSTM and the tutorial's cell stepped (CPU): a "
+                        "forward under torch.no_grad's peak resident memory added (a fresh "
+                        "process per implementation) at (T, B, F, S) = (500, 64, 16, 512) and "
+                        "process CPU time at (64, 16, 32, 128), (128, 32, 128, 256) and (64, "
+                        "64, 256, 512), a training step's time at four sizes, interleaved, "
+                        "medians; and the per-step / fixed split of a call at (B, F, S) = (16, "
+                        "32, 128) (T = 4 and 64); with --plot, the times as a picture")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's own; 1 for --inference)")
     p.add_argument("--no-kernels", action="store_true",
                    help="skip the GPU kernel bandwidth report (GPU) or the BLAS share report (CPU)")
     p.add_argument("--json", metavar="FILE", help="write all results as JSON")
     p.add_argument("--plot", metavar="FILE.png",
-                   help="the speed-ups as a bar chart (needs matplotlib: pip install '.[examples]')")
+                   help="the speed-ups as a bar chart; with --inference, each implementation's "
+                        "time per call (needs matplotlib: pip install '.[examples]')")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     args = p.parse_args(argv)
 
@@ -147,16 +151,28 @@ def _inference(args, torch) -> int:
     if args.cuda:
         print("--inference measures the CPU (nn.LSTM's CPU path against ours)", file=sys.stderr)
         return 2
-    print(f"lltm_cupy inference benchmark on {bm.machine_name(False)}; torch {torch.__version__}")
-    memory = inference.memory_report(rounds=3, threads=args.threads or 1)
-    timing = inference.time_report(rounds=args.runs or 15, threads=args.threads or 1)
+    import numpy
+
+    threads = args.threads or 1
+    title = (f"{bm.machine_name(False)}; Python {sys.version.split()[0]}, torch "
+             f"{torch.__version__}, NumPy {numpy.__version__}; float32, {threads} thread(s), "
+             + ("process CPU time" if threads == 1 else "wall time"))
+    print(f"lltm_cupy inference benchmark on {title}")
+    memory = inference.memory_report(rounds=3, threads=threads)
+    timing = inference.time_report(rounds=args.runs or 15, threads=threads)
     training = inference.time_report(inference.TRAIN_SIZES, rounds=args.runs or 7,
-                                     threads=args.threads or 1, train=True)
+                                     threads=threads, train=True)
     print(inference.format_inference(memory, timing, training))
+    split = inference.split_report(rounds=args.runs or 21, threads=threads)
+    print(inference.format_split(split))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": bm.machine_name(False),
                                                "torch": torch.__version__, "memory": memory,
-                                               "time": timing, "training": training}, indent=1))
+                                               "time": timing, "training": training,
+                                               "split": split}, indent=1))
+    if args.plot:
+        width, height = bm.plot_inference(timing, training, args.plot, title)
+        print(f"wrote {args.plot} ({width}x{height} pixels)")
     return 0
 
 

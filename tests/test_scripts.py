@@ -398,10 +398,31 @@ def test_inference_benchmark_measures_both_in_fresh_processes():
     assert r["lltm_s"] > 0 and r["lstm_s"] > 0 and r["ratio"] > 0 and r["threads"] == 1
     training = inference.time_report(sizes=((3, 2, 3, 4),), rounds=2, train=True)
     assert training["(3, 2, 3, 4)"]["lltm_s"] > 0
+    assert training["(3, 2, 3, 4)"]["reference_s"] > 0      # the tutorial's cell, stepped
     text = inference.format_inference(memory, timing, training)
     assert "nn.LSTM MB" in text and "nn.LSTM ms" in text and "training step" in text
+    assert "tutorial ms" in text
+    split = inference.split_report(size=(2, 3, 4), lengths=(2, 6), rounds=3)
+    for mode in ("training", "no_grad"):
+        for impl in ("lltm", "lstm"):
+            assert split[mode][impl]["long_s"] > 0, split
+    assert "per-step / fixed split" in inference.format_split(split)
     proc = script("benchmark.py", "--inference", "--cuda")
     assert proc.returncode == 2 and "CPU" in proc.stderr, proc.stderr
+
+
+def test_inference_picture_is_a_png(tmp_path):
+    """--inference --plot's picture, at tiny sizes: a PNG of both panels, the title given."""
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib", reason="the examples extra is not installed")
+    from lltm_cupy.benchmark import inference, plot_inference
+
+    sizes = ((3, 2, 3, 4), (2, 3, 2, 5))
+    timing = inference.time_report(sizes=sizes, rounds=1)
+    training = inference.time_report(sizes=sizes, rounds=1, train=True)
+    png = tmp_path / "cpu.png"
+    width, height = plot_inference(timing, training, png, "a machine; versions")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and width > 2 * height > 0
 
 
 def test_every_scripts_help_says_what_it_does_in_whole_sentences():

@@ -132,6 +132,20 @@ def test_sequence_finite_differences():
         assert err < 1e-7, f"d_{name}: max |analytic - numeric| = {err:.2e}"
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_empty_batch(reverse):
+    """A batch of no sequences (B = 0) runs forward, forward only and backward: the outputs
+    (T, 0, S) and zero weight gradients (the loops' per-step views of zero rows)."""
+    case = make_sequence(3, 0, 4, 5, np.float32)
+    args = [case[n] for n in SEQ_NAMES]
+    only = lltm_cupy.forward_sequence(*args, reverse=reverse, return_saved=False)
+    outputs, h_n, c_n, saved = lltm_cupy.forward_sequence(*args, reverse=reverse)
+    assert outputs.shape == only[0].shape == (3, 0, 5) and h_n.shape == c_n.shape == (0, 5)
+    grads = lltm_cupy.backward_sequence(np.ones_like(outputs), None, None, saved)
+    assert grads.d_inputs.shape == (3, 0, 4) and grads.d_h0.shape == (0, 5)
+    assert not grads.d_weights.any() and not grads.d_bias.any()
+
+
 def test_sequence_errors():
     case = make_sequence(2, 3, 4, 5, np.float32)
     args = [case[n] for n in SEQ_NAMES]

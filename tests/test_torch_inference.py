@@ -201,7 +201,9 @@ def test_cpu_memory_beyond_the_output_does_not_grow_with_steps(monkeypatch):
                 peak, (out, _) = peak_traced_bytes(lambda: model(xs))
             extra[steps, grad] = peak - out.numel() * out.element_size()
             del out
-    assert extra[200, False] - extra[50, False] <= 1024, extra
+    # (one array per step would add 150 KB here; the slack is the interpreter's and NumPy's own
+    # caches of small objects, whose filling depends on what ran before: up to 2 KB seen)
+    assert extra[200, False] - extra[50, False] <= 4096, extra
     assert (extra[200, True] - extra[50, True]) / 150 >= 0.9 * 5 * B * S * 4, extra
 
 

@@ -5,28 +5,36 @@ layer can run them with torch's BLAS instead (``lltm_cupy.torch._torch_gemm.Torc
 BLAS thread pool per process, not two that fight over the cores). Besides ``mm(a, b)`` (a new
 array ``a @ b``), the sequence loops use:
 
-- ``into(a, b, out)``: ``a @ b`` written into the C-contiguous array ``out`` (returned);
+- ``into(a, b, out)``: ``a @ b`` written into ``out`` (a C-contiguous array or a view of one
+  with unit column stride, such as a column block of the weights' gradient; returned);
 - ``operand(a)``: the array ``a`` as the GEMM calls take it (NumPy: the array itself; torch: a
-  tensor over the same memory); ``rows(op)``: the operand's ``op[i]`` for every i, made in one
-  call before a loop, not one per step;
-- ``gate_rows(op)``: each ``op[t]`` (B, S) as the ``h`` of ``add_gates``;
+  tensor over the same memory); ``gate_weights(w)``: the (3S, K) weights' gate-major copy
+  (3, K, S) as an operand;
+- per-step operands, made in one call before a loop, not one per step: ``steps_of(op,
+  sizes)``, consecutive pieces of ``op``'s rows (its second-to-last axis); ``row_blocks(op,
+  starts, sizes)``, the rows ``op[s:s + n]``; ``gate_inputs(op, starts, sizes)``, the same as
+  the ``h`` of ``bmm`` (torch: expanded to (3, n, S));
 - ``project_gates(x, w, bias, out)``: ``out[g] = x @ w[g] + bias[g]`` for the three gates
   (``out`` (3, R, S) gate-major, the layout the element-wise step runs on);
-- ``add_gates(out, z, h, w)``: ``out[g] = z[g] + h @ w[g]`` (out, z (3, B, S), w (3, S, S));
-- ``accumulate(out, a, b)``: ``out += a @ b``.
+- ``bmm(h, w, out=out)``: ``out[g] = h @ w[g]`` (out (3, n, S), w (3, S, S)), and
+  ``addmm_(out, a, b)``: ``out += a @ b``, the loops' per-step GEMMs: for torch, torch's own
+  functions, so that a step's GEMM is one call into torch and no Python call of this library.
 
 Gate-major GEMMs (three (B, S) products against per-gate weights (3, K, S), one batched call)
 write the layout the element-wise step reads, so that no pass transposes the products. With
-torch's BLAS (MKL, one thread, float32) the step's recurrent product plus its projection,
-``torch.baddbmm(z, h, w, out=out)``, took 12.3 / 76 / 685 us at (B, S) = (16, 128) / (32, 256) /
-(64, 512), against 15.6 / 88 / 703 us for one (B, 3S) product and the pass that adds it into
-gate-major order, and 14.9 / 80 / 692 us for ``baddbmm_`` into the strided projection itself.
+torch's BLAS (MKL, one thread, float32, on the 2-core Intel Xeon VM of docs/performance.md) the
+step's recurrent product ``torch.bmm`` took 8.1 / 55 / 461 us at (B, S) = (16, 128) / (32, 256)
+/ (64, 512), and with the projection added by NumPy (one pass) 8.7 / 57 / 469 us, against 10.2
+/ 61 / 489 us for ``torch.baddbmm`` (which copies the projection into the output before the
+product) and 11.2-12.0 / 92-96 / 652-672 us for NumPy's ``matmul`` (OpenBLAS). An earlier
+measurement (AMD EPYC host): ``torch.baddbmm`` 12.3 / 76 / 685 us against 15.6 / 88 / 703 us
+for one (B, 3S) product and the pass that adds it into gate-major order.
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["NumpyGemm", "NUMPY_GEMM", "gate_weights"]
+__all__ = ["NumpyGemm", "NUMPY_GEMM", "gate_weights", "row_blocks", "consecutive"]
 
 
 def gate_weights(w):
@@ -41,26 +49,72 @@ class NumpyGemm:
     def __call__(self, a, b):
         return np.matmul(a, b)
 
-    def into(self, a, b, out):
+    @staticmethod
+    def into(a, b, out):
         return np.matmul(a, b, out=out)
 
-    def operand(self, a):
+    @staticmethod
+    def operand(a):
         return a
 
-    def rows(self, a):
-        return list(a)
+    gate_weights = staticmethod(gate_weights)
 
-    gate_rows = rows
+    @staticmethod
+    def steps_of(a, sizes):
+        return _pieces(a, sizes)
 
-    def project_gates(self, x, w, bias, out):
+    @staticmethod
+    def row_blocks(a, starts, sizes):
+        return row_blocks(a, starts, sizes)
+
+    gate_inputs = row_blocks     # (matmul broadcasts (n, S) @ (3, S, S))
+
+    @staticmethod
+    def project_gates(x, w, bias, out):
         np.matmul(x, w, out=out)
         np.add(out, bias.reshape(3, 1, -1), out)
 
-    def add_gates(self, out, z, h, w):
-        np.add(z, np.matmul(h, w), out)
+    @staticmethod
+    def bmm(h, w, *, out):
+        np.matmul(h, w, out=out)
 
-    def accumulate(self, out, a, b):
+    @staticmethod
+    def addmm_(out, a, b):
         np.add(out, np.matmul(a, b), out)
+
+
+def _pieces(a, sizes) -> list:
+    """Consecutive pieces of ``a`` along its second-to-last axis (one reshape where they are
+    of one size, else a slice each)."""
+    if len(sizes) and sizes[0] and [*sizes] == [sizes[0]] * len(sizes):
+        n, steps = sizes[0], len(sizes)
+        cut = a[..., : n * steps, :].reshape(a.shape[:-2] + (steps, n, a.shape[-1]))
+        return [*(cut if a.ndim == 2 else cut.swapaxes(0, 1))]     # (2-D, or 3-D gate-major)
+    out, start = [], 0
+    for n in sizes:
+        out.append(a[..., start: start + n, :])
+        start += n
+    return out
+
+
+def row_blocks(a, starts, sizes) -> list:
+    """``a[s:s + n]`` for each (s, n), as a list: one reshape and ``list`` where the blocks
+    are consecutive and of one size (a fixed-length sequence's steps), else a slice each."""
+    if consecutive(starts, sizes):
+        n, s0, steps = sizes[0], starts[0], len(sizes)
+        return [*a[s0: s0 + n * steps].reshape((steps, n) + a.shape[1:])]
+    return [a[s: s + n] for s, n in zip(starts, sizes)]
+
+
+def consecutive(starts, sizes) -> bool:
+    """Whether blocks [s, s + n) are consecutive and of one size (a fixed-length sequence's
+    steps): ``starts`` s0, s0 + n, s0 + 2n, ... (a ``range`` of step n, or equal to one)."""
+    n = sizes[0] if len(sizes) else 0
+    if type(starts) is range:
+        return n > 0 and starts.step == n and len(starts) == len(sizes) and (
+            type(sizes) is not tuple or sizes.count(n) == len(sizes))
+    return n > 0 and [*sizes] == [n] * len(sizes) and [*starts] == [
+        *range(starts[0], starts[0] + n * len(sizes), n)]
 
 
 NUMPY_GEMM = NumpyGemm()

@@ -51,9 +51,15 @@ except ImportError:     # pragma: no cover -- a NumPy without it
     def loud(token):
         np.seterr(**token)
 
-_ZERO = {np.dtype(t): t(0) for t in (np.float32, np.float64)}   # typed: 0.5 us less than int 0
-
 _local = threading.local()
+
+
+def _mapped(count: int, dtype) -> np.ndarray:
+    """``count`` elements of ``dtype`` in a mapping of their own, outside the heap: a
+    long-lived block among the heap's short-lived ones would change where they land and when
+    the heap is trimmed. Zero-filled (fresh anonymous pages)."""
+    memory = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+    return np.frombuffer(memory, dtype, count)
 
 
 def scratch(count: int, dtype) -> np.ndarray:
@@ -67,10 +73,21 @@ def scratch(count: int, dtype) -> np.ndarray:
         buffers = _local.buffers = {}
     buffer = buffers.get(dtype)
     if buffer is None or buffer.size < count:
-        # its own mapping, outside the heap: a long-lived block among the heap's short-lived
-        # ones would change where they land and when the heap is trimmed
-        memory = mmap.mmap(-1, max(count * dtype.itemsize, 1))
-        buffer = buffers[dtype] = np.frombuffer(memory, dtype, count)
+        buffer = buffers[dtype] = _mapped(count, dtype)
+    return buffer[:count]
+
+
+def zeros(count: int, dtype) -> np.ndarray:
+    """``count`` zeros of ``dtype``, read-only, this thread's (grown as needed and kept):
+    ``minimum(z, zeros)`` costs 0.5 us less per call than ``minimum(z, 0)`` at (3, 16, 128)
+    (NumPy's loop for a scalar operand is not vectorised), 30 % of the call."""
+    table = getattr(_local, "zeros", None)
+    if table is None:
+        table = _local.zeros = {}
+    buffer = table.get(dtype)
+    if buffer is None or buffer.size < count:
+        buffer = table[dtype] = _mapped(count, dtype)
+        buffer.flags.writeable = False
     return buffer[:count]
 
 
@@ -104,16 +121,6 @@ def _project(x, w, bias, mm, steps, batch, out=None, product=None):
     return out
 
 
-def _d_tanh(c, out):
-    """tanh'(c) = (1 / cosh(c))^2 into ``out``: relatively accurate where 1 - tanh(c)^2 cancels
-    (|tanh c| near 1). cosh overflows to inf for |c| > ~710 (float64) / ~89 (float32), where the
-    exact value underflows to 0 anyway (1 / inf = 0). The square comes after the reciprocal, so
-    it can only underflow."""
-    np.cosh(c, out)
-    np.reciprocal(out, out)
-    np.square(out, out)
-
-
 def _activate(z, old_cell, new_h, new_cell, factors=None) -> None:
     """Element-wise forward of one step: :func:`_step` and, unless ``factors`` is None,
     :func:`_step_factors` (for callers with one step; the sequence loops call the two apart)."""
@@ -124,12 +131,23 @@ def _activate(z, old_cell, new_h, new_cell, factors=None) -> None:
 
 
 def _step(z, old_cell, new_h, new_cell, scratch, derivatives) -> None:
-    """Element-wise forward of one step. z (3, B, S): the gate pre-activations, used as scratch
-    (the callers' own temporary; z[1:] holds p + q below afterwards). Writes new_h, new_cell
-    (B, S) (``new_cell`` may be ``old_cell`` itself: updated in place), and leaves in
-    ``scratch`` (6, B, S) [q_i, q_o, input_gate, output_gate, p_c, candidate_cell * input_gate]
-    what :func:`_step_factors` computes the backward's factors from (p_c only with
-    ``derivatives``; without, the outputs are the same bits).
+    """Element-wise forward of one step (:func:`_forward_step` made and run once)."""
+    _forward_step(z, scratch, zeros(z.size, z.dtype).reshape(z.shape),
+                  derivatives)(old_cell, new_h, new_cell)
+
+
+def _forward_step(z, scratch, zero, derivatives):
+    """The element-wise forward of one step as a function ``step(old_cell, new_h, new_cell)``
+    of its state, on the buffers given here, whose views it makes once: the sequence loops make
+    one per buffer and call it step after step (a dozen views cost about 2 us, a step at
+    B * S = 2k about 20), with no array, view or Python object made per step.
+
+    z (3, B, S): the gate pre-activations, used as scratch (z[1:] holds p + q below afterwards;
+    the caller writes the next step's z into it). ``zero``: zeros shaped like z (read-only).
+    The step writes new_h, new_cell (B, S) (``new_cell`` may be ``old_cell`` itself: updated
+    in place), and leaves in ``scratch`` (6, B, S) [q_i, q_o, input_gate, output_gate, p_c,
+    candidate_cell * input_gate] what :func:`_step_factors` computes the backward's factors
+    from (p_c only with ``derivatives``; without, the outputs are the same bits).
 
     Forms that keep relative accuracy for every finite input, on both sides, and never overflow,
     from p = exp(min(z, 0)) and q = exp(-max(z, 0)) (both in (0, 1], one of them exactly 1):
@@ -141,91 +159,120 @@ def _step(z, old_cell, new_h, new_cell, scratch, derivatives) -> None:
 
     (the tutorial's (1 + tanh(z / 2)) / 2, s (1 - s) and 1 - tanh^2 are accurate only to about
     one unit in the last place of 1, which is no relative accuracy at all once a gate saturates).
-    Values multiplied by the same factor sit side by side, so that one NumPy call does two
-    gates; outputs are passed positionally (0.3 us less per call than ``out=``), except to
+    Twelve NumPy calls: values multiplied by the same factor sit side by side, so that one call
+    does two gates; min / max against a zeros array (NumPy's loop for a scalar operand is not
+    vectorised); outputs passed positionally (0.3 us less per call than ``out=``), except to
     minimum/maximum, where NumPy deprecates that.
     """
-    _step_on(_step_views(z, scratch, derivatives), old_cell, new_h, new_cell)
-
-
-def _step_views(z, scratch, derivatives) -> tuple:
-    """The views :func:`_step_on` works on, of a step's z (3, B, S) and scratch (6, B, S): made
-    once per buffer by the sequence loops, which reuse their buffers step after step (a dozen
-    views cost about 2 us, a step at B * S = 2k about 20)."""
+    minimum, maximum, negative, expm1, exp, add, divide, multiply, tanh = (
+        np.minimum, np.maximum, np.negative, np.expm1, np.exp, np.add, np.divide, np.multiply,
+        np.tanh)
     qp = scratch[:5]
     q, p = qp[:2], qp[2:]
     io = p[:2]
-    zero = _ZERO[z.dtype]
+    p_c, a = p[2], scratch[5]
+    e = qp if derivatives else qp[:4]
     # z_i's row takes the candidate cell, z_o's and z_c's p + q, once no longer needed
-    return (z, zero, p, z[:2], q, p[2], z[0], z[2], qp if derivatives else qp[:4], z[1:], io,
-            scratch[5], io[0], io[1])
+    z_io, g, z_c, total = z[:2], z[0], z[2], z[1:]
+    input_gate, output_gate = io
+    zero_io = zero[:2]
 
-
-def _step_on(views, old_cell, new_h, new_cell) -> None:
-    """:func:`_step` on views made by :func:`_step_views`."""
-    z, zero, p, z_io, q, p_c, g, z_c, e, total, io, a, input_gate, output_gate = views
-    np.minimum(z, zero, out=p)
-    np.maximum(z_io, zero, out=q)
-    np.negative(q, q)                       # -max(z, 0) (min(z, 0) - z is NaN at z = -inf)
-    np.expm1(p_c, g)
-    np.maximum(g, z_c, out=g)               # candidate_cell = elu(z_c) (expm1(z) > z for z < 0)
-    # q = exp(-max(z, 0)), p = exp(min(z, 0)); p_c = elu'(z_c) only for the backward
-    np.exp(e, e)
-    np.add(io, q, total)                    # p + q
-    np.divide(io, total, io)                # [input_gate, output_gate]
-    np.multiply(g, input_gate, a)           # candidate_cell * input_gate
-    np.add(a, old_cell, new_cell)
-    np.tanh(new_cell, new_h)
-    np.multiply(new_h, output_gate, new_h)  # new_h = tanh(new_cell) * output_gate
+    def step(old_cell, new_h, new_cell):
+        minimum(z, zero, out=p)
+        maximum(z_io, zero_io, out=q)
+        negative(q, q)                      # -max(z, 0) (min(z, 0) - z is NaN at z = -inf)
+        expm1(p_c, g)
+        maximum(g, z_c, out=g)              # candidate_cell = elu(z_c) (expm1(z) > z for z < 0)
+        # q = exp(-max(z, 0)), p = exp(min(z, 0)); p_c = elu'(z_c) only for the backward
+        exp(e, e)
+        add(io, q, total)                   # p + q
+        divide(io, total, io)               # [input_gate, output_gate]
+        multiply(g, input_gate, a)          # candidate_cell * input_gate
+        add(a, old_cell, new_cell)
+        tanh(new_cell, new_h)
+        multiply(new_h, output_gate, new_h)  # new_h = tanh(new_cell) * output_gate
+    return step
 
 
 def _step_factors(total, scratch, new_h, new_cell, factors) -> None:
-    """What the backward multiplies by, from what :func:`_step` left (``total`` = its z[1:],
-    ``scratch``, its outputs), for one step or, with a leading steps axis on every argument,
-    for K steps in one call each (fewer calls: at small sizes a call costs more than its
-    arithmetic):
+    """What the backward multiplies by, from what a :func:`_forward_step` left (``total`` = its
+    z[1:], ``scratch``, its outputs), for one step or, with a leading steps axis on every
+    argument, for K steps in one call each (fewer calls: at small sizes a call costs more than
+    its arithmetic):
 
         factors = [candidate_cell * sigmoid'(z_i),  tanh(c) * sigmoid'(z_o),
                    input_gate * elu'(z_c),          output_gate * tanh'(c)]
 
     The first two reuse the outputs' products: candidate_cell * input_gate * sigmoid(-z_i) and
-    new_h * sigmoid(-z_o). Overwrites ``scratch``."""
+    new_h * sigmoid(-z_o). tanh'(c) = (1 / cosh(c))^2: relatively accurate where
+    1 - tanh(c)^2 cancels (|tanh c| near 1); cosh overflows to inf for |c| > ~710 (float64) /
+    ~89 (float32), where the exact value underflows to 0 anyway (1 / inf = 0), and the square
+    comes after the reciprocal, so it can only underflow. Overwrites ``scratch``."""
     q = scratch[..., :2, :, :]              # (row i of (..., rows, B, S): [..., i, :, :])
     np.divide(q, total, q)                  # sigmoid(-z) of both
     np.multiply(scratch[..., 5, :, :], scratch[..., 0, :, :], factors[..., 0, :, :])
     np.multiply(new_h, scratch[..., 1, :, :], factors[..., 1, :, :])
-    _d_tanh(new_cell, scratch[..., 5, :, :])    # next to p_c = elu'(z_c)
+    d_tanh = scratch[..., 5, :, :]              # tanh'(c), next to p_c = elu'(z_c)
+    np.cosh(new_cell, d_tanh)
+    np.reciprocal(d_tanh, d_tanh)
+    np.square(d_tanh, d_tanh)
     np.multiply(scratch[..., 2:4, :, :], scratch[..., 4:6, :, :], factors[..., 2:4, :, :])
+
+
+def _backward_step(d):
+    """The element-wise backward of one step as a function ``step(grad_h, f_io, f_oc,
+    d_cell, d_gates)``, on the scratch ``d`` (5, B, S) whose views it makes once (the sequence
+    loops make one per shape and call it step after step: four NumPy calls a step).
+
+    grad_h (B, S); f_io = factors[0::2] and f_oc = factors[1::2] of the forward's factors
+    (4, B, S) (see :func:`_step_factors`); ``d_cell`` (B, S): the cell gradient arriving from
+    the next step (grad_cell), replaced by d_new_cell (= d_old_cell); ``d_gates`` (3, B, S),
+    any strides (a gate-major view of the GEMMs' (B, 3S) rows): receives [d_z_i, d_z_o, d_z_c].
+
+        d_new_cell = output_gate * tanh'(c) * grad_h + grad_cell
+        d_z_i = candidate_cell * sigmoid'(z_i) * d_new_cell
+        d_z_o = tanh(c) * sigmoid'(z_o) * grad_h
+        d_z_c = input_gate * elu'(z_c) * d_new_cell
+
+    ``d``'s rows are [d_z_i, (unused), d_z_o, o * tanh'(c) * grad_h, d_z_c]: the two products
+    by grad_h land side by side (one call), the two by d_new_cell at rows 0 and 4 (one call),
+    and the three gradients at rows 0, 2, 4, whence one copy moves them."""
+    multiply, add, copyto = np.multiply, np.add, np.copyto
+    by_grad_h, part, by_cell, gates = d[2:4], d[3], d[0::4], d[0::2]
+
+    def step(grad_h, f_io, f_oc, d_cell, d_gates):
+        multiply(f_oc, grad_h, by_grad_h)   # [d_z_o, output_gate * tanh'(c) * grad_h]
+        add(part, d_cell, d_cell)           # d_new_cell
+        multiply(f_io, d_cell, by_cell)     # [d_z_i, d_z_c]
+        copyto(d_gates, gates)
+    return step
 
 
 def _d_gates(grad_h, grad_cell, factors, d_gates, d_new_cell=None):
     """Element-wise backward of one step from the forward's ``factors`` (4, B, S): writes
     d_gates (3, B, S) (any strides) and returns d_new_cell (B, S), written into
     ``d_new_cell`` when given (it may be ``grad_cell`` itself); grad_h / grad_cell may be None
-    (zero).
-
-        d_new_cell = output_gate * tanh'(c) * grad_h + grad_cell     (= d_old_cell)
-        d_z_i = candidate_cell * sigmoid'(z_i) * d_new_cell
-        d_z_o = tanh(c) * sigmoid'(z_o) * grad_h
-        d_z_c = input_gate * elu'(z_c) * d_new_cell
-    """
+    (zero). The formulas: :func:`_backward_step`, which it runs where both are given."""
     if grad_h is not None:
-        if grad_cell is None:
-            d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
-        elif d_new_cell is grad_cell:       # in place; d_z_i's row as the product's scratch
-            np.add(d_new_cell, np.multiply(factors[3], grad_h, d_gates[0]), d_new_cell)
-        else:
-            d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
-            np.add(d_new_cell, grad_cell, d_new_cell)
-        np.multiply(factors[1], grad_h, d_gates[1])
-    else:
         if d_new_cell is None:
             d_new_cell = np.empty_like(factors[3])
         if grad_cell is None:
-            d_new_cell[...] = 0
-        elif d_new_cell is not grad_cell:
+            np.multiply(factors[3], grad_h, d_new_cell)
+            np.multiply(factors[1], grad_h, d_gates[1])
+            np.multiply(factors[0::2], d_new_cell, d_gates[0::2])   # d_z_i and d_z_c: one call
+            return d_new_cell
+        if d_new_cell is not grad_cell:
             np.copyto(d_new_cell, grad_cell)
-        d_gates[1] = 0
+        d = np.empty((5,) + d_new_cell.shape, d_new_cell.dtype)
+        _backward_step(d)(grad_h, factors[0::2], factors[1::2], d_new_cell, d_gates)
+        return d_new_cell
+    if d_new_cell is None:
+        d_new_cell = np.empty_like(factors[3])
+    if grad_cell is None:
+        d_new_cell[...] = 0
+    elif d_new_cell is not grad_cell:
+        np.copyto(d_new_cell, grad_cell)
+    d_gates[1] = 0
     np.multiply(factors[0::2], d_new_cell, d_gates[0::2])   # d_z_i and d_z_c: one call
     return d_new_cell
 

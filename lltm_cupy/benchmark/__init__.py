@@ -41,11 +41,11 @@ from ._common import PHASES, Config, ImplementationError, machine_name
 from .cell import CPU_SIZES, EXTRA_IMPLS, GPU_SIZES, GRAPH_IMPLS, IMPLS, run_size
 from .diagnostics import (blas_names, cpu_blas_report, format_blas_report, format_gpu_report,
                           format_mixed, gpu_kernel_report, mixed_model_report)
-from .reports import format_table, plot_speedups
+from .reports import format_table, plot_inference, plot_speedups
 from .sequence import PAIRED_SEQUENCE_IMPLS, SEQUENCE_IMPLS, SEQUENCE_SIZES, run_sequence
 
 __all__ = ["Config", "IMPLS", "EXTRA_IMPLS", "GRAPH_IMPLS", "PHASES", "CPU_SIZES", "GPU_SIZES",
            "SEQUENCE_IMPLS", "PAIRED_SEQUENCE_IMPLS", "SEQUENCE_SIZES", "ImplementationError",
-           "run_size", "run_sequence", "format_table", "plot_speedups", "machine_name",
+           "run_size", "run_sequence", "format_table", "plot_speedups", "plot_inference", "machine_name",
            "gpu_kernel_report", "format_gpu_report", "cpu_blas_report", "format_blas_report",
            "blas_names", "mixed_model_report", "format_mixed"]

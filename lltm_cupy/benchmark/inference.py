@@ -1,6 +1,8 @@
-"""Our ``LLTM`` against ``nn.LSTM`` of the same hidden size on the CPU: a forward under
-``torch.no_grad`` (inference) in peak memory and in time, and a training step (forward, then the
-backward of ``output.sum() + h_n.sum() + c_n.sum()`` into the parameters) in time.
+"""Our ``LLTM`` against ``nn.LSTM`` of the same hidden size on the CPU (and, in time, the
+tutorial's cell stepped from Python): a forward under ``torch.no_grad`` (inference) in peak
+memory and in time, a training step (forward, then the backward of ``output.sum() +
+h_n.sum() + c_n.sum()`` into the parameters) in time, and a call's split into a cost per step
+and a fixed cost per call (two lengths, :func:`split_report`).
 
 - **memory**: each implementation runs in a fresh Python process (so that nothing another one
   allocated or cached is counted): it builds the module and the input, runs a 2-step forward
@@ -31,9 +33,33 @@ import time
 
 #: (T, B, F, S) of the memory figure and of the time figures
 MEMORY_SIZES = ((500, 64, 16, 512),)
-TIME_SIZES = ((128, 32, 128, 256), (64, 64, 256, 512))
+TIME_SIZES = ((64, 16, 32, 128), (128, 32, 128, 256), (64, 64, 256, 512))
 TRAIN_SIZES = ((64, 16, 32, 128), (128, 32, 128, 256), (64, 64, 256, 512), (32, 256, 512, 1024))
+#: (B, F, S) and the two lengths of the per-step / fixed split
+SPLIT_SIZE, SPLIT_STEPS = (16, 32, 128), (4, 64)
 INFERENCE_IMPLS = ("lltm", "lstm")
+#: the time reports' implementations: ours, nn.LSTM and the tutorial's cell stepped from Python
+TIME_IMPLS = ("lltm", "lstm", "reference")
+
+
+class _Stepped:
+    """The tutorial's cell (``ReferenceLLTMCell``, eager torch) over a sequence, stepped from
+    Python, called as a sequence module: ``(outputs, (h_n, c_n))``."""
+
+    def __init__(self, features: int, state: int):
+        from .. import torch as lt
+
+        self.cell = lt.ReferenceLLTMCell(features, state)
+
+    def __call__(self, xs):
+        import torch
+
+        h = c = xs.new_zeros(xs.shape[1], self.cell.hidden_size)
+        outs = []
+        for x in xs:
+            h, c = self.cell(x, (h, c))
+            outs.append(h)
+        return torch.stack(outs), (h, c)
 
 
 def _module(impl, features, state):
@@ -42,6 +68,8 @@ def _module(impl, features, state):
     from .. import torch as lt
 
     torch.manual_seed(0)
+    if impl == "reference":
+        return _Stepped(features, state)
     return lt.LLTM(features, state) if impl == "lltm" else torch.nn.LSTM(features, state)
 
 
@@ -124,49 +152,101 @@ def _gemm_floor(steps: int, batch: int, features: int, state: int, gates: int, t
     return run
 
 
-#: the rows of the time reports: our LLTM, nn.LSTM, and the GEMM-only floor of each
-TIME_ROWS = ("lltm", "lstm", "lltm_gemm", "lstm_gemm")
+#: the rows of the time reports: our LLTM, nn.LSTM, the tutorial's cell stepped, and the
+#: GEMM-only floor of the first two
+TIME_ROWS = (*TIME_IMPLS, "lltm_gemm", "lstm_gemm")
 
 
-def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: bool = False) -> dict:
-    """Time of one no_grad forward (``train``: one forward + backward) and of the GEMM-only
-    floors, interleaved: process CPU time with one thread, wall time with more; medians and
-    the median of the per-round ratio LLTM / nn.LSTM."""
+def _runner(module, x, train: bool):
+    """One call of a sequence module on ``x``; ``train``: and the backward of the outputs'
+    and final states' sums."""
+    def run():
+        if not train:
+            module(x)
+            return
+        out, (h, c) = module(x)
+        (out.sum() + h.sum() + c.sum()).backward()
+    return run
+
+
+def _interleaved(calls: dict, rounds: int, clock) -> dict:
+    """Each call's time per round, the calls interleaved (in turn reversed every other round)
+    after two warm-up calls each."""
+    names = list(calls)
+    for name in names:
+        for _ in range(2):
+            calls[name]()
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            t0 = clock()
+            calls[name]()
+            times[name].append(clock() - t0)
+    return times
+
+
+def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: bool = False,
+                rows=TIME_ROWS) -> dict:
+    """Time of one no_grad forward (``train``: one forward + backward) of each of ``rows``
+    (:data:`TIME_ROWS`), interleaved: process CPU time with one thread, wall time with more;
+    medians and the median of the per-round ratio LLTM / nn.LSTM."""
     import torch
 
     torch.set_num_threads(threads)
     clock = time.process_time if threads == 1 else time.perf_counter
     report = {}
     for steps, batch, features, state in sizes:
-        modules = {impl: _module(impl, features, state) for impl in INFERENCE_IMPLS}
         x = torch.randn(steps, batch, features)
-
-        def run(module):
-            if not train:
-                module(x)
-                return
-            out, (h, c) = module(x)
-            (out.sum() + h.sum() + c.sum()).backward()
-
-        calls = {impl: (lambda m=modules[impl]: run(m)) for impl in INFERENCE_IMPLS}
-        calls["lltm_gemm"] = _gemm_floor(steps, batch, features, state, 3, train)
-        calls["lstm_gemm"] = _gemm_floor(steps, batch, features, state, 4, train)
-        times = {row: [] for row in TIME_ROWS}
+        calls = {impl: _runner(_module(impl, features, state), x, train)
+                 for impl in TIME_IMPLS if impl in rows}
+        if "lltm_gemm" in rows:
+            calls["lltm_gemm"] = _gemm_floor(steps, batch, features, state, 3, train)
+        if "lstm_gemm" in rows:
+            calls["lstm_gemm"] = _gemm_floor(steps, batch, features, state, 4, train)
         with torch.set_grad_enabled(train):
-            for row in TIME_ROWS:
-                for _ in range(2):
-                    calls[row]()
-            for r in range(rounds):
-                for row in (TIME_ROWS if r % 2 == 0 else TIME_ROWS[::-1]):
-                    t0 = clock()
-                    calls[row]()
-                    times[row].append(clock() - t0)
+            times = _interleaved(calls, rounds, clock)
         ratios = [a / b for a, b in zip(times["lltm"], times["lstm"])]
         report[str((steps, batch, features, state))] = {
-            **{f"{row}_s": statistics.median(times[row]) for row in TIME_ROWS},
+            **{f"{row}_s": statistics.median(times[row]) for row in calls},
             "ratio": statistics.median(ratios), "rounds": rounds, "threads": threads,
             "clock": "process" if threads == 1 else "wall"}
     return report
+
+
+def split_report(size=SPLIT_SIZE, lengths=SPLIT_STEPS, rounds: int = 21, threads: int = 1) -> dict:
+    """A call's cost split into a cost per step and a fixed cost per call, for ours and
+    nn.LSTM at (B, F, S) = ``size``, training and no_grad: both lengths of ``lengths`` timed in
+    each round (all interleaved), per round per step = (t_long - t_short) / (long - short) and
+    fixed = t_short - short * per step; medians over the rounds (process CPU time with one
+    thread). Calls at the short length repeat (to a comparable duration) and are averaged."""
+    import torch
+
+    torch.set_num_threads(threads)
+    clock = time.process_time if threads == 1 else time.perf_counter
+    batch, features, state = size
+    short, long = lengths
+    repeat = max(1, long // short)
+    report = {}
+    for train in (True, False):
+        calls = {}
+        for impl in INFERENCE_IMPLS:
+            module = _module(impl, features, state)
+            for steps, n in ((short, repeat), (long, 1)):
+                run = _runner(module, torch.randn(steps, batch, features), train)
+                calls[impl, steps] = (lambda run=run, n=n: [run() for _ in range(n)])
+        with torch.set_grad_enabled(train):
+            times = _interleaved(calls, rounds, clock)
+        rows = {}
+        for impl in INFERENCE_IMPLS:
+            t_short = [t / repeat for t in times[impl, short]]
+            per_step = [(b - a) / (long - short) for a, b in zip(t_short, times[impl, long])]
+            rows[impl] = {"per_step_s": statistics.median(per_step),
+                          "fixed_s": statistics.median(a - short * p
+                                                       for a, p in zip(t_short, per_step)),
+                          "long_s": statistics.median(times[impl, long])}
+        report["training" if train else "no_grad"] = rows
+    return {"size": list(size), "lengths": list(lengths), "rounds": rounds, "threads": threads,
+            "clock": "process" if threads == 1 else "wall", **report}
 
 
 def format_inference(memory: dict, timing: dict, training: dict = None) -> str:
@@ -193,7 +273,31 @@ def format_inference(memory: dict, timing: dict, training: dict = None) -> str:
                   f"{'LLTM GEMM-only':>15} {'nn.LSTM GEMM-only':>18}"]
         for size, r in table.items():
             lines.append(f"{size:<22} {r['lltm_s'] * 1e3:>9.1f} {r['lstm_s'] * 1e3:>11.1f} "
-                         f"{r['ratio']:>6.2f} {_floor(r, 'lltm'):>15} {_floor(r, 'lstm'):>18}")
+                         f"{r['ratio']:>6.2f} {_floor(r, 'lltm'):>15} {_floor(r, 'lstm'):>18}"
+                         + (f" {r['reference_s'] * 1e3:>13.1f}" if "reference_s" in r else ""))
+        if any("reference_s" in r for r in table.values()):
+            lines[-len(table) - 1] += f" {'tutorial ms':>13}"
+    return "\n".join(lines)
+
+
+def format_split(split: dict) -> str:
+    """The per-step / fixed split as a table (microseconds)."""
+    b, f, s = split["size"]
+    short, long = split["lengths"]
+    clock = "process CPU time" if split["clock"] == "process" else "wall time"
+    lines = ["", f"per-step / fixed split at (B, F, S) = ({b}, {f}, {s}): T = {short} and {long} "
+                 f"interleaved, per round (t_{long} - t_{short}) / {long - short} per step and "
+                 f"t_{short} - {short} * per step fixed; medians of {split['rounds']} rounds, "
+                 f"{clock}, {split['threads']} thread(s)",
+             f"{'':<10} {'impl':<8} {'per step us':>12} {'fixed us':>10} {'T = ' + str(long) + ' ms':>10}"]
+    for mode in ("training", "no_grad"):
+        rows = split[mode]
+        for impl, r in rows.items():
+            lines.append(f"{mode:<10} {impl:<8} {r['per_step_s'] * 1e6:>12.1f} "
+                         f"{r['fixed_s'] * 1e6:>10.0f} {r['long_s'] * 1e3:>10.2f}")
+        a, o = rows["lltm"], rows["lstm"]
+        lines.append(f"{mode:<10} {'ratio':<8} {a['per_step_s'] / o['per_step_s']:>12.2f} "
+                     f"{a['fixed_s'] / o['fixed_s']:>10.2f} {a['long_s'] / o['long_s']:>10.2f}")
     return "\n".join(lines)
 
 

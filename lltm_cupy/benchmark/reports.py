@@ -70,8 +70,11 @@ def format_table(record: dict, scale="us") -> str:
                      f"(above 1: faster than {baseline})")
     for row, other in record.get("pairs", {}).items():
         a, b = (res[n]["fwd+bwd"]["median_s"] for n in (row, other))
+        tokens = (f"; {record['ragged_tokens']:.0%} of its tokens"
+                  if row.startswith("ragged") and "ragged_tokens" in record else "")
         lines.append(f"{row} / {other}: {a / b:.2f}x of its fwd+bwd median "
-                     f"(min: {res[row]['fwd+bwd']['min_s'] / res[other]['fwd+bwd']['min_s']:.2f}x)")
+                     f"(min: {res[row]['fwd+bwd']['min_s'] / res[other]['fwd+bwd']['min_s']:.2f}x"
+                     f"{tokens})")
     warning = spread_warning(record)
     if warning:
         lines.append(warning)
@@ -124,3 +127,58 @@ def plot_speedups(records: list, path, machine: str = "") -> tuple:
     size = tuple(int(v) for v in fig.get_size_inches() * fig.dpi)
     plt.close(fig)
     return size
+
+
+#: the implementations of the --inference picture: (row, label)
+INFERENCE_PLOT_ROWS = (("lltm", "LLTM (lltm_cupy)"), ("lstm", "nn.LSTM (oneDNN)"),
+                       ("reference", "tutorial's LLTM cell, stepped"))
+
+
+def plot_inference(timing: dict, training: dict, path, title: str = "") -> tuple:
+    """Time per call of each of :data:`INFERENCE_PLOT_ROWS` at every (T, B, F, S) of the
+    --inference reports, training (forward + backward) and forward under no_grad side by side,
+    as grouped bars on a log scale, each labelled with its time and its ratio to nn.LSTM's.
+    ``title``: the machine and versions. Needs matplotlib (the examples extra). Returns the
+    image size in pixels (width, height)."""
+    from .._extras import pyplot
+
+    plt = pyplot()
+    panels = [(name, table) for name, table in (("training step (forward + backward)", training),
+                                                ("forward under no_grad", timing)) if table]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), dpi=100,
+                             squeeze=False)
+    width = 0.8 / len(INFERENCE_PLOT_ROWS)
+    for ax, (name, table) in zip(axes[0], panels):
+        sizes = list(table)
+        for k, (row, label) in enumerate(INFERENCE_PLOT_ROWS):
+            xs = [i - 0.4 + width * (k + 0.5) for i, size in enumerate(sizes)
+                  if f"{row}_s" in table[size]]
+            ys = [table[size][f"{row}_s"] * 1e3 for size in sizes if f"{row}_s" in table[size]]
+            if not ys:
+                continue
+            bars = ax.bar(xs, ys, width, label=label)
+            ratios = [table[size][f"{row}_s"] / table[size]["lstm_s"] for size in sizes
+                      if f"{row}_s" in table[size]]
+            ax.bar_label(bars, [f"{_ms(y)}\n{r:.2f}x" for y, r in zip(ys, ratios)],
+                         fontsize=6, padding=1)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(sizes)), [s.replace(" ", "") for s in sizes], fontsize=7)
+        ax.set_xlabel("(T, B, F, S)")
+        ax.set_ylabel("ms per call (log scale)")
+        ax.set_title(f"{name}\nbar labels: ms, and the time over nn.LSTM's", fontsize=8)
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high * 4)      # room for the labels and the legend
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(axis="y", alpha=0.3, which="both")
+    if title:
+        fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    size = tuple(int(v) for v in fig.get_size_inches() * fig.dpi)
+    plt.close(fig)
+    return size
+
+
+def _ms(value: float) -> str:
+    """A time in ms, three digits at most, no exponent."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"

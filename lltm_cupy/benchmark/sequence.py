@@ -17,7 +17,8 @@ SEQUENCE_IMPLS = ("sequence", "cell-stepped", "reference-stepped", "array-sequen
 #: ``ragged`` takes the loss on the packed output's data, ``ragged-user`` pads the output back
 #: first (``pad_packed_sequence``), as a user converting from padded code writes it.
 PAIRED_SEQUENCE_IMPLS = {"lltm-2x-bidir": "cells-2x-bidir", "ragged": "ragged-padded",
-                         "ragged-user": "ragged-padded", "fused": "sequence"}
+                         "ragged-user": "ragged-padded", "fused": "sequence",
+                         "array-sequence": "array-stepped"}
 #: the fused path's largest normalised error (outputs and every gradient, against a float64 run)
 #: accepted before timing whatever the default path's own error (see check_fused)
 FUSED_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 2e-2, "bfloat16": 5e-2}
@@ -256,7 +257,7 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
     h = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
     c = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
     _warmup(cfg)
-    runners, skipped = {}, {}
+    runners, skipped, tokens = {}, {}, None
     for name in impls:
         if name == "sequence":
             runners[name] = _TorchSequenceRunner(seq, xs, h, c, "sequence")
@@ -289,6 +290,7 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
         elif name in ("ragged", "ragged-padded", "ragged-user"):
             g = torch.Generator().manual_seed(cfg.seed)
             lengths = torch.randint(1, steps + 1, (cfg.batch,), generator=g)
+            tokens = int(lengths.sum()) / (steps * cfg.batch)
             runners[name] = _LayeredRunner(seq, xs, None if name == "ragged-padded" else lengths,
                                            pad=name == "ragged-user")
         else:
@@ -301,7 +303,8 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
             "all_grads": False, "separately_timed": separate,
             "results": results, "skipped": skipped, "baseline": "cell-stepped",
             "pairs": {a: b for a, b in PAIRED_SEQUENCE_IMPLS.items()
-                      if a in results and b in results}}
+                      if a in results and b in results},
+            **({"ragged_tokens": tokens} if tokens is not None else {})}
 
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .._numpy.gemm import consecutive
 from ._cuda_arrays import to_tensor
 
 __all__ = ["torch_mm", "TorchGemm", "TORCH_GEMM", "TorchCudaGemm", "TORCH_CUDA_GEMM", "cuda_gemm",
@@ -25,8 +26,9 @@ def torch_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class TorchGemm:
     """The NumPy backend's GEMMs (``lltm_cupy._numpy.gemm``'s interface) by torch's BLAS, on
-    tensors over the NumPy arrays' memory: ``operand`` / ``rows`` wrap once per call (``rows``
-    with one ``unbind``), so that a step's GEMM costs one torch call."""
+    tensors over the NumPy arrays' memory: ``operand`` wraps once per call, and the per-step
+    operands come in one call each (``split_with_sizes``, ``unbind``), so that a step's GEMM
+    costs one torch call (``bmm``, ``addmm_``: torch's own functions)."""
 
     __call__ = staticmethod(torch_mm)
     operand = staticmethod(torch.from_numpy)
@@ -37,12 +39,33 @@ class TorchGemm:
         return out
 
     @staticmethod
-    def rows(a):
-        return a.unbind(0)
+    def gate_weights(w):
+        """(3S, K) weights as the (3, K, S) tensor ``[g] = w[g * S: (g + 1) * S].T`` (a copy,
+        as ``lltm_cupy._numpy.gemm.gate_weights``)."""
+        three_s, k = w.shape
+        return torch.from_numpy(np.ascontiguousarray(
+            w.reshape(3, three_s // 3, k).transpose(0, 2, 1)))
 
     @staticmethod
-    def gate_rows(hs):
-        return hs.unsqueeze(1).expand(hs.shape[0], 3, *hs.shape[1:]).unbind(0)
+    def steps_of(a, sizes):
+        """Consecutive pieces of the tensor ``a`` of ``sizes`` rows along its second-to-last
+        dimension."""
+        n = sizes[0] if sizes else 0
+        if n and [*sizes] == [n] * len(sizes):       # (one size: one view, unbind)
+            k = len(sizes)
+            return a.narrow(-2, 0, n * k).view(*a.shape[:-2], k, n, a.shape[-1]).unbind(-3)
+        return a.narrow(-2, 0, sum(sizes)).split_with_sizes([*sizes], -2)
+
+    @staticmethod
+    def row_blocks(a, starts, sizes):
+        """``a[s:s + n]`` for each (s, n), from one ``split_with_sizes`` or ``unbind`` (blocks
+        in increasing order, not overlapping)."""
+        return _blocks(a, starts, sizes, 0)
+
+    @staticmethod
+    def gate_inputs(h, starts, sizes):
+        """The rows ``h[s:s + n]`` of each step as ``bmm``'s h: (3, n, S), expanded."""
+        return _blocks(h.expand(3, *h.shape), starts, sizes, 1)
 
     @staticmethod
     def project_gates(x, w, bias, out):
@@ -50,13 +73,26 @@ class TorchGemm:
         torch.baddbmm(torch.from_numpy(bias).reshape(3, 1, -1).expand(3, rows, -1),
                       x.expand(3, *x.shape), w, out=out)
 
-    @staticmethod
-    def add_gates(out, z, h, w):
-        torch.baddbmm(z, h, w, out=out)
+    #: out = h @ w (three gates' products in one call), and out += a @ b: torch's own
+    #: functions, so that a step's GEMM is one call into torch
+    bmm = staticmethod(torch.bmm)
+    addmm_ = staticmethod(torch.Tensor.addmm_)
 
-    @staticmethod
-    def accumulate(out, a, b):
-        out.addmm_(a, b)
+
+def _blocks(a, starts, sizes, dim):
+    """The blocks [s, s + n) of ``a`` along ``dim``, in increasing order, not overlapping: the
+    pieces of one ``split_with_sizes`` (the gaps between them split off and dropped), or of one
+    ``unbind`` where they are consecutive and of one size."""
+    if consecutive(starts, sizes):         # consecutive, of one size: one view, unbind
+        n, steps = sizes[0], len(sizes)
+        shape = (*a.shape[:dim], steps, n, *a.shape[dim + 1:])
+        return a.narrow(dim, starts[0], n * steps).view(shape).unbind(dim)
+    pieces, at = [], 0
+    for s, n in zip(starts, sizes):
+        pieces += (s - at, n)
+        at = s + n
+    pieces.append(a.shape[dim] - at)
+    return a.split_with_sizes(pieces, dim)[1::2]
 
 
 TORCH_GEMM = TorchGemm()
