@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import host_fused
+from helpers.host_kernels import ptr
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed (pip install .[test])")
 
@@ -74,8 +75,8 @@ def run_mma(lib, kind, mats, skip=-1, barrier_lane=-1):
     fa, fb, fc = (np.ascontiguousarray(np.stack([f[i] for f in frags])) for i in range(3))
     d = np.full((len(mats), 32, 4), np.nan, np.float32)
     lib.lltm_host_mma_selftest(ctypes.c_uint(len(mats)), ctypes.c_int(kind == "bfloat16"),
-                               host_fused.ptr(fa), host_fused.ptr(fb), host_fused.ptr(fc),
-                               host_fused.ptr(d), ctypes.c_int(skip), ctypes.c_int(barrier_lane))
+                               ptr(fa), ptr(fb), ptr(fc),
+                               ptr(d), ctypes.c_int(skip), ctypes.c_int(barrier_lane))
     error = lib.lltm_host_last_error()
     return [result_matrix(x) for x in d], None if error is None else error.decode()
 
