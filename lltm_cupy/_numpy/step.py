@@ -3,17 +3,17 @@
 - :func:`forward` / :func:`backward`: one step into buffers the caller gives (the torch layer's
   tensors, or the array API's arrays), with one GEMM forward and one per needed gradient;
 - :func:`cell_forward` / :func:`cell_backward`: the element-wise cell alone;
-- the element-wise forward (:func:`_step_views`, :func:`_step_on`, :func:`_step_factors`) and
-  backward (:func:`_d_gates`), which the sequence loops (``sequence``, ``packed``) run step
-  after step on buffers made once per call.
+- the element-wise forward (:func:`_forward_step`, :func:`_step_factors`) and backward
+  (:func:`_backward_step`; :func:`_d_gates` for one step), which the sequence loops
+  (``sequence``, ``packed``) run step after step on views made once per buffer.
 
 The gate values live gate-major, as (3, batch, state), so that every element-wise call runs on
 contiguous memory (a NumPy ufunc on a column slice of a (batch, 3 * state) array costs 2-3 us
 more per call at the tutorial's size): one step's layout change is folded into the bias add
 (forward) and into one copy of the gate gradients back to (batch, 3 * state) for the GEMMs
 (backward). The forward computes what the backward multiplies by and keeps those four products
-(4, batch, state) instead of the activations, so the backward is five multiplications and an
-addition.
+(4, batch, state) instead of the activations, so the backward is four multiplications and an
+addition per element.
 
 Every entry point runs with NumPy's floating-point errors ignored (:func:`quiet`): infinities
 and NaN in the arguments give IEEE results (the reference's), and the library, not NumPy,
@@ -194,6 +194,27 @@ def _forward_step(z, scratch, zero, derivatives):
     return step
 
 
+def _scratch_step(batch: int, state: int, dtype, derivatives: bool):
+    """``(rows, step)``: this thread's :func:`cell_rows` (9, batch, state), into whose first
+    three rows the caller writes the gate pre-activations, and the :func:`_forward_step` over
+    them (the rest of the rows its scratch), made once per scratch buffer, shape and mode and
+    kept (its dozen views and closure cost about 3 us, a whole step at (16, 128) about 20)."""
+    rows = cell_rows(batch, state, dtype)
+    base = _local.buffers[dtype]                # what cell_rows' scratch is a view of
+    made = getattr(_local, "steps", None)
+    if made is None:
+        made = _local.steps = {}
+    key = (id(base), batch, state, derivatives)
+    found = made.get(key)
+    if found is None:
+        if len(made) >= 8:                      # shapes come and go: keep a few
+            made.clear()
+        z = rows[:3]
+        step = _forward_step(z, rows[3:], zeros(z.size, z.dtype).reshape(z.shape), derivatives)
+        found = made[key] = (rows, step, base)  # base kept: its id stays this buffer's
+    return found[0], found[1]
+
+
 def _step_factors(total, scratch, new_h, new_cell, factors) -> None:
     """What the backward multiplies by, from what a :func:`_forward_step` left (``total`` = its
     z[1:], ``scratch``, its outputs), for one step or, with a leading steps axis on every
@@ -252,27 +273,26 @@ def _d_gates(grad_h, grad_cell, factors, d_gates, d_new_cell=None):
     """Element-wise backward of one step from the forward's ``factors`` (4, B, S): writes
     d_gates (3, B, S) (any strides) and returns d_new_cell (B, S), written into
     ``d_new_cell`` when given (it may be ``grad_cell`` itself); grad_h / grad_cell may be None
-    (zero). The formulas: :func:`_backward_step`, which it runs where both are given."""
+    (zero). The formulas: :func:`_backward_step` (which the sequence loops run on buffers of
+    their own); here four or five NumPy calls on the caller's arrays, no view made but the
+    factors' rows."""
     if grad_h is not None:
+        if grad_cell is None:
+            d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
+        elif d_new_cell is grad_cell:       # in place; d_z_i's row as the product's scratch
+            np.add(d_new_cell, np.multiply(factors[3], grad_h, d_gates[0]), d_new_cell)
+        else:
+            d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
+            np.add(d_new_cell, grad_cell, d_new_cell)
+        np.multiply(factors[1], grad_h, d_gates[1])
+    else:
         if d_new_cell is None:
             d_new_cell = np.empty_like(factors[3])
         if grad_cell is None:
-            np.multiply(factors[3], grad_h, d_new_cell)
-            np.multiply(factors[1], grad_h, d_gates[1])
-            np.multiply(factors[0::2], d_new_cell, d_gates[0::2])   # d_z_i and d_z_c: one call
-            return d_new_cell
-        if d_new_cell is not grad_cell:
+            d_new_cell[...] = 0
+        elif d_new_cell is not grad_cell:
             np.copyto(d_new_cell, grad_cell)
-        d = np.empty((5,) + d_new_cell.shape, d_new_cell.dtype)
-        _backward_step(d)(grad_h, factors[0::2], factors[1::2], d_new_cell, d_gates)
-        return d_new_cell
-    if d_new_cell is None:
-        d_new_cell = np.empty_like(factors[3])
-    if grad_cell is None:
-        d_new_cell[...] = 0
-    elif d_new_cell is not grad_cell:
-        np.copyto(d_new_cell, grad_cell)
-    d_gates[1] = 0
+        d_gates[1] = 0
     np.multiply(factors[0::2], d_new_cell, d_gates[0::2])   # d_z_i and d_z_c: one call
     return d_new_cell
 
@@ -308,9 +328,9 @@ def forward(input, weights, bias, old_h, old_cell, new_h, new_cell, factors=None
         if X is None:
             X = buffer[12 * n:].reshape(batch, width)
         np.concatenate((old_h, input), axis=1, out=X)
-        rows = buffer[:9 * n].reshape(9, batch, state)
+        rows, step = _scratch_step(batch, state, old_h.dtype, factors is not None)
         z = _project(X, weights, bias, mm, 1, batch, rows[None, :3], buffer[9 * n: 12 * n])[0]
-        _step(z, old_cell, new_h, new_cell, rows[3:], factors is not None)
+        step(old_cell, new_h, new_cell)
         if factors is not None:
             _step_factors(z[1:], rows[3:], new_h, new_cell, factors)
     finally:
@@ -367,11 +387,11 @@ def cell_forward_into(gates, old_cell, new_h, new_cell, factors=None,
     token = quiet()
     try:
         batch, state = old_cell.shape
-        rows = cell_rows(batch, state, gates.dtype)
+        rows, step = _scratch_step(batch, state, gates.dtype, factors is not None)
         z = rows[:3]
         if not gate_major:
             np.copyto(z, gates.reshape(batch, 3, state).transpose(1, 0, 2))
-        _step(z, old_cell, new_h, new_cell, rows[3:], factors is not None)
+        step(old_cell, new_h, new_cell)
         if factors is not None:
             _step_factors(z[1:], rows[3:], new_h, new_cell, factors)
     finally:
