@@ -156,3 +156,30 @@ def test_array_api_step_budget(case):
     if case != "lengths":       # (with lengths, a row count's first step makes its views)
         _no_views(fs, fl)
         _no_views(bs, bl)
+
+
+#: NumPy calls of one LLTMCell forward + backward (torch's GEMMs aside): the concatenation's
+#: and the product's views, the twelve element-wise forward calls, the four factors, the
+#: backward's element-wise calls, its layout copy and the bias gradient's sum
+CELL_NUMPY = 34
+
+
+def test_cell_step_counts_the_element_wise_step_kept_per_thread():
+    """An LLTMCell step run before the count (its element-wise step made and kept for the
+    thread, over real NumPy) is counted whole: counted_numpy makes the kept step again under
+    the counting stand-in, so every ufunc of the forward shows (not only the backward's)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+    from lltm_cupy.torch import LLTMCell
+
+    torch.manual_seed(0)
+    cell = LLTMCell(F, S)
+    x, h, c = torch.randn(B, F), torch.randn(B, S), torch.randn(B, S)
+
+    def step():
+        new_h, new_cell = cell(x, (h, c))
+        (new_h.sum() + new_cell.sum()).backward()
+    step()                                  # made and kept over the real NumPy
+    counts = counted_numpy(step)[1]
+    for name in ("minimum", "maximum", "negative", "expm1", "exp", "tanh"):
+        assert counts.names.get(name, 0) >= 1, (name, counts.names)
+    assert counts.numpy <= CELL_NUMPY, counts.names

@@ -6,11 +6,12 @@ NumPy calls rather than arithmetic, so this backend is written for few, cheap pa
 contiguous memory, in forms that keep relative accuracy for every finite input (``step``).
 
 One file per job, importing one way (``__init__`` -> ``packed`` -> ``sequence`` -> ``step`` ->
-``gemm``):
+``memory``, ``gemm``):
 
 - ``step``: one step each way into buffers the caller gives (what the torch layer calls), the
   element-wise cell alone, and the element-wise forms the loops share;
 - ``sequence``: the fixed-length sequence loops; ``packed``: variable lengths;
+- ``memory``: the thread's scratch memory and NumPy's floating-point error state;
 - ``gemm``: the GEMMs, by NumPy's BLAS or (passed as ``mm``) another engine's.
 
 The GEMMs go through ``mm``, an object with the interface of :mod:`lltm_cupy._numpy.gemm`
@@ -26,7 +27,8 @@ from . import step
 from .gemm import NUMPY_GEMM
 from .packed import backward_packed, forward_packed
 from .sequence import backward_sequence as _backward_sequence, forward_sequence as _forward_sequence
-from .step import cell_backward, cell_forward, loud, quiet
+from .memory import loud, quiet
+from .step import cell_backward, cell_forward
 
 __all__ = ["forward", "backward", "forward_sequence", "backward_sequence", "cell_forward",
            "cell_backward"]

@@ -11,7 +11,7 @@ from .. import _packing
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 from . import sequence
 from .sequence import _backward_loop, _forward_loop
-from .step import scratch
+from .memory import scratch
 
 __all__ = ["forward_packed", "backward_packed"]
 

@@ -27,7 +27,8 @@ import numpy as np
 from .. import _packing
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 from .gemm import row_blocks
-from .step import _backward_step, _forward_step, _mapped, _step_factors, scratch, zeros
+from .memory import _mapped, scratch, zeros
+from .step import _backward_step, _forward_step, _step_factors
 
 __all__ = ["forward_sequence", "backward_sequence"]
 

@@ -21,74 +21,14 @@ decides what is an error.
 """
 from __future__ import annotations
 
-import mmap
-import threading
-
 import numpy as np
 
 from .._types import LLTMCellGrads, LLTMCellSaved, LLTMGrads
 from .gemm import NUMPY_GEMM
+from .memory import _local, loud, quiet, scratch, zeros
 
 __all__ = ["forward", "backward", "cell_forward", "cell_backward", "cell_forward_into",
-           "cell_backward_into", "cell_rows", "scratch", "quiet", "loud"]
-
-try:    # NumPy 2: the error state is a context variable; setting it is one C call
-    from numpy._core.umath import _extobj_contextvar as _ERROR_STATE, _make_extobj
-
-    _IGNORE = _make_extobj(all="ignore")
-
-    def quiet():
-        """Ignore floating-point errors in this thread until :func:`loud` of the token returned
-        (what ``np.errstate(all="ignore")`` does, in one C call instead of a context manager's
-        several Python ones)."""
-        return _ERROR_STATE.set(_IGNORE)
-
-    loud = _ERROR_STATE.reset
-except ImportError:     # pragma: no cover -- a NumPy without it
-    def quiet():
-        return np.seterr(all="ignore")
-
-    def loud(token):
-        np.seterr(**token)
-
-_local = threading.local()
-
-
-def _mapped(count: int, dtype) -> np.ndarray:
-    """``count`` elements of ``dtype`` in a mapping of their own, outside the heap: a
-    long-lived block among the heap's short-lived ones would change where they land and when
-    the heap is trimmed. Zero-filled (fresh anonymous pages)."""
-    memory = mmap.mmap(-1, max(count * dtype.itemsize, 1))
-    return np.frombuffer(memory, dtype, count)
-
-
-def scratch(count: int, dtype) -> np.ndarray:
-    """``count`` elements of ``dtype`` from this thread's scratch buffer, reused call after call:
-    for what a step needs only while it runs (fresh memory of a step's size costs a page fault
-    per 4 KiB touched on every call once the allocator hands it back to the system: at (64, 256,
-    512) about 800 faults, a quarter of the step). Nothing that outlives the call may live
-    there; the buffer grows to the largest request and stays (per thread, per dtype)."""
-    buffers = getattr(_local, "buffers", None)
-    if buffers is None:
-        buffers = _local.buffers = {}
-    buffer = buffers.get(dtype)
-    if buffer is None or buffer.size < count:
-        buffer = buffers[dtype] = _mapped(count, dtype)
-    return buffer[:count]
-
-
-def zeros(count: int, dtype) -> np.ndarray:
-    """``count`` zeros of ``dtype``, read-only, this thread's (grown as needed and kept):
-    ``minimum(z, zeros)`` costs 0.5 us less per call than ``minimum(z, 0)`` at (3, 16, 128)
-    (NumPy's loop for a scalar operand is not vectorised), 30 % of the call."""
-    table = getattr(_local, "zeros", None)
-    if table is None:
-        table = _local.zeros = {}
-    buffer = table.get(dtype)
-    if buffer is None or buffer.size < count:
-        buffer = table[dtype] = _mapped(count, dtype)
-        buffer.flags.writeable = False
-    return buffer[:count]
+           "cell_backward_into", "cell_rows"]
 
 
 def _project(x, w, bias, mm, steps, batch, out=None, product=None):
@@ -200,19 +140,26 @@ def _scratch_step(batch: int, state: int, dtype, derivatives: bool):
     them (the rest of the rows its scratch), made once per scratch buffer, shape and mode and
     kept (its dozen views and closure cost about 3 us, a whole step at (16, 128) about 20)."""
     rows = cell_rows(batch, state, dtype)
-    base = _local.buffers[dtype]                # what cell_rows' scratch is a view of
     made = getattr(_local, "steps", None)
     if made is None:
         made = _local.steps = {}
-    key = (id(base), batch, state, derivatives)
+    # the scratch buffer's id: the kept step's views hold that buffer (their base), so no other
+    # buffer takes its id while the step is kept
+    key = (id(rows.base), batch, state, derivatives)
     found = made.get(key)
     if found is None:
         if len(made) >= 8:                      # shapes come and go: keep a few
             made.clear()
         z = rows[:3]
         step = _forward_step(z, rows[3:], zeros(z.size, z.dtype).reshape(z.shape), derivatives)
-        found = made[key] = (rows, step, base)  # base kept: its id stays this buffer's
-    return found[0], found[1]
+        found = made[key] = (rows, step)
+    return found
+
+
+def forget_workspaces() -> None:
+    """Drop the steps :func:`_scratch_step` keeps for this thread (made again when next
+    needed; they bind NumPy's functions when made)."""
+    _local.steps = {}
 
 
 def _step_factors(total, scratch, new_h, new_cell, factors) -> None:
@@ -269,29 +216,19 @@ def _backward_step(d):
     return step
 
 
-def _d_gates(grad_h, grad_cell, factors, d_gates, d_new_cell=None):
+def _d_gates(grad_h, grad_cell, factors, d_gates):
     """Element-wise backward of one step from the forward's ``factors`` (4, B, S): writes
-    d_gates (3, B, S) (any strides) and returns d_new_cell (B, S), written into
-    ``d_new_cell`` when given (it may be ``grad_cell`` itself); grad_h / grad_cell may be None
-    (zero). The formulas: :func:`_backward_step` (which the sequence loops run on buffers of
-    their own); here four or five NumPy calls on the caller's arrays, no view made but the
-    factors' rows."""
+    d_gates (3, B, S) (any strides) and returns d_new_cell (B, S), a new array; grad_h /
+    grad_cell may be None (zero). The formulas: :func:`_backward_step` (which the sequence loops
+    run on buffers of their own); here four or five NumPy calls on the caller's arrays, no view
+    made but the factors' rows."""
     if grad_h is not None:
-        if grad_cell is None:
-            d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
-        elif d_new_cell is grad_cell:       # in place; d_z_i's row as the product's scratch
-            np.add(d_new_cell, np.multiply(factors[3], grad_h, d_gates[0]), d_new_cell)
-        else:
-            d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
+        d_new_cell = np.multiply(factors[3], grad_h)
+        if grad_cell is not None:
             np.add(d_new_cell, grad_cell, d_new_cell)
         np.multiply(factors[1], grad_h, d_gates[1])
     else:
-        if d_new_cell is None:
-            d_new_cell = np.empty_like(factors[3])
-        if grad_cell is None:
-            d_new_cell[...] = 0
-        elif d_new_cell is not grad_cell:
-            np.copyto(d_new_cell, grad_cell)
+        d_new_cell = np.zeros_like(factors[3]) if grad_cell is None else grad_cell.copy()
         d_gates[1] = 0
     np.multiply(factors[0::2], d_new_cell, d_gates[0::2])   # d_z_i and d_z_c: one call
     return d_new_cell
