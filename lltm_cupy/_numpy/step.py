@@ -61,21 +61,6 @@ def _project(x, w, bias, mm, steps, batch, out=None, product=None):
     return out
 
 
-def _activate(z, old_cell, new_h, new_cell, factors=None) -> None:
-    """Element-wise forward of one step: :func:`_step` and, unless ``factors`` is None,
-    :func:`_step_factors` (for callers with one step; the sequence loops call the two apart)."""
-    scratch = np.empty((6,) + new_cell.shape, z.dtype)
-    _step(z, old_cell, new_h, new_cell, scratch, factors is not None)
-    if factors is not None:
-        _step_factors(z[1:], scratch, new_h, new_cell, factors)
-
-
-def _step(z, old_cell, new_h, new_cell, scratch, derivatives) -> None:
-    """Element-wise forward of one step (:func:`_forward_step` made and run once)."""
-    _forward_step(z, scratch, zeros(z.size, z.dtype).reshape(z.shape),
-                  derivatives)(old_cell, new_h, new_cell)
-
-
 def _forward_step(z, scratch, zero, derivatives):
     """The element-wise forward of one step as a function ``step(old_cell, new_h, new_cell)``
     of its state, on the buffers given here, whose views it makes once: the sequence loops make
@@ -138,21 +123,21 @@ def _scratch_step(batch: int, state: int, dtype, derivatives: bool):
     """``(rows, step)``: this thread's :func:`cell_rows` (9, batch, state), into whose first
     three rows the caller writes the gate pre-activations, and the :func:`_forward_step` over
     them (the rest of the rows its scratch), made once per scratch buffer, shape and mode and
-    kept (its dozen views and closure cost about 3 us, a whole step at (16, 128) about 20)."""
-    rows = cell_rows(batch, state, dtype)
+    kept (its dozen views and closure cost about 3 us, a whole step at (16, 128) about 20).
+    Kept under the scratch buffer's id: the kept rows and step are views of that buffer (their
+    base), so no other buffer takes its id while they are kept, and the buffer never shrinks."""
     made = getattr(_local, "steps", None)
     if made is None:
         made = _local.steps = {}
-    # the scratch buffer's id: the kept step's views hold that buffer (their base), so no other
-    # buffer takes its id while the step is kept
-    key = (id(rows.base), batch, state, derivatives)
-    found = made.get(key)
+    buffer = getattr(_local, "buffers", {}).get(dtype)
+    found = made.get((id(buffer), batch, state, derivatives))
     if found is None:
         if len(made) >= 8:                      # shapes come and go: keep a few
             made.clear()
+        rows = cell_rows(batch, state, dtype)   # grows the buffer where it is too small
         z = rows[:3]
         step = _forward_step(z, rows[3:], zeros(z.size, z.dtype).reshape(z.shape), derivatives)
-        found = made[key] = (rows, step)
+        found = made[(id(rows.base), batch, state, derivatives)] = (rows, step)
     return found
 
 
@@ -359,7 +344,7 @@ def cell_backward_into(grad_h, grad_cell, factors, d_gates=None, bias=False):
 
 def cell_forward(gates, old_cell):
     """The element-wise step on gate pre-activations (batch, 3 * state) the caller computed;
-    ``saved`` holds the four products the backward multiplies by (``_activate``)."""
+    ``saved`` holds the four products the backward multiplies by (:func:`_step_factors`)."""
     batch, state = old_cell.shape
     new_h = np.empty((batch, state), gates.dtype)
     new_cell = np.empty((batch, state), gates.dtype)

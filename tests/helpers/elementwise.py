@@ -19,12 +19,12 @@ def run_numpy(inputs, dtype) -> dict:
 
     a = _flat_inputs(inputs, dtype)
     n = a["z_i"].size
-    z = np.stack([a["z_i"], a["z_o"], a["z_c"]]).reshape(3, 1, n)
+    gates = np.concatenate([a["z_i"], a["z_o"], a["z_c"]]).reshape(1, 3 * n)
     new_h, new_cell = np.empty((1, n), dtype), np.empty((1, n), dtype)
     factors = np.empty((4, 1, n), dtype)
     d = np.empty((3, 1, n), dtype)
+    _numpy.step.cell_forward_into(gates, a["old_cell"].reshape(1, n), new_h, new_cell, factors)
     with np.errstate(all="ignore"):     # as the backend's entry points run them
-        _numpy.step._activate(z, a["old_cell"].reshape(1, n), new_h, new_cell, factors)
         d_new_cell = _numpy.step._d_gates(a["grad_h"].reshape(1, n), a["grad_cell"].reshape(1, n),
                                      factors, d)
     return _named(new_h, new_cell, d_new_cell, d[0], d[1], d[2])
