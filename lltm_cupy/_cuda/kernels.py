@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -56,6 +57,8 @@ def cupy_module():
     import cupy
 
     if _gpu_checked is not cupy:
+        if _forked:
+            raise fork_error()
         if not cupy.cuda.is_available():
             raise RuntimeError("lltm_cupy: the GPU backend needs a GPU, and CuPy finds no "
                                "usable GPU (no device, or no CUDA driver)")
@@ -65,9 +68,41 @@ def cupy_module():
 
 def current_device() -> int:
     """The current CUDA device's index (one C call, no object)."""
+    if _forked:
+        raise fork_error()
     import cupy
 
     return cupy.cuda.runtime.getDevice()
+
+
+# ------------------------------------------------------------------------------- after a fork
+# The fork rule of the GPU backend: a CUDA context cannot be used in a process forked from the
+# one that made it (nor can the kernels loaded into it, CuPy's handles or torch's). A child
+# forked after this library used the GPU refuses every GPU call with :func:`fork_error`, as
+# torch refuses its own CUDA calls there; the parent goes on as before. Nothing is checked per
+# call but a module flag, set in the child by the fork hook.
+
+#: True in a process forked after the GPU backend was used in its parent
+_forked = False
+
+
+def fork_error() -> RuntimeError:
+    return RuntimeError(
+        "lltm_cupy: the GPU backend cannot run in a process forked after it used CUDA in the "
+        "parent (the parent's CUDA context, kernels and handles are not usable in a child). "
+        "Start worker processes with the 'spawn' or 'forkserver' method (multiprocessing."
+        "set_start_method('spawn'); DataLoader(..., multiprocessing_context='spawn')), or use "
+        "the GPU only in the children.")
+
+
+def _after_fork_in_child() -> None:
+    global _forked, _gpu_checked
+    if _gpu_checked is not None or _cache:     # the GPU checked, or kernels loaded
+        _forked, _gpu_checked = True, None     # (cupy_module checks again, and refuses)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 _SAME = contextlib.nullcontext()

@@ -3,6 +3,11 @@
 - :func:`scratch`: temporaries of one call, reused call after call (no page faults);
 - :func:`zeros`: a read-only zeros array (``minimum(z, zeros)`` beats ``minimum(z, 0)``);
 - :func:`quiet` / :func:`loud`: NumPy's floating-point errors ignored around an entry point.
+
+Every buffer kept here, and everything the backend keeps over them (the sequence loops'
+workspaces, the one-step forward's views and closure), is private to the process: a forked
+child (``multiprocessing``'s fork, ``DataLoader`` workers, Hogwild training) gets its own
+copy-on-write pages, so parent and child never write each other's memory (:func:`_mapped`).
 """
 from __future__ import annotations
 
@@ -33,13 +38,20 @@ except ImportError:     # pragma: no cover -- a NumPy without it
         np.seterr(**token)
 
 _local = threading.local()
+#: the flags of an anonymous mapping of this process alone (``mmap`` adds MAP_ANONYMOUS for
+#: fileno -1); Windows has no fork, and its ``mmap`` no flags
+_PRIVATE = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
 
 
 def _mapped(count: int, dtype) -> np.ndarray:
     """``count`` elements of ``dtype`` in a mapping of their own, outside the heap: a
     long-lived block among the heap's short-lived ones would change where they land and when
-    the heap is trimmed. Zero-filled (fresh anonymous pages)."""
-    memory = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+    the heap is trimmed. Zero-filled (fresh anonymous pages).
+
+    The fork rule of the backend's kept memory: the mapping is private (``MAP_PRIVATE``), so a
+    forked child's writes go to its own copies of the pages, as for the heap. (``mmap.mmap``'s
+    default on Linux is ``MAP_SHARED``: parent and child would share every scratch buffer.)"""
+    memory = mmap.mmap(-1, max(count * dtype.itemsize, 1), **_PRIVATE)
     return np.frombuffer(memory, dtype, count)
 
 
