@@ -34,8 +34,11 @@ BACKWARD = (4, 1, 1)
 #: the same through the array API (NumPy's GEMMs: a library function each)
 ARRAY_FORWARD = (14, 0, 2)
 ARRAY_BACKWARD = (6, 0, 2)
-#: torch calls of an LLTM training call beyond its steps (module, Function, GEMMs, loss)
-CALL_TORCH = 60
+#: torch calls of an LLTM training call beyond its steps (module, Function, GEMMs, loss, and
+#: the conversions that keep every tensor torch's own: 56 with ``Tensor.numpy()`` and
+#: ``torch.from_numpy``, which left the results non-resizable; 84 with
+#: ``lltm_cupy.torch._cpu_arrays``, two calls a tensor: ``is_contiguous``, ``data_ptr``)
+CALL_TORCH = 87
 
 B, F, S = 3, 4, 5
 SHORT, LONG = 4, 8

@@ -109,9 +109,9 @@ def test_zero_copy_in_and_out(monkeypatch):
         seen["out"] = [ptr(new_h), ptr(new_cell)]
         return real_forward(gates, old_cell, new_h, new_cell, factors, gate_major)
 
-    def backward(gh, gc, factors, d_gates=None, bias=False):
+    def backward(gh, gc, factors, d_gates=None, bias=False, **out):
         seen["grad_in"] = [ptr(gh), ptr(gc)]
-        d_gates, d_old_cell, d_bias = real_backward(gh, gc, factors, d_gates, bias)
+        d_gates, d_old_cell, d_bias = real_backward(gh, gc, factors, d_gates, bias, **out)
         seen["d_old_cell"] = ptr(d_old_cell)
         return d_gates, d_old_cell, d_bias
 

@@ -183,10 +183,15 @@ def test_inference_ops_pass_opcheck():
 
 
 def test_cpu_memory_beyond_the_output_does_not_grow_with_steps(monkeypatch):
-    """Every array the CPU path makes is NumPy's (torch views it), so tracemalloc sees them:
+    """With the NumPy backend's arrays NumPy's, tracemalloc sees all it makes:
     under no_grad the peak beyond the output is the same at 50 and 200 steps; with grad the
     layer keeps 5 * B * S values per step for the backward."""
     monkeypatch.setattr(_numpy.sequence, "_BLOCK_ROWS", 64)     # blocks of 8 steps: full at 50 too
+    # the results and what the backward keeps as NumPy's arrays, which tracemalloc sees (the
+    # torch layer takes them as they are; its own are torch.empty tensors, which it does not)
+    from lltm_cupy.torch._torch_gemm import TorchGemm
+    monkeypatch.setattr(TorchGemm, "empty", staticmethod(np.empty))
+    monkeypatch.setattr(TorchGemm, "zeros", staticmethod(np.zeros))
     torch.manual_seed(2)
     B, F, S = 8, 4, 32
     model = LLTM(F, S)

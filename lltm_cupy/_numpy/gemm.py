@@ -16,6 +16,10 @@ array ``a @ b``), the sequence loops use:
   the ``h`` of ``bmm`` (torch: expanded to (3, n, S));
 - ``project_gates(x, w, bias, out)``: ``out[g] = x @ w[g] + bias[g]`` for the three gates
   (``out`` (3, R, S) gate-major, the layout the element-wise step runs on);
+- ``empty(shape, dtype)`` / ``zeros(shape, dtype)``: the arrays a call returns (outputs,
+  final states, gradients) and keeps for its backward (NumPy: its own; torch: arrays over
+  ``torch.empty`` tensors, which the torch layer hands back as those tensors: ordinary,
+  resizable torch tensors, not ``torch.from_numpy`` wrappers);
 - ``bmm(h, w, out=out)``: ``out[g] = h @ w[g]`` (out (3, n, S), w (3, S, S)), and
   ``addmm_(out, a, b)``: ``out += a @ b``, the loops' per-step GEMMs: for torch, torch's own
   functions, so that a step's GEMM is one call into torch and no Python call of this library.
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["NumpyGemm", "NUMPY_GEMM", "gate_weights", "row_blocks", "consecutive"]
+__all__ = ["NumpyGemm", "NUMPY_GEMM", "gate_weights", "row_blocks", "consecutive", "copy"]
 
 
 def gate_weights(w):
@@ -44,7 +48,10 @@ def gate_weights(w):
 
 
 class NumpyGemm:
-    """GEMMs by ``numpy.matmul``."""
+    """GEMMs by ``numpy.matmul``, and NumPy's own arrays."""
+
+    empty = staticmethod(np.empty)
+    zeros = staticmethod(np.zeros)
 
     def __call__(self, a, b):
         return np.matmul(a, b)
@@ -81,6 +88,13 @@ class NumpyGemm:
     @staticmethod
     def addmm_(out, a, b):
         np.add(out, np.matmul(a, b), out)
+
+
+def copy(mm, a):
+    """A copy of ``a`` in memory of the engine ``mm`` (``mm.empty``), C-ordered."""
+    out = mm.empty(a.shape, a.dtype)
+    np.copyto(out, a)
+    return out
 
 
 def _pieces(a, sizes) -> list:

@@ -10,7 +10,8 @@ import numpy as np
 from .. import _packing
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 from . import sequence
-from .sequence import _backward_loop, _forward_loop
+from .gemm import copy
+from .sequence import _backward_loop, _forward_loop, bias_grad
 from .memory import scratch
 
 __all__ = ["forward_packed", "backward_packed"]
@@ -30,19 +31,19 @@ def forward_packed(inputs, weights, bias, h0, c0, mm, plan, keep):
     direct = plan.packed_io and data_index is None   # the packed rows are the outputs' rows
     if keep or direct:
         # the hidden states: h0 sorted, then every step's rows (the outputs, packed)
-        h = np.empty((batch + rows, state), dtype)
+        h = mm.empty((batch + rows, state), dtype)
         emit = None
     else:
         # forward only, the outputs elsewhere: one block's rows at a time, scattered into
         # them after each block
         h = np.empty((batch + (sequence.block_rows(sizes, offsets) if rows else 0), state), dtype)
         if plan.packed_io:
-            outputs = np.empty((rows, state), dtype)
+            outputs = mm.empty((rows, state), dtype)
 
             def emit(block, a, b):
                 outputs[data_index[offsets[a]: offsets[b]]] = block
         else:
-            outputs = np.zeros((plan.steps, batch, state), dtype)
+            outputs = mm.zeros((plan.steps, batch, state), dtype)
 
             def emit(block, a, b):
                 at = slice(offsets[a], offsets[b])
@@ -62,7 +63,7 @@ def forward_packed(inputs, weights, bias, h0, c0, mm, plan, keep):
     if emit is None:
         h_sorted[:ended] = h[batch + last]
         out = h[batch:]
-        outputs = _packing.unpack_rows(out, plan, np, t_index, b_index, data_index)
+        outputs = _packing.unpack_rows(out, plan, mm, t_index, b_index, data_index)
     elif plan.packed_io:
         h_sorted[:ended] = outputs[data_index[last]]
     else:
@@ -72,7 +73,7 @@ def forward_packed(inputs, weights, bias, h0, c0, mm, plan, keep):
         c_sorted[:ended] = cells[last]
     else:
         c_sorted = c0s
-    h_n, c_n = np.empty_like(h_sorted), np.empty_like(c_sorted)
+    h_n, c_n = mm.empty(h_sorted.shape, dtype), mm.empty(c_sorted.shape, dtype)
     h_n[plan.perm], c_n[plan.perm] = h_sorted, c_sorted
     if not keep:
         return outputs, h_n, c_n, None
@@ -123,24 +124,24 @@ def backward_packed(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
         d_h0s = np.zeros((batch, state), dtype) if ghn is None else ghn.copy()
         if first:
             d_h0s[:first] = mm(flat[:first], weights[:, :state])
-        d_h0 = np.empty_like(d_h0s)
+        d_h0 = mm.empty(d_h0s.shape, dtype)
         d_h0[plan.perm] = d_h0s
     if need_c0:
         d_c0s = np.zeros((batch, state), dtype) if gcn is None else gcn.copy()
         if first:
             d_c0s[:first] = d_c
-        d_c0 = np.empty_like(d_c0s)
+        d_c0 = mm.empty(d_c0s.shape, dtype)
         d_c0[plan.perm] = d_c0s
     d_weights = d_bias = d_inputs = None
     if need_w:
-        d_weights = np.empty(weights.shape, dtype)
+        d_weights = mm.empty(weights.shape, dtype)
         h_in = grad_h       # the hidden state each row's step read: h0, or the previous step's
         h_in[:first] = saved.h0[:first]
         np.take(saved.hs, plan.prev_row, axis=0, out=h_in[first:])
         mm.into(flat.T, h_in, d_weights[:, :state])
         mm.into(flat.T, x, d_weights[:, state:])
     if need_b:
-        d_bias = np.add.reduce(flat, 0).reshape(saved.bias_shape)
+        d_bias = bias_grad(flat, saved.bias_shape, mm)
     if need_x:
-        d_inputs = _packing.unpack_rows(mm(flat, weights[:, state:]), plan, np, *_indices(plan))
+        d_inputs = _packing.unpack_rows(mm(flat, weights[:, state:]), plan, mm, *_indices(plan))
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0, d_c0)

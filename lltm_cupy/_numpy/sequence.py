@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import _packing
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
-from .gemm import row_blocks
+from .gemm import copy, row_blocks
 from .memory import _mapped, scratch, zeros
 from .step import _backward_step, _forward_step, _step_factors
 
@@ -156,7 +156,7 @@ def forward_sequence(inputs, weights, bias, h0, c0, mm, keep):
     state = h0.shape[1]
     dtype = inputs.dtype
     x = inputs.reshape(steps * batch, features)
-    hs = np.empty((steps + 1, batch, state), dtype)   # [h0, h_1, ..., h_T]
+    hs = mm.empty((steps + 1, batch, state), dtype)   # [h0, h_1, ..., h_T]
     hs[0] = h0
     offsets = range(0, (steps + 1) * batch, batch) if batch else [0] * (steps + 1)
     h = hs.reshape((steps + 1) * batch, state)
@@ -165,12 +165,12 @@ def forward_sequence(inputs, weights, bias, h0, c0, mm, keep):
         factors = np.empty((steps, 4, batch, state), dtype)
         _forward_loop(x, weights, bias, mm, batch, offsets, h, batch,
                       cells.reshape(steps * batch, state), c0, factors.reshape(-1))
-        c_n = (cells[-1] if steps else c0).copy()
+        c_n = copy(mm, cells[-1] if steps else c0)
         saved = LLTMSequenceSaved("numpy", x, hs, factors, cells, weights, tuple(bias.shape))
-        return hs[1:], hs[steps].copy(), c_n, saved
-    c = np.array(c0, dtype, order="C")      # forward only: one cell state, updated in place
+        return hs[1:], copy(mm, hs[steps]), c_n, saved
+    c = copy(mm, c0)        # forward only: one cell state, updated in place
     _forward_loop(x, weights, bias, mm, batch, offsets, h, batch, None, c, None)
-    return hs[1:], hs[steps].copy(), c, None
+    return hs[1:], copy(mm, hs[steps]), c, None
 
 
 def _forward_loop(x, weights, bias, mm, sizes, offsets, h, first, cells, c0, factors,
@@ -293,12 +293,11 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
     dtype = cells.dtype
     need_x, need_w, need_b, need_h0, need_c0 = needed
     if not steps:
-        d_h0 = np.zeros((batch, state), dtype) if grad_h_n is None else np.array(grad_h_n)
-        d_c = np.zeros((batch, state), dtype) if grad_c_n is None else np.array(grad_c_n)
-        return LLTMSequenceGrads(np.zeros(x.shape, dtype).reshape(0, batch, features)
-                                 if need_x else None,
-                                 np.zeros(weights.shape, dtype) if need_w else None,
-                                 np.zeros(saved.bias_shape, dtype) if need_b else None,
+        d_h0 = mm.zeros((batch, state), dtype) if grad_h_n is None else copy(mm, grad_h_n)
+        d_c = mm.zeros((batch, state), dtype) if grad_c_n is None else copy(mm, grad_c_n)
+        return LLTMSequenceGrads(mm.zeros((0, batch, features), dtype) if need_x else None,
+                                 mm.zeros(weights.shape, dtype) if need_w else None,
+                                 mm.zeros(saved.bias_shape, dtype) if need_b else None,
                                  d_h0 if need_h0 else None, d_c if need_c0 else None)
     rows = steps * batch
     # this thread's scratch: every step's d_gates in the GEMMs' layout (T * B, 3S), and the
@@ -318,15 +317,22 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed, mm):
     d_h0 = mm(flat[:batch], weights[:, :state]) if need_h0 else None
     d_weights = d_bias = d_inputs = None
     if need_w:
-        d_weights = np.empty(weights.shape, dtype)
+        d_weights = mm.empty(weights.shape, dtype)
         mm.into(flat.T, hs[:-1].reshape(rows, state), d_weights[:, :state])
         mm.into(flat.T, x, d_weights[:, state:])
     if need_b:
-        d_bias = np.add.reduce(flat, 0).reshape(saved.bias_shape)
+        d_bias = bias_grad(flat, saved.bias_shape, mm)
     if need_x:
         d_inputs = mm(flat, weights[:, state:]).reshape(steps, batch, features)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0,
-                             d_c.copy() if need_c0 else None)
+                             copy(mm, d_c) if need_c0 else None)
+
+
+def bias_grad(flat, bias_shape, mm):
+    """The bias gradient: ``flat`` (rows, 3S) summed over its rows, in ``mm``'s memory."""
+    out = mm.empty((flat.shape[1],), flat.dtype)
+    np.add.reduce(flat, 0, out=out)
+    return out.reshape(bias_shape)
 
 
 def _backward_loop(grad_h, grad_c, factors, flat, w_h, mm, sizes, offsets):

@@ -120,12 +120,13 @@ def _forward_step(z, scratch, zero, derivatives):
 
 
 def _scratch_step(batch: int, state: int, dtype, derivatives: bool):
-    """``(rows, step)``: this thread's :func:`cell_rows` (9, batch, state), into whose first
-    three rows the caller writes the gate pre-activations, and the :func:`_forward_step` over
-    them (the rest of the rows its scratch), made once per scratch buffer, shape and mode and
-    kept (its dozen views and closure cost about 3 us, a whole step at (16, 128) about 20).
-    Kept under the scratch buffer's id: the kept rows and step are views of that buffer (their
-    base), so no other buffer takes its id while they are kept, and the buffer never shrinks."""
+    """``[rows, step, operand]``: this thread's :func:`cell_rows` (9, batch, state), into whose
+    first three rows the caller writes the gate pre-activations, the :func:`_forward_step` over
+    them (the rest of the rows its scratch), and (made by :func:`gate_rows`) the first three rows
+    as a GEMM engine's operand, made once per scratch buffer, shape and mode and kept (its dozen
+    views and closure cost about 3 us, a whole step at (16, 128) about 20). Kept under the
+    scratch buffer's id: the kept rows and step are views of that buffer (their base), so no
+    other buffer takes its id while they are kept, and the buffer never shrinks."""
     made = getattr(_local, "steps", None)
     if made is None:
         made = _local.steps = {}
@@ -137,8 +138,20 @@ def _scratch_step(batch: int, state: int, dtype, derivatives: bool):
         rows = cell_rows(batch, state, dtype)   # grows the buffer where it is too small
         z = rows[:3]
         step = _forward_step(z, rows[3:], zeros(z.size, z.dtype).reshape(z.shape), derivatives)
-        found = made[(id(rows.base), batch, state, derivatives)] = (rows, step)
+        found = made[(id(rows.base), batch, state, derivatives)] = [rows, step, None]
     return found
+
+
+def gate_rows(batch: int, state: int, dtype, derivatives: bool, operand):
+    """``(z, z_operand)``: the first three rows (3, batch, state) of this thread's
+    :func:`cell_rows`, into which a caller that computes the gate pre-activations gate-major
+    writes them (``z_operand``: the same memory as ``operand(z)`` makes it, made once and kept
+    with the step) before :func:`cell_forward_into` with ``gate_major`` and the same
+    ``derivatives`` (whether ``factors`` will be given)."""
+    found = _scratch_step(batch, state, dtype, derivatives)
+    if found[2] is None:
+        found[2] = operand(found[0][:3])
+    return found[0][:3], found[2]
 
 
 def forget_workspaces() -> None:
@@ -201,19 +214,24 @@ def _backward_step(d):
     return step
 
 
-def _d_gates(grad_h, grad_cell, factors, d_gates):
+def _d_gates(grad_h, grad_cell, factors, d_gates, d_new_cell=None):
     """Element-wise backward of one step from the forward's ``factors`` (4, B, S): writes
-    d_gates (3, B, S) (any strides) and returns d_new_cell (B, S), a new array; grad_h /
-    grad_cell may be None (zero). The formulas: :func:`_backward_step` (which the sequence loops
-    run on buffers of their own); here four or five NumPy calls on the caller's arrays, no view
-    made but the factors' rows."""
+    d_gates (3, B, S) (any strides) and returns d_new_cell (B, S), written into ``d_new_cell``
+    (None: a new array); grad_h / grad_cell may be None (zero). The formulas:
+    :func:`_backward_step` (which the sequence loops run on buffers of their own); here four or
+    five NumPy calls on the caller's arrays, no view made but the factors' rows."""
     if grad_h is not None:
-        d_new_cell = np.multiply(factors[3], grad_h)
+        d_new_cell = np.multiply(factors[3], grad_h, d_new_cell)
         if grad_cell is not None:
             np.add(d_new_cell, grad_cell, d_new_cell)
         np.multiply(factors[1], grad_h, d_gates[1])
     else:
-        d_new_cell = np.zeros_like(factors[3]) if grad_cell is None else grad_cell.copy()
+        if d_new_cell is None:
+            d_new_cell = np.empty_like(factors[3])
+        if grad_cell is None:
+            d_new_cell[...] = 0
+        else:
+            np.copyto(d_new_cell, grad_cell)
         d_gates[1] = 0
     np.multiply(factors[0::2], d_new_cell, d_gates[0::2])   # d_z_i and d_z_c: one call
     return d_new_cell
@@ -250,7 +268,7 @@ def forward(input, weights, bias, old_h, old_cell, new_h, new_cell, factors=None
         if X is None:
             X = buffer[12 * n:].reshape(batch, width)
         np.concatenate((old_h, input), axis=1, out=X)
-        rows, step = _scratch_step(batch, state, old_h.dtype, factors is not None)
+        rows, step, _ = _scratch_step(batch, state, old_h.dtype, factors is not None)
         z = _project(X, weights, bias, mm, 1, batch, rows[None, :3], buffer[9 * n: 12 * n])[0]
         step(old_cell, new_h, new_cell)
         if factors is not None:
@@ -309,7 +327,7 @@ def cell_forward_into(gates, old_cell, new_h, new_cell, factors=None,
     token = quiet()
     try:
         batch, state = old_cell.shape
-        rows, step = _scratch_step(batch, state, gates.dtype, factors is not None)
+        rows, step, _ = _scratch_step(batch, state, gates.dtype, factors is not None)
         z = rows[:3]
         if not gate_major:
             np.copyto(z, gates.reshape(batch, 3, state).transpose(1, 0, 2))
@@ -320,12 +338,14 @@ def cell_forward_into(gates, old_cell, new_h, new_cell, factors=None,
         loud(token)
 
 
-def cell_backward_into(grad_h, grad_cell, factors, d_gates=None, bias=False):
+def cell_backward_into(grad_h, grad_cell, factors, d_gates=None, bias=False, d_old_cell=None,
+                       d_bias=None):
     """The element-wise backward of one step from the forward's ``factors``: ``(d_gates,
     d_old_cell, d_bias)``, the pre-activations' gradient (batch, 3 * state), written into
     ``d_gates`` (None: into this thread's scratch, valid until the thread's next step),
-    d_old_cell (batch, state), a new array, and with ``bias`` the sum of d_gates over the batch
-    (3 * state) (else None); grad_h / grad_cell (batch, state), either None (zero)."""
+    d_old_cell (batch, state), written into ``d_old_cell`` (None: a new array), and with ``bias``
+    the sum of d_gates over the batch (3 * state), written into ``d_bias`` (None: a new array;
+    without ``bias`` None); grad_h / grad_cell (batch, state), either None (zero)."""
     token = quiet()
     try:
         _, batch, state = factors.shape
@@ -334,9 +354,9 @@ def cell_backward_into(grad_h, grad_cell, factors, d_gates=None, bias=False):
         d_acts = buffer[:3 * n].reshape(3, batch, state)
         if d_gates is None:
             d_gates = buffer[3 * n:].reshape(batch, 3 * state)
-        d_old_cell = _d_gates(grad_h, grad_cell, factors, d_acts)
+        d_old_cell = _d_gates(grad_h, grad_cell, factors, d_acts, d_old_cell)
         _gate_major_to_rows(d_acts, d_gates)
-        d_bias = np.add.reduce(d_gates, 0) if bias else None
+        d_bias = np.add.reduce(d_gates, 0, out=d_bias) if bias else None
     finally:
         loud(token)
     return d_gates, d_old_cell, d_bias

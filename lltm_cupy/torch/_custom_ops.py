@@ -214,8 +214,10 @@ def sequence_inference_op(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Ten
 def _(inputs, weights, bias, h0, c0, fused=False):
     steps, batch, _ = inputs.shape
     state = h0.shape[1]
-    return (inputs.new_empty(steps, batch, state), inputs.new_empty(batch, state),
-            inputs.new_empty(batch, state))
+    # the outputs are the hidden states after h0: [h0, h_1, ..., h_T][1:], as the eager call's
+    outputs = (inputs.new_empty(steps + 1, batch, state)[1:] if steps * batch * state
+               else inputs.new_empty(steps, batch, state))
+    return outputs, inputs.new_empty(batch, state), inputs.new_empty(batch, state)
 
 
 

@@ -37,7 +37,7 @@ import torch
 
 from .._cuda import step as _cuda_step
 from .._numpy import step as _step
-from . import _interop, reference
+from . import _cpu_arrays, _interop, reference
 
 __all__ = ["LLTMFunction", "apply", "step_forward_only", "cpu_step_backward", "cuda_step_forward",
            "cuda_step_backward", "INPLACE_MESSAGE"]
@@ -50,6 +50,11 @@ INPLACE_MESSAGE = (
     "out.relu_()), or use the out-of-place operation (out = out.relu()).")
 
 _from_numpy = torch.from_numpy
+#: the CPU step's outputs: torch's own tensors (resizable, shareable, usable as ``out=``), the
+#: NumPy backend writing into their memory through arrays that leave them so (``_cpu_arrays``;
+#: the caller's tensors too: ``Tensor.numpy()`` would make their storage non-resizable)
+_new, _DENSE = torch.empty_like, torch.contiguous_format
+_array = _cpu_arrays.to_array
 _baddbmm, _cat, _mm = torch.baddbmm, torch.cat, torch.mm
 _autocast_on = torch.is_autocast_enabled
 
@@ -80,6 +85,27 @@ def _refusal() -> RuntimeError:
     from ._export import refusal
 
     return refusal("a call into lltm_cupy's NumPy/CuPy backends")
+
+
+def batched(*grads) -> bool:
+    """Whether an incoming gradient is a batch of gradients (torch's legacy vmap:
+    ``torch.autograd.grad(..., is_grads_batched=True)``, ``jacobian`` and ``hessian`` with
+    ``vectorize=True``): a tensor without memory of its own, which the backends cannot read
+    and torch's operations take (the backwards then run the formulas as torch operations).
+    Asked only after a backend refused the gradients, so it costs a call nothing."""
+    check = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor", None)
+    for g in grads:
+        if g is None:
+            continue
+        if check is not None:
+            if check(g):
+                return True
+        else:                       # (a torch without the check: no storage, no pointer)
+            try:
+                g.data_ptr()
+            except RuntimeError:
+                return True
+    return False
 
 
 def _refuse_vmap(info, in_dims, *args):
@@ -117,13 +143,14 @@ class LLTMFunction(torch.autograd.Function):
                 return LLTMFunction.forward(input, weights, bias, old_h, old_cell)
         if cuda:
             return cuda_step_forward(input, weights, bias, old_h, old_cell)
-        c = old_cell.numpy(force=True)      # (one C call: detached, no copy for a CPU tensor)
+        c = _array(old_cell)
         shape, dtype = c.shape, c.dtype
-        new_h, new_cell = np.empty(shape, dtype), np.empty(shape, dtype)
+        new_h = _new(old_cell, memory_format=_DENSE)
+        new_cell = _new(old_cell, memory_format=_DENSE)
         factors = np.empty((4,) + shape, dtype)
-        _step.cell_forward_into(_cpu_gates(input, weights, bias, old_h, shape, dtype), c, new_h,
-                                new_cell, factors, gate_major=True)
-        return _from_numpy(new_h), _from_numpy(new_cell), _from_numpy(factors)
+        _step.cell_forward_into(_cpu_gates(input, weights, bias, old_h, shape, dtype, True), c,
+                                _array(new_h), _array(new_cell), factors, gate_major=True)
+        return new_h, new_cell, _from_numpy(factors)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -147,12 +174,17 @@ class LLTMFunction(torch.autograd.Function):
             with torch.autocast("cuda" if cuda else "cpu", enabled=False):
                 return LLTMFunction.backward(ctx, grad_h, grad_cell)
         input, weights, bias, old_h, old_cell = saved[:5]
-        if cuda:
-            X, gates, new_cell = saved[5:]
-            return cuda_step_backward(grad_h, grad_cell, X, gates, new_cell, weights,
-                                      bias.shape, ctx.needs_input_grad)
-        return cpu_step_backward(grad_h, grad_cell, saved[5], weights, bias.shape,
-                                 ctx.needs_input_grad, old_h, input)
+        try:
+            if cuda:
+                X, gates, new_cell = saved[5:]
+                return cuda_step_backward(grad_h, grad_cell, X, gates, new_cell, weights,
+                                          bias.shape, ctx.needs_input_grad)
+            return cpu_step_backward(grad_h, grad_cell, saved[5], weights, bias.shape,
+                                     ctx.needs_input_grad, old_h, input)
+        except RuntimeError:        # (a batch of gradients reaches the backend: no memory)
+            if not batched(grad_h, grad_cell):
+                raise
+        return _differentiable_step_backward(ctx, grad_h, grad_cell, saved)
 
     vmap = staticmethod(_refuse_vmap)
     jvp = staticmethod(_refuse_jvp)
@@ -163,23 +195,25 @@ def step_forward_only(input, weights, bias, old_h, old_cell):
     ``(new_h, new_cell)``, the same bits as :class:`LLTMFunction`'s."""
     if input.is_cuda or _interop.EMULATED_CUDA:
         return cuda_step_forward(input, weights, bias, old_h, old_cell, keep=False)
-    c = old_cell.numpy(force=True)
-    new_h, new_cell = np.empty(c.shape, c.dtype), np.empty(c.shape, c.dtype)
+    c = _array(old_cell)
+    new_h = _new(old_cell, memory_format=_DENSE)
+    new_cell = _new(old_cell, memory_format=_DENSE)
     with torch.no_grad():
-        gates = _cpu_gates(input, weights, bias, old_h, c.shape, c.dtype)
-    _step.cell_forward_into(gates, c, new_h, new_cell, gate_major=True)
-    return _from_numpy(new_h), _from_numpy(new_cell)
+        gates = _cpu_gates(input, weights, bias, old_h, c.shape, c.dtype, False)
+    _step.cell_forward_into(gates, c, _array(new_h), _array(new_cell), gate_major=True)
+    return new_h, new_cell
 
 
-def _cpu_gates(input, weights, bias, old_h, shape, dtype):
+def _cpu_gates(input, weights, bias, old_h, shape, dtype, derivatives: bool):
     """The CPU step's gate pre-activations, gate-major (3, batch, state), by torch's batched
     GEMM (one product per gate, the bias added) straight into the NumPy backend's scratch
-    (``step.cell_rows``): no pass moves them into the element-wise step's layout."""
+    (``step.gate_rows``, whose tensor over it is kept): no pass moves them into the
+    element-wise step's layout."""
     batch, state = shape
-    z = _step.cell_rows(batch, state, dtype)[:3]
+    z, out = _step.gate_rows(batch, state, dtype, derivatives, _from_numpy)
     X = _cat((old_h, input), 1)
     _baddbmm(bias.reshape(3, 1, state), X.expand(3, batch, X.shape[1]),
-             weights.view(3, state, X.shape[1]).transpose(1, 2), out=_from_numpy(z))
+             weights.view(3, state, X.shape[1]).transpose(1, 2), out=out)
     return z
 
 
@@ -189,11 +223,16 @@ def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, o
     ``needed``, in that order, says so): the NumPy backend's element-wise backward, torch's
     GEMMs; [old_h, input] as ``X`` or concatenated here if the weights need it."""
     need_x, need_w, need_b, need_h, need_c = needed
-    d_gates, d_old_cell, d_bias = _step.cell_backward_into(
+    # the gradients returned: torch's own tensors, the backend writing into their memory
+    d_old_cell = factors.new_empty(factors.shape[1:]) if need_c else None
+    d_bias = factors.new_empty(3 * factors.shape[2]) if need_b else None
+    d_gates, _, _ = _step.cell_backward_into(
         None if grad_h is None else grad_h.numpy(),
-        None if grad_cell is None else grad_cell.numpy(), factors.numpy(), bias=need_b)
+        None if grad_cell is None else grad_cell.numpy(), factors.numpy(), bias=need_b,
+        d_old_cell=None if d_old_cell is None else _array(d_old_cell),
+        d_bias=None if d_bias is None else _array(d_bias))
     rows = _from_numpy(d_gates)         # (this thread's scratch: used up here)
-    state = d_old_cell.shape[1]
+    state = factors.shape[2]
     if need_x and need_h:               # one GEMM, the two gradients views of it
         d_x = _mm(rows, weights)
         d_old_h, d_input = d_x[:, :state], d_x[:, state:]
@@ -203,8 +242,8 @@ def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, o
     if need_w:
         d_weights = _mm(rows.t(), _cat((old_h, input), 1) if X is None else X)
     return (d_input, d_weights if need_w else None,
-            _from_numpy(d_bias).reshape(bias_shape) if need_b else None,
-            d_old_h, _from_numpy(d_old_cell) if need_c else None)
+            d_bias.reshape(bias_shape) if need_b else None, d_old_h,
+            d_old_cell if need_c else None)
 
 
 def _differentiable_step_backward(ctx, grad_h, grad_cell, saved):

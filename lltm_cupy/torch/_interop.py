@@ -43,14 +43,13 @@ computes in (``lltm_cupy.torch`` casts the arguments first, as autocast would).
 from __future__ import annotations
 
 import contextlib
-import operator
 import threading
 
 import numpy as np
 import torch
 from torch import Tensor
 from .. import _numpy
-from . import _torch_gemm
+from . import _cpu_arrays, _torch_gemm
 from ._cuda_arrays import imports as _imports, to_array as _array_cuda, to_tensor as _tensor_cuda
 from ._torch_gemm import TORCH_CUDA_GEMM, TORCH_GEMM
 
@@ -77,11 +76,6 @@ def uses_cupy(device: torch.device) -> bool:
 
 
 # ------------------------------------------------------------------------------------ CPU
-
-
-#: a CPU tensor's NumPy view, detached (``t.numpy(force=True)``: for a CPU tensor of a real
-#: dtype no copy, and one C call)
-_array_cpu = operator.methodcaller("numpy", force=True)
 
 
 # ----------------------------------------------------------------------------------- CUDA
@@ -261,7 +255,7 @@ class Call:
         return False
 
 
-CPU_CALL = Call(_numpy, "numpy", {"mm": TORCH_GEMM}, _array_cpu, torch.from_numpy)
+CPU_CALL = Call(_numpy, "numpy", {"mm": TORCH_GEMM}, _cpu_arrays.to_array, _cpu_arrays.to_tensor)
 
 
 def backend_call(device: torch.device):

@@ -19,7 +19,7 @@ import torch
 
 from .._types import LLTMSequenceSaved
 from . import _cuda_sequence, _interop, reference
-from ._functions import _refusal, _refuse_jvp, _refuse_vmap, _saved, _tracing
+from ._functions import _refusal, _refuse_jvp, _refuse_vmap, _saved, _tracing, batched
 
 __all__ = ["LLTMSequenceFunction", "sequence_forward_only"]
 
@@ -84,27 +84,37 @@ class LLTMSequenceFunction(torch.autograd.Function):
         if grad_outputs is None and grad_h_n is None and grad_c_n is None:
             return (None,) * 7
         inputs, weights, bias, h0, c0 = saved[:5]
-        if torch.is_grad_enabled():     # create_graph=True, torch.func: BPTT by the formulas
-            grads = _differentiable_sequence_backward(
-                grad_outputs, grad_h_n, grad_c_n, inputs, weights, bias, h0, c0, ctx.plan,
-                ctx.needs_input_grad[:5])
-            return (*grads, None, None)
-        grads = (grad_outputs, grad_h_n, grad_c_n)
-        if inputs.is_cuda or _interop.EMULATED_CUDA:
-            if ctx.native:
-                if _autocast_on("cuda"):
-                    with torch.autocast("cuda", enabled=False):
-                        return _native_backward(ctx, grads, saved)
-                return _native_backward(ctx, grads, saved)
-            with _interop.backend_call(inputs.device) as call:
-                return _sequence_backward(call, ctx, grads, saved)
-        if _autocast_on("cpu"):
-            with torch.autocast("cpu", enabled=False):
-                return _sequence_backward(_CPU, ctx, grads, saved)
-        return _sequence_backward(_CPU, ctx, grads, saved)
+        if not torch.is_grad_enabled():
+            try:
+                return _backend_backward(ctx, (grad_outputs, grad_h_n, grad_c_n), saved)
+            except RuntimeError:    # (a batch of gradients reaches the backend: no memory)
+                if not batched(grad_outputs, grad_h_n, grad_c_n):
+                    raise
+        # create_graph=True, torch.func, batched gradients: BPTT by the formulas
+        grads = _differentiable_sequence_backward(
+            grad_outputs, grad_h_n, grad_c_n, inputs, weights, bias, h0, c0, ctx.plan,
+            ctx.needs_input_grad[:5])
+        return (*grads, None, None)
 
     vmap = staticmethod(_refuse_vmap)
     jvp = staticmethod(_refuse_jvp)
+
+
+def _backend_backward(ctx, grads, saved):
+    """The sequence Function's backward by the backend (grad mode off)."""
+    inputs = saved[0]
+    if inputs.is_cuda or _interop.EMULATED_CUDA:
+        if ctx.native:
+            if _autocast_on("cuda"):
+                with torch.autocast("cuda", enabled=False):
+                    return _native_backward(ctx, grads, saved)
+            return _native_backward(ctx, grads, saved)
+        with _interop.backend_call(inputs.device) as call:
+            return _sequence_backward(call, ctx, grads, saved)
+    if _autocast_on("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return _sequence_backward(_CPU, ctx, grads, saved)
+    return _sequence_backward(_CPU, ctx, grads, saved)
 
 
 def _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused):

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .._numpy.gemm import consecutive
+from . import _cpu_arrays
 from ._cuda_arrays import to_tensor
 
 __all__ = ["torch_mm", "TorchGemm", "TORCH_GEMM", "TorchCudaGemm", "TORCH_CUDA_GEMM", "cuda_gemm",
@@ -20,8 +21,9 @@ __all__ = ["torch_mm", "TorchGemm", "TORCH_GEMM", "TorchCudaGemm", "TORCH_CUDA_G
 
 
 def torch_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a @ b by torch's BLAS, on NumPy arrays, without copies."""
-    return torch.mm(torch.from_numpy(a), torch.from_numpy(b)).numpy()
+    """a @ b by torch's BLAS, on NumPy arrays, without copies (the result over a torch tensor,
+    which the torch layer returns)."""
+    return _cpu_arrays.to_array(torch.mm(torch.from_numpy(a), torch.from_numpy(b)))
 
 
 class TorchGemm:
@@ -32,6 +34,14 @@ class TorchGemm:
 
     __call__ = staticmethod(torch_mm)
     operand = staticmethod(torch.from_numpy)
+
+    #: a NumPy array over a new ``torch.empty`` (``torch.zeros``) tensor, which the torch layer
+    #: returns (``_cpu_arrays.to_tensor``)
+    empty = staticmethod(_cpu_arrays.empty)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return _cpu_arrays.to_array(torch.zeros(shape, dtype=_cpu_arrays.TORCH_DTYPE[dtype]))
 
     @staticmethod
     def into(a, b, out):

@@ -1,0 +1,95 @@
+"""Zero-copy conversions between torch CPU tensors and NumPy arrays for the torch layer's CPU path:
+:func:`to_array` (tensor -> NumPy array over its memory) and :func:`to_tensor` (NumPy array ->
+torch tensor over the same memory).
+
+Neither uses ``Tensor.numpy()`` or ``torch.from_numpy``, which would leave the tensors unlike
+torch's own: ``Tensor.numpy()`` makes the tensor's storage non-resizable for good (a caller's
+input, parameter or state could no longer be resized, nor be the ``out=`` of an operation that
+resizes), and a ``from_numpy`` tensor's storage is NumPy's, never resizable. Here the memory is
+torch's: the results come from ``torch.empty`` (``TorchGemm.empty``) and go back as views of
+those tensors; an array over a tensor is a NumPy array over a ctypes buffer at the tensor's
+address that holds the tensor (its ``tensor``), so the tensor lives as long as the array.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["to_array", "to_tensor", "empty", "NUMPY_DTYPE", "TORCH_DTYPE"]
+
+#: the NumPy backend's dtypes, each way
+NUMPY_DTYPE = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
+TORCH_DTYPE = {v: k for k, v in NUMPY_DTYPE.items()}
+
+def _extent(n: int, stride: int) -> int:
+    return (n - 1) * stride
+
+
+_buffer_types: dict = {}
+#: ctypes buffer types kept (one per byte size seen); then the table starts again
+_TYPES_KEPT = 512
+
+
+def to_array(t: Tensor) -> np.ndarray:
+    """A NumPy array over the memory of the CPU tensor ``t`` (float32 or float64, any strides),
+    no copy, detached; ``t`` stays as it was (its storage resizable)."""
+    dtype = NUMPY_DTYPE[t.dtype]
+    shape = t.shape
+    if t.is_contiguous():
+        nbytes, strides = t.nbytes, None
+    elif 0 in shape:
+        nbytes = 0
+    else:
+        item = dtype.itemsize
+        strides = [*map(item.__mul__, t.stride())]
+        nbytes = item + sum(map(_extent, shape, strides))
+    if not nbytes:
+        return np.empty(shape, dtype)
+    # a ctypes buffer at the tensor's address that keeps it alive and says whether an array
+    # over all of it in C order is the tensor itself (what to_tensor reads)
+    kind = _buffer_types.get(nbytes)
+    if kind is None:
+        if len(_buffer_types) >= _TYPES_KEPT:
+            _buffer_types.clear()
+        kind = _buffer_types[nbytes] = ctypes.c_char * nbytes
+    address = t.data_ptr()
+    buffer = kind.from_address(address)
+    buffer.tensor, buffer.address, buffer.whole = t, address, strides is None
+    return np.ndarray(shape, dtype, buffer, 0, strides)
+
+
+def empty(shape, dtype) -> np.ndarray:
+    """A NumPy array over a new ``torch.empty`` tensor (which :func:`to_tensor` gives back)."""
+    t = torch.empty(shape, dtype=TORCH_DTYPE[dtype])
+    nbytes = t.nbytes
+    if not nbytes:
+        return np.empty(shape, dtype)
+    kind = _buffer_types.get(nbytes)
+    if kind is None:
+        if len(_buffer_types) >= _TYPES_KEPT:
+            _buffer_types.clear()
+        kind = _buffer_types[nbytes] = ctypes.c_char * nbytes
+    address = t.data_ptr()
+    buffer = kind.from_address(address)
+    buffer.tensor, buffer.address, buffer.whole = t, address, True
+    return np.ndarray(shape, dtype, buffer)
+
+
+def to_tensor(a: np.ndarray) -> Tensor:
+    """The torch tensor over array ``a``'s memory, no copy: where ``a`` is (a view of) an array
+    of :func:`to_array` or :func:`empty`, that tensor or a view of it (an ordinary torch
+    tensor); else ``torch.from_numpy(a)``."""
+    owner = a.base
+    while owner.__class__ is np.ndarray:
+        owner = owner.base
+    t = getattr(owner, "tensor", None)
+    if t is None or not a.size or min(a.strides, default=0) < 0:
+        return torch.from_numpy(a)
+    if a.base is owner and owner.whole and a.shape == t.shape:
+        return t                            # (the array of to_array or empty itself)
+    item = a.itemsize
+    return t.as_strided(a.shape, [s // item for s in a.strides],
+                        t.storage_offset() + (a.ctypes.data - owner.address) // item)
