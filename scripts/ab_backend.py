@@ -133,14 +133,34 @@ def cell_step(size, dtype, randn: bool):
 
 
 def _step_module(backend):
-    """The backend's element-wise step the torch layer calls (``step.cell_forward_into`` and
-    ``step.cell_backward_into``, into given buffers), which older revisions lack."""
+    """The backend's element-wise step the torch layer calls (``step.gate_rows`` and
+    ``step.cell_backward_into``, into given buffers); for a revision without ``gate_rows``, the
+    same built from its ``cell_rows`` and ``cell_forward_into``; older revisions lack those."""
     step = getattr(backend, "step", None)
     if step is None or not hasattr(step, "cell_forward_into"):
         raise SystemExit(f"ab_backend.py --cell: the backend at {backend.__name__} has no "
                          f"step.cell_forward_into/cell_backward_into (the torch layer's entry "
                          f"points): compare it through the array API (without --cell)")
-    return step
+    return step if hasattr(step, "gate_rows") else _GateRows(step)
+
+
+class _GateRows:
+    """A backend's step module with ``gate_rows`` made of its ``cell_rows`` and
+    ``cell_forward_into`` (what the torch layer called before ``gate_rows``)."""
+
+    def __init__(self, step):
+        self._step = step
+
+    def __getattr__(self, name):
+        return getattr(self._step, name)
+
+    def gate_rows(self, batch, state, dtype, derivatives, operand):
+        step = self._step
+        z = step.cell_rows(batch, state, dtype)[:3]
+
+        def run(old_cell, new_h, new_cell, factors=None):
+            step.cell_forward_into(z, old_cell, new_h, new_cell, factors, gate_major=True)
+        return operand(z), run
 
 
 def measure(step, use, backends: dict, seconds: float, chunk: int = 20) -> dict:

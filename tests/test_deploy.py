@@ -200,14 +200,14 @@ def test_compile_keeps_the_custom_operators_and_compiles_once_across_lengths():
         _check_replays(compiled, model, args, sizes=((2, 6), (7, 9), (4, 2)))
     assert len(graphs) == 1
     ops = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
-    assert "lltm_cupy.lltm_sequence_inference.default" in ops, ops    # (_check_replays: no_grad)
+    assert "lltm_cupy.sequence_inference.default" in ops, ops    # (_check_replays: no_grad)
     assert not any("addmm" in op for op in ops)
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name, op", [("cell-state", "lltm_inference"),
+@pytest.mark.parametrize("name, op", [("cell-state", "step_inference"),
                                       ("lltm-2-layers-bidirectional-batch-first-state",
-                                       "lltm_sequence_inference")], ids=["cell", "lltm"])
+                                       "sequence_inference")], ids=["cell", "lltm"])
 def test_compile_is_not_taken_for_export_where_dynamo_folds_is_exporting(monkeypatch, name, op):
     """Dynamo before torch 2.13 folds ``torch.compiler.is_exporting()`` to True in every trace,
     torch.compile's included (torch 2.11 does): the layer must still tell torch.compile from

@@ -99,15 +99,19 @@ def test_zero_copy_in_and_out(monkeypatch):
     tests/test_torch_cuda_path.py.)"""
     seen = {}
     step = lltm_cupy._numpy.step
-    real_forward, real_backward = step.cell_forward_into, step.cell_backward_into
+    real_rows, real_backward = step.gate_rows, step.cell_backward_into
 
     def ptr(a):
         return a.ctypes.data
 
-    def forward(gates, old_cell, new_h, new_cell, factors=None, gate_major=False):
-        seen["in"] = ptr(old_cell)
-        seen["out"] = [ptr(new_h), ptr(new_cell)]
-        return real_forward(gates, old_cell, new_h, new_cell, factors, gate_major)
+    def gate_rows(*args):
+        z, real_run = real_rows(*args)
+
+        def run(old_cell, new_h, new_cell, factors=None):
+            seen["in"] = ptr(old_cell)
+            seen["out"] = [ptr(new_h), ptr(new_cell)]
+            return real_run(old_cell, new_h, new_cell, factors)
+        return z, run
 
     def backward(gh, gc, factors, d_gates=None, bias=False, **out):
         seen["grad_in"] = [ptr(gh), ptr(gc)]
@@ -115,7 +119,7 @@ def test_zero_copy_in_and_out(monkeypatch):
         seen["d_old_cell"] = ptr(d_old_cell)
         return d_gates, d_old_cell, d_bias
 
-    monkeypatch.setattr(step, "cell_forward_into", forward)
+    monkeypatch.setattr(step, "gate_rows", gate_rows)
     monkeypatch.setattr(step, "cell_backward_into", backward)
     args = tensors(make_case(3, 4, 5, np.float32), "cpu")
     h, c = lt.lltm(*args)
@@ -259,21 +263,23 @@ def test_training_parity_with_reference():
 def test_custom_ops_pass_opcheck():
     case = make_case(3, 4, 5, np.float64, seed=47)
     args = [t.detach() for t in tensors(case, "cpu")]
-    torch.library.opcheck(torch.ops.lltm_cupy.lltm_forward.default, args)
-    _, new_cell, X, gates = torch.ops.lltm_cupy.lltm_forward(*args)
+    torch.library.opcheck(torch.ops.lltm_cupy.step.default, args)
+    torch.library.opcheck(torch.ops.lltm_cupy.step_inference.default, args)
+    _, new_cell, first, second = torch.ops.lltm_cupy.step(*args)
     gh, gc = torch.randn_like(new_cell), torch.randn_like(new_cell)
-    for bias_2d in (False, True):
-        torch.library.opcheck(torch.ops.lltm_cupy.lltm_backward.default,
-                              (gh, gc, X, gates, new_cell, args[1], bias_2d))
-    torch.library.opcheck(torch.ops.lltm_cupy.lltm_backward.default,
-                          (None, gc, X, gates, new_cell, args[1], False))
+    for bias in (args[2], args[2].reshape(1, -1)):
+        torch.library.opcheck(torch.ops.lltm_cupy.step_backward.default,
+                              (gh, gc, args[0], args[1], bias, *args[3:], new_cell, first,
+                               second))
+    torch.library.opcheck(torch.ops.lltm_cupy.step_backward.default,
+                          (None, gc, *args, new_cell, first, second))
 
 
 @needs_cuda
 def test_custom_ops_pass_opcheck_cuda():
     case = make_case(3, 4, 5, np.float64, seed=47)
     args = [t.detach() for t in tensors(case, "cuda")]
-    torch.library.opcheck(torch.ops.lltm_cupy.lltm_forward.default, args)
+    torch.library.opcheck(torch.ops.lltm_cupy.step.default, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -39,12 +39,16 @@ def kept(monkeypatch):
             seen.append(keep)
             return _real(*args, keep=keep, **kw)
         monkeypatch.setattr(backend, "forward_sequence", spy)
-    real_step = _numpy.step.cell_forward_into
+    real_rows = _numpy.step.gate_rows
 
-    def step_spy(gates, old_cell, new_h, new_cell, factors=None, gate_major=False):
-        seen.append(factors is not None)
-        return real_step(gates, old_cell, new_h, new_cell, factors, gate_major)
-    monkeypatch.setattr(_numpy.step, "cell_forward_into", step_spy)
+    def rows_spy(*args):
+        z, real_run = real_rows(*args)
+
+        def run(old_cell, new_h, new_cell, factors=None):
+            seen.append(factors is not None)
+            return real_run(old_cell, new_h, new_cell, factors)
+        return z, run
+    monkeypatch.setattr(_numpy.step, "gate_rows", rows_spy)
     real_array_step = _numpy.forward        # (the compiled path's custom operators)
 
     def array_step_spy(*args, keep=True, **kw):
@@ -176,9 +180,9 @@ def test_inference_ops_pass_opcheck():
     B, F, S, T = 3, 4, 5, 6
     w = torch.tensor(rng.standard_normal((3 * S, S + F)) / 3)
     b, h, c = (torch.tensor(rng.standard_normal(s)) for s in (3 * S, (B, S), (B, S)))
-    torch.library.opcheck(torch.ops.lltm_cupy.lltm_inference.default,
+    torch.library.opcheck(torch.ops.lltm_cupy.step_inference.default,
                           (torch.tensor(rng.standard_normal((B, F))), w, b, h, c))
-    torch.library.opcheck(torch.ops.lltm_cupy.lltm_sequence_inference.default,
+    torch.library.opcheck(torch.ops.lltm_cupy.sequence_inference.default,
                           (torch.tensor(rng.standard_normal((T, B, F))), w, b, h, c))
 
 

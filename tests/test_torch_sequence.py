@@ -76,19 +76,23 @@ def test_sequence_custom_ops_pass_opcheck():
     args = [torch.randn(3, 2, 4, dtype=torch.float64), torch.rand(15, 9, dtype=torch.float64),
             torch.rand(1, 15, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64),
             torch.randn(2, 5, dtype=torch.float64)]
-    torch.library.opcheck(torch.ops.lltm_cupy.lltm_sequence_forward.default, args)
-    hs, h_n, c_n, gates, cells = torch.ops.lltm_cupy.lltm_sequence_forward(*args)
+    torch.library.opcheck(torch.ops.lltm_cupy.sequence.default, args)
+    torch.library.opcheck(torch.ops.lltm_cupy.sequence_inference.default, args)
+    hs, h_n, c_n, *kept = torch.ops.lltm_cupy.sequence(*args)
     go, gh, gc = torch.randn(3, 2, 5, dtype=torch.float64), torch.randn_like(h_n), torch.randn_like(c_n)
-    torch.library.opcheck(torch.ops.lltm_cupy.lltm_sequence_backward.default,
-                          (go, gh, gc, args[0], hs, gates, cells, args[1], True))
-    torch.library.opcheck(torch.ops.lltm_cupy.lltm_sequence_backward.default,
-                          (None, None, gc, args[0], hs, gates, cells, args[1], False))
+    torch.library.opcheck(torch.ops.lltm_cupy.sequence_backward.default,
+                          (go, gh, gc, *args, hs, *kept))
+    torch.library.opcheck(torch.ops.lltm_cupy.sequence_backward.default,
+                          (None, None, gc, *args, hs, *kept))
+    # inputs that are not contiguous: their contiguous copy is kept too
+    strided = [args[0].transpose(0, 1).contiguous().transpose(0, 1), *args[1:]]
+    torch.library.opcheck(torch.ops.lltm_cupy.sequence.default, strided)
 
 
 @needs_cuda
 def test_sequence_custom_ops_pass_opcheck_cuda():
     args = [torch.randn(3, 2, 4), torch.rand(15, 9), torch.rand(15), torch.randn(2, 5), torch.randn(2, 5)]
-    torch.library.opcheck(torch.ops.lltm_cupy.lltm_sequence_forward.default,
+    torch.library.opcheck(torch.ops.lltm_cupy.sequence.default,
                           [a.cuda().double() for a in args])
 
 

@@ -120,10 +120,10 @@ def _forward_step(z, scratch, zero, derivatives):
 
 
 def _scratch_step(batch: int, state: int, dtype, derivatives: bool):
-    """``[rows, step, operand]``: this thread's :func:`cell_rows` (9, batch, state), into whose
+    """``[rows, step, made]``: this thread's :func:`cell_rows` (9, batch, state), into whose
     first three rows the caller writes the gate pre-activations, the :func:`_forward_step` over
-    them (the rest of the rows its scratch), and (made by :func:`gate_rows`) the first three rows
-    as a GEMM engine's operand, made once per scratch buffer, shape and mode and kept (its dozen
+    them (the rest of the rows its scratch), and what :func:`gate_rows` makes of them, made
+    once per scratch buffer, shape and mode and kept (its dozen
     views and closure cost about 3 us, a whole step at (16, 128) about 20). Kept under the
     scratch buffer's id: the kept rows and step are views of that buffer (their base), so no
     other buffer takes its id while they are kept, and the buffer never shrinks."""
@@ -143,15 +143,27 @@ def _scratch_step(batch: int, state: int, dtype, derivatives: bool):
 
 
 def gate_rows(batch: int, state: int, dtype, derivatives: bool, operand):
-    """``(z, z_operand)``: the first three rows (3, batch, state) of this thread's
-    :func:`cell_rows`, into which a caller that computes the gate pre-activations gate-major
-    writes them (``z_operand``: the same memory as ``operand(z)`` makes it, made once and kept
-    with the step) before :func:`cell_forward_into` with ``gate_major`` and the same
-    ``derivatives`` (whether ``factors`` will be given)."""
+    """``(z, run)``: this thread's gate pre-activations (3, batch, state) as ``operand`` makes
+    them (a GEMM engine's operand over the first three rows of :func:`cell_rows`), into which the
+    caller writes them gate-major, bias included; and ``run(old_cell, new_h, new_cell,
+    factors=None)``, the element-wise forward on them (as :func:`cell_forward_into`: writes
+    new_h, new_cell (batch, state) and, with ``derivatives``, ``factors`` (4, batch, state)).
+    Made once per scratch buffer, shape and mode with the step they run, and kept."""
     found = _scratch_step(batch, state, dtype, derivatives)
     if found[2] is None:
-        found[2] = operand(found[0][:3])
-    return found[0][:3], found[2]
+        rows, step = found[0], found[1]
+        total, rest = rows[1:3], rows[3:]
+
+        def run(old_cell, new_h, new_cell, factors=None):
+            token = quiet()
+            try:
+                step(old_cell, new_h, new_cell)
+                if factors is not None:
+                    _step_factors(total, rest, new_h, new_cell, factors)
+            finally:
+                loud(token)
+        found[2] = (operand(rows[:3]), run)
+    return found[2]
 
 
 def forget_workspaces() -> None:

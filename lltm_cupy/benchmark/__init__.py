@@ -12,7 +12,7 @@ Implementations (names used by ``--impl``):
   what a training loop that captures its step pays, with no host cost per kernel;
 - ``compiled-ro`` (CUDA only): the reference under ``torch.compile(mode="reduce-overhead")``
   (inductor's kernels replayed from CUDA graphs);
-- ``cell-op``: our cell called through the ``lltm_cupy::lltm_forward`` custom operator in eager
+- ``cell-op``: our cell called through the ``lltm_cupy::step`` custom operator in eager
   mode (the path torch.compile uses), to measure its per-call cost against ``cell``'s plain
   ``autograd.Function`` (not run unless named in ``--impl``);
 - ``cell-floor``: the same backend inside a bare ``autograd.Function`` with no argument checks,

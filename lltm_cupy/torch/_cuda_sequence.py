@@ -5,7 +5,7 @@ torch's current stream: the per-step loops (``lltm_cupy._cuda.sequence.forward_s
 (``lltm_cupy._cuda.fused.launch_forward`` / ``launch_backward``). No CuPy array, DLPack import or
 allocator callback per call: what the sequence Function runs on CUDA for sequences of one length
 each way (variable lengths, and the fused kernels' group variant on sm_80 to sm_89, go through
-the CuPy backend's arrays, ``_interop.backend_call``).
+the CuPy backend's arrays, ``_interop.cuda_call``).
 
 The same device work, in the same order, as the CuPy backend's ``forward_sequence`` /
 ``backward_sequence`` with torch's GEMM engine (so the same bits), except the final state's
@@ -23,7 +23,7 @@ from .._cuda.elementwise import launch
 from .._packing import block_steps
 from . import _interop, _torch_gemm
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "route"]
 
 
 def _pointer_step(t):
@@ -50,6 +50,29 @@ def forward(inputs, weights, bias, h0, c0, keep=True, fused=False):
             if found is not False:
                 return (*found, True)
         return (*_stepped_forward(inputs, weights, bias, h0, c0, keep), False)
+
+
+def _fused_kind(state: int, dtype):
+    """On the current device: False where the fused kernels do not run ``state`` in ``dtype``
+    (the stepped path runs), :data:`GROUP` where their group variant would, else True."""
+    if not _fused.usable(state, dtype):
+        return False
+    if _fused.cluster_size(state, dtype) is not None and \
+            not fused_cluster.uses_clusters(kernels.current_device()):
+        return GROUP
+    return True
+
+
+def route(like, state: int, fused: bool) -> tuple:
+    """``(fused_ran, native)`` of a sequence of one length asked with ``fused`` on tensors like
+    ``like``, as :func:`forward` decides it (a launch the driver refused is not planned again,
+    so that a later decision agrees): whether the fused kernels run, and whether on torch's
+    buffers (not the group variant's backend arrays)."""
+    if not fused:
+        return False, True
+    with _interop.launching(like.device):
+        kind = _fused_kind(state, _interop.KERNEL_DTYPE[like.dtype])
+    return kind is not False, kind is not GROUP
 
 
 def _stepped_forward(inputs, weights, bias, h0, c0, keep):
@@ -91,11 +114,9 @@ def _fused_forward(inputs, weights, bias, h0, c0, keep):
     steps, batch, features = inputs.shape
     state = h0.shape[1]
     dtype = _interop.KERNEL_DTYPE[inputs.dtype]
-    if not _fused.usable(state, dtype):
-        return False
-    if _fused.cluster_size(state, dtype) is not None and \
-            not fused_cluster.uses_clusters(kernels.current_device()):
-        return GROUP
+    kind = _fused_kind(state, dtype)
+    if kind is not True:
+        return kind
     new = h0.new_empty
     x = inputs.contiguous().view(steps * batch, features)
     hs = new((steps + 1, batch, state))

@@ -1,16 +1,17 @@
 """The LLTM as custom operators for torch.compile and shape inference (meta tensors):
-``lltm_cupy::lltm_forward`` / ``lltm_backward`` (one step, differentiable through the
-first's autograd registration), ``lltm_cupy::lltm_sequence_forward`` / ``lltm_sequence_backward``
-(a whole sequence), and ``lltm_cupy::lltm_inference`` / ``lltm_sequence_inference`` (forward
-only). The compiler treats them as opaque: no graph break, and CUDA graphs
-(``mode="reduce-overhead"``) capture them like torch's own kernels. They run the same backends
-as the eager Functions (``_functions``) and give the same bits; the eager path never calls
-them.
+``lltm_cupy::step`` / ``lltm_backward`` (one step, differentiable through the
+first's autograd registration), ``lltm_cupy::sequence`` / ``lltm_sequence_backward``
+(a whole sequence of one length), and ``lltm_cupy::step_inference`` /
+``lltm_sequence_inference`` (forward only). The compiler treats them as opaque: no graph break,
+and CUDA graphs (``mode="reduce-overhead"``) capture them like torch's own kernels. Each runs
+the eager Function's own body (``_functions.step_forward`` / ``step_backward``,
+``_sequence_function.sequence_forward`` / ``sequence_backward``), so that eager and compiled
+calls compute with the same code and give the same bits; the eager path never calls them.
 
 The forward ops return, besides the outputs, what their backward reads (its fake versions give
-those shapes: the CPU's four factors (..., 4, B, S), CUDA's pre-activations (..., B, 3S)). A
-second derivative through them is refused (under torch.compile; eagerly the layer supports
-it).
+those shapes: the CPU's four factors (..., 4, B, S), CUDA's pre-activations (..., B, 3S) and
+cells). A second derivative through them is refused (under torch.compile; eagerly the layer
+supports it).
 """
 from __future__ import annotations
 
@@ -19,23 +20,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._types import LLTMSequenceSaved
-from . import _interop
-from ._functions import (LLTMFunction, cpu_step_backward, cuda_step_backward, cuda_step_forward,
-                         step_forward_only)
-from ._sequence_function import sequence_forward_only
+from . import _cuda_sequence, _interop
+from ._functions import step_backward, step_forward, step_inference
+from ._interop import cuda_backend
+from ._sequence_function import sequence_backward, sequence_forward, sequence_inference
 
 __all__ = ["lltm_forward_op", "lltm_inference_op", "sequence_forward_op",
            "sequence_inference_op"]
-
-
-def _empty_gates(like: Tensor, batch: int, state: int, *steps: int) -> Tensor:
-    """An empty tensor shaped like the backend's saved gate values: the four backward factors
-    (..., 4, B, S) from the NumPy backend (CPU), the pre-activations (..., B, 3S) from the CuPy
-    backend (CUDA)."""
-    if not _interop.uses_cupy(like.device):
-        return like.new_empty(*steps, 4, batch, state)
-    return like.new_empty(*steps, batch, 3 * state)
 
 
 def _refuse_double_backward() -> None:
@@ -48,17 +39,19 @@ def _refuse_double_backward() -> None:
                            "derivative (run the model eagerly for second derivatives)")
 
 
-# LLTMGrads order (d_old_h, d_input, d_weights, d_bias, d_old_cell) <-> forward argument order
-# (input, weights, bias, old_h, old_cell).
-def _to_argument_order(g):
-    return g[1], g[2], g[3], g[0], g[4]
+def _fresh(grads):
+    """Gradients as a custom operator returns them: contiguous (the views d_old_h and d_input of
+    one GEMM copied)."""
+    return tuple(g if g.is_contiguous() else g.contiguous() for g in grads)
 
 
-@torch.library.custom_op("lltm_cupy::lltm_inference", mutates_args=())
+# ------------------------------------------------------------------------------------ one step
+
+@torch.library.custom_op("lltm_cupy::step_inference", mutates_args=())
 def lltm_inference_op(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
                       old_cell: Tensor) -> tuple[Tensor, Tensor]:
     """One step, forward only: (new_h, new_cell)."""
-    return step_forward_only(input, weights, bias, old_h, old_cell)
+    return step_inference(input, weights, bias, old_h, old_cell)
 
 
 @lltm_inference_op.register_fake
@@ -66,148 +59,151 @@ def _(input, weights, bias, old_h, old_cell):
     return old_h.new_empty(old_h.shape), old_h.new_empty(old_h.shape)
 
 
-@torch.library.custom_op("lltm_cupy::lltm_forward", mutates_args=())
+@torch.library.custom_op("lltm_cupy::step", mutates_args=())
 def lltm_forward_op(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
                     old_cell: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (new_h, new_cell, X, gates): the outputs plus what the backward op needs (the
-    eager Function's computation, so the same bits)."""
-    if input.is_cuda or _interop.EMULATED_CUDA:
-        return cuda_step_forward(input, weights, bias, old_h, old_cell)
-    new_h, new_cell, factors = LLTMFunction.forward(input, weights, bias, old_h, old_cell)
-    return new_h, new_cell, torch.cat((old_h, input), 1), factors
+    """``(new_h, new_cell, first, second)``: the eager Function's forward (``step_forward``)
+    and what its backward reads besides the arguments (and, on CUDA, new_cell): the CPU's
+    factors and an empty tensor, CUDA's X and gate pre-activations (a fixed number of results:
+    the compiler's)."""
+    output = step_forward(input, weights, bias, old_h, old_cell)
+    if len(output) == 3:
+        return output[0], output[1], output[2], _absent(output[2])
+    return output
+
+
+def _absent(like: Tensor) -> Tensor:
+    """The stand-in of a result a device does not have (no elements)."""
+    return like.new_empty(0)
 
 
 @lltm_forward_op.register_fake
 def _(input, weights, bias, old_h, old_cell):
     batch, features = input.shape
     state = old_h.shape[1]
-    return (input.new_empty(batch, state), input.new_empty(batch, state),
-            input.new_empty(batch, state + features), _empty_gates(input, batch, state))
+    new = input.new_empty
+    if cuda_backend(input):     # X, the pre-activations
+        kept = new(batch, state + features), new(batch, 3 * state)
+    else:                       # the four factors
+        kept = new(4, batch, state), new(0)
+    return (new(batch, state), new(batch, state), *kept)
 
 
-@torch.library.custom_op("lltm_cupy::lltm_backward", mutates_args=())
-def _lltm_backward_op(grad_h: Optional[Tensor], grad_cell: Optional[Tensor], X: Tensor,
-                      gates: Tensor, new_cell: Tensor, weights: Tensor,
-                      bias_2d: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (d_old_h, d_input, d_weights, d_bias, d_old_cell), as the eager Function's
-    backward computes them (custom ops return fresh tensors: views are cloned)."""
-    state = new_cell.shape[1]
-    bias_shape = (1, 3 * state) if bias_2d else (3 * state,)
-    if X.is_cuda or _interop.EMULATED_CUDA:
-        grads = cuda_step_backward(grad_h, grad_cell, X, gates, new_cell, weights, bias_shape,
-                                   (True,) * 5)
-    else:
-        grads = cpu_step_backward(grad_h, grad_cell, gates, weights, bias_shape, (True,) * 5,
-                                  X=X)
-    d_input, d_weights, d_bias, d_old_h, d_old_cell = (
-        g if g.is_contiguous() else g.contiguous() for g in grads)
-    return d_old_h, d_input, d_weights, d_bias, d_old_cell
+def _step_saved(args, new_cell, first, second) -> tuple:
+    """What ``step_backward`` reads, from the forward op's arguments and results."""
+    if cuda_backend(args[0]):
+        return (*args, first, second, new_cell)
+    return (*args, first)
+
+
+@torch.library.custom_op("lltm_cupy::step_backward", mutates_args=())
+def _lltm_backward_op(grad_h: Optional[Tensor], grad_cell: Optional[Tensor], input: Tensor,
+                      weights: Tensor, bias: Tensor, old_h: Tensor, old_cell: Tensor,
+                      new_cell: Tensor, first: Tensor,
+                      second: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The eager Function's backward (``step_backward``): (d_input, d_weights, d_bias, d_old_h,
+    d_old_cell), every gradient."""
+    saved = _step_saved((input, weights, bias, old_h, old_cell), new_cell, first, second)
+    return _fresh(step_backward(grad_h, grad_cell, saved, (True,) * 5))
 
 
 @_lltm_backward_op.register_fake
-def _(grad_h, grad_cell, X, gates, new_cell, weights, bias_2d):
-    batch, state = new_cell.shape
-    features = X.shape[1] - state
-    return (X.new_empty(batch, state), X.new_empty(batch, features), weights.new_empty(weights.shape),
-            weights.new_empty((1, 3 * state) if bias_2d else (3 * state,)),
-            X.new_empty(batch, state))
+def _(grad_h, grad_cell, input, weights, bias, old_h, old_cell, new_cell, first, second):
+    return (input.new_empty(input.shape), weights.new_empty(weights.shape),
+            bias.new_empty(bias.shape), old_h.new_empty(old_h.shape),
+            old_cell.new_empty(old_cell.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    _, weights, bias, _, _ = inputs
-    _, new_cell, X, gates = output
-    ctx.save_for_backward(X, gates, new_cell, weights)
-    ctx.bias_2d = bias.dim() == 2
+    _, new_cell, first, second = output     # (new_cell: read by CUDA's backward only)
+    ctx.save_for_backward(*inputs, new_cell if cuda_backend(new_cell) else _absent(first),
+                          first, second)
 
 
-def _backward_op_autograd(ctx, grad_h, grad_cell, _grad_X, _grad_gates):
+def _backward_op_autograd(ctx, grad_h, grad_cell, _grad_first, _grad_second):
     _refuse_double_backward()
-    X, gates, new_cell, weights = ctx.saved_tensors
-    grads = _lltm_backward_op(grad_h, grad_cell, X, gates, new_cell, weights, ctx.bias_2d)
-    return _to_argument_order(grads)
+    return _lltm_backward_op(grad_h, grad_cell, *ctx.saved_tensors)
 
 
 lltm_forward_op.register_autograd(_backward_op_autograd, setup_context=_setup_context)
 
 
-@torch.library.custom_op("lltm_cupy::lltm_sequence_forward", mutates_args=())
+# ----------------------------------------------------------------------------- a sequence
+
+@torch.library.custom_op("lltm_cupy::sequence", mutates_args=())
 def sequence_forward_op(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor,
                         c0: Tensor, fused: bool = False
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (hs, h_n, c_n, gates, cells); the outputs are hs[1:]."""
-    with _interop.backend_call(inputs.device) as call:
-        _, h_n, c_n, saved = call.backend.forward_sequence(
-            *(call.array(t) for t in (inputs, weights, bias, h0, c0)), **call.kw,
-            **(_interop.fused_kw(call) if fused else {}))
-        return tuple(call.tensor(a) for a in (saved.hs, h_n, c_n, saved.gates, saved.cells))
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(hs, h_n, c_n, gates, cells, x)``: the eager Function's forward
+    (``sequence_forward``); the outputs are hs[1:] (hs = [h0, outputs...]); gates, cells and x
+    what its backward reads besides the arguments and hs: the gate values, the cells (CUDA),
+    the inputs' contiguous copy (where they are not contiguous), each an empty tensor where
+    there is none (a fixed number of results: the compiler's)."""
+    inputs_c = inputs.is_contiguous()
+    _, h_n, c_n, _, hs, gates, *rest = sequence_forward(inputs, weights, bias, h0, c0, None,
+                                                        fused)
+    cells = rest.pop(0) if cuda_backend(inputs) else _absent(gates)
+    x = _absent(gates) if inputs_c else rest.pop(0)
+    return hs, h_n, c_n, gates, cells, x
 
 
 @sequence_forward_op.register_fake
 def _(inputs, weights, bias, h0, c0, fused=False):
     steps, batch, _ = inputs.shape
     state = h0.shape[1]
-    return (inputs.new_empty(steps + 1, batch, state), inputs.new_empty(batch, state),
-            inputs.new_empty(batch, state), _empty_gates(inputs, batch, state, steps),
-            inputs.new_empty(steps, batch, state))
+    new = inputs.new_empty
+    if cuda_backend(inputs):    # the pre-activations and the cells
+        gates, cells = new(steps, batch, 3 * state), new(steps, batch, state)
+    else:                       # the four factors
+        gates, cells = new(steps, 4, batch, state), new(0)
+    x = new(0) if inputs.is_contiguous() else new(inputs.shape)
+    return new(steps + 1, batch, state), new(batch, state), new(batch, state), gates, cells, x
 
 
-@torch.library.custom_op("lltm_cupy::lltm_sequence_backward", mutates_args=())
+@torch.library.custom_op("lltm_cupy::sequence_backward", mutates_args=())
 def _sequence_backward_op(grad_outputs: Optional[Tensor], grad_h_n: Optional[Tensor],
-                          grad_c_n: Optional[Tensor], inputs: Tensor, hs: Tensor, gates: Tensor,
-                          cells: Tensor, weights: Tensor, bias_2d: bool, fused: bool = False
+                          grad_c_n: Optional[Tensor], inputs: Tensor, weights: Tensor,
+                          bias: Tensor, h0: Tensor, c0: Tensor, hs: Tensor, gates: Tensor,
+                          cells: Tensor, x: Tensor, fused: bool = False
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (d_inputs, d_weights, d_bias, d_h0, d_c0)."""
-    with _interop.backend_call(inputs.device) as call:
-        steps, batch, features = inputs.shape
-        state = hs.shape[2]
-        saved = LLTMSequenceSaved(
-            _interop.backend_name(inputs.device),
-            call.array(inputs.contiguous()).reshape(steps * batch, features),
-            *(call.array(t.contiguous()) for t in (hs, gates, cells, weights)),
-            (1, 3 * state) if bias_2d else (3 * state,))
-        if fused and _interop.fused_kw(call):      # as the forward chose: the fused kernels where they fit
-            from .._cuda.fused import usable
-
-            saved.fused = usable(state, saved.hs.dtype)
-        grads = call.backend.backward_sequence(
-            call.optional(grad_outputs), call.optional(grad_h_n), call.optional(grad_c_n), saved,
-            (True,) * 5, **call.kw)
-        return tuple(call.tensor(g) for g in grads)
+    """The eager Function's backward (``sequence_backward``): (d_inputs, d_weights, d_bias,
+    d_h0, d_c0), every gradient; which kernels the forward ran decided again as it did."""
+    cuda = cuda_backend(inputs)
+    kept = (hs, gates, *((cells,) if cuda else ()), *(() if inputs.is_contiguous() else (x,)))
+    ran, native = _cuda_sequence.route(inputs, h0.shape[1], fused) if cuda else (False, False)
+    return _fresh(sequence_backward((grad_outputs, grad_h_n, grad_c_n),
+                                    (inputs, weights, bias, h0, c0, *kept), None, ran, native,
+                                    (True,) * 5))
 
 
 @_sequence_backward_op.register_fake
-def _(grad_outputs, grad_h_n, grad_c_n, inputs, hs, gates, cells, weights, bias_2d, fused=False):
-    state = hs.shape[2]
+def _(grad_outputs, grad_h_n, grad_c_n, inputs, weights, bias, h0, c0, hs, gates, cells, x,
+      fused=False):
     return (inputs.new_empty(inputs.shape), weights.new_empty(weights.shape),
-            weights.new_empty((1, 3 * state) if bias_2d else (3 * state,)),
-            hs.new_empty(hs.shape[1:]), hs.new_empty(hs.shape[1:]))
+            bias.new_empty(bias.shape), h0.new_empty(h0.shape), c0.new_empty(c0.shape))
 
 
 def _sequence_setup_context(ctx, inputs, output):
-    x, weights, bias = inputs[:3]
-    hs, _, _, gates, cells = output
-    ctx.save_for_backward(x, hs, gates, cells, weights)
-    ctx.bias_2d = bias.dim() == 2
+    ctx.save_for_backward(*inputs[:5], output[0], *output[3:])
     ctx.fused = bool(inputs[5]) if len(inputs) > 5 else False
 
 
-def _sequence_backward_autograd(ctx, grad_hs, grad_h_n, grad_c_n, _grad_gates, _grad_cells):
+def _sequence_backward_autograd(ctx, grad_hs, grad_h_n, grad_c_n, *_):
     _refuse_double_backward()
-    x, hs, gates, cells, weights = ctx.saved_tensors
     grad_outputs = None if grad_hs is None else grad_hs[1:]
-    return _sequence_backward_op(grad_outputs, grad_h_n, grad_c_n, x, hs, gates, cells, weights,
-                                 ctx.bias_2d, ctx.fused) + (None,)   # (fused has none)
+    return _sequence_backward_op(grad_outputs, grad_h_n, grad_c_n, *ctx.saved_tensors,
+                                 ctx.fused) + (None,)   # (fused has none)
 
 
 sequence_forward_op.register_autograd(_sequence_backward_autograd,
                                        setup_context=_sequence_setup_context)
 
 
-@torch.library.custom_op("lltm_cupy::lltm_sequence_inference", mutates_args=())
+@torch.library.custom_op("lltm_cupy::sequence_inference", mutates_args=())
 def sequence_inference_op(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor,
                           c0: Tensor, fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """A sequence, forward only: (outputs, h_n, c_n)."""
-    return sequence_forward_only(inputs, weights, bias, h0, c0, fused=fused)
+    return sequence_inference(inputs, weights, bias, h0, c0, None, fused)
 
 
 @sequence_inference_op.register_fake

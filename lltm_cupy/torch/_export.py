@@ -20,7 +20,7 @@ program runs. So while one of these tools records, :func:`lltm_cupy.torch.lltm` 
 Either way the recorded program holds torch operators only and runs without ``lltm_cupy``.
 Variable lengths (``lengths=``, ``PackedSequence``) are refused there: their layout is planned
 on the host from the lengths' values. Anything else that would reach a backend while
-``torch.jit.trace`` records raises :func:`refusal` (see ``_interop.backend_call``).
+``torch.jit.trace`` records raises :func:`refusal` (see ``_functions._refusal``).
 """
 from __future__ import annotations
 

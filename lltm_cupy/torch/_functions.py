@@ -38,9 +38,11 @@ import torch
 from .._cuda import step as _cuda_step
 from .._numpy import step as _step
 from . import _cpu_arrays, _interop, reference
+from ._interop import cuda_backend, without_autocast
 
-__all__ = ["LLTMFunction", "apply", "step_forward_only", "cpu_step_backward", "cuda_step_forward",
-           "cuda_step_backward", "INPLACE_MESSAGE"]
+__all__ = ["LLTMFunction", "apply", "step_forward", "step_inference", "step_backward",
+           "kept_for_backward",
+           "cpu_step_backward", "cuda_step_forward", "cuda_step_backward", "INPLACE_MESSAGE"]
 
 INPLACE_MESSAGE = (
     "lltm_cupy.torch: a tensor that the LLTM's backward reads was modified in place after the "
@@ -56,7 +58,6 @@ _from_numpy = torch.from_numpy
 _new, _DENSE = torch.empty_like, torch.contiguous_format
 _array = _cpu_arrays.to_array
 _baddbmm, _cat, _mm = torch.baddbmm, torch.cat, torch.mm
-_autocast_on = torch.is_autocast_enabled
 
 
 def apply(cls, *args):
@@ -131,90 +132,95 @@ class LLTMFunction(torch.autograd.Function):
     ``(new_h, new_cell)`` followed by what the backward keeps (the CPU's factors; CUDA's X and
     gate pre-activations). Prefer :func:`lltm_cupy.torch.lltm`, which checks the arguments,
     handles autocast and torch.compile, and returns the two outputs only. ``torch.func.grad``,
-    ``vjp`` and ``jacrev`` work; ``vmap`` and forward-mode AD are refused."""
-
-    @staticmethod
-    def forward(input, weights, bias, old_h, old_cell):
-        if _tracing():
-            raise _refusal()
-        cuda = input.is_cuda or _interop.EMULATED_CUDA
-        if _autocast_on("cuda" if cuda else "cpu"):  # the general path under autocast: the
-            with torch.autocast("cuda" if cuda else "cpu", enabled=False):   # GEMMs as cast
-                return LLTMFunction.forward(input, weights, bias, old_h, old_cell)
-        if cuda:
-            return cuda_step_forward(input, weights, bias, old_h, old_cell)
-        c = _array(old_cell)
-        shape, dtype = c.shape, c.dtype
-        new_h = _new(old_cell, memory_format=_DENSE)
-        new_cell = _new(old_cell, memory_format=_DENSE)
-        factors = np.empty((4,) + shape, dtype)
-        _step.cell_forward_into(_cpu_gates(input, weights, bias, old_h, shape, dtype, True), c,
-                                _array(new_h), _array(new_cell), factors, gate_major=True)
-        return new_h, new_cell, _from_numpy(factors)
+    ``vjp`` and ``jacrev`` work; ``vmap`` and forward-mode AD are refused. Its forward and
+    backward bodies (:func:`step_forward`, :func:`step_backward`) are also the custom operators'
+    (``_custom_ops``): eager and compiled calls compute with the same code."""
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        kept = output[2:]
-        ctx.mark_non_differentiable(*kept)
+        ctx.mark_non_differentiable(*output[2:])
         ctx.set_materialize_grads(False)
-        if len(kept) == 1:          # the CPU's factors
-            ctx.save_for_backward(*inputs, *kept)
-        else:                       # CUDA: X, gates, and new_cell, which its kernel reads
-            ctx.save_for_backward(*inputs, *kept, output[1])
+        ctx.save_for_backward(*inputs[:5], *kept_for_backward(output))
 
     @staticmethod
     def backward(ctx, grad_h, grad_cell, *_):
         saved = _saved(ctx)
         if grad_h is None and grad_cell is None:
             return None, None, None, None, None
-        if torch.is_grad_enabled():     # create_graph=True, torch.func: the formulas
-            return _differentiable_step_backward(ctx, grad_h, grad_cell, saved)
-        cuda = len(saved) > 6
-        if _autocast_on("cuda" if cuda else "cpu"):
-            with torch.autocast("cuda" if cuda else "cpu", enabled=False):
-                return LLTMFunction.backward(ctx, grad_h, grad_cell)
-        input, weights, bias, old_h, old_cell = saved[:5]
-        try:
-            if cuda:
-                X, gates, new_cell = saved[5:]
-                return cuda_step_backward(grad_h, grad_cell, X, gates, new_cell, weights,
-                                          bias.shape, ctx.needs_input_grad)
-            return cpu_step_backward(grad_h, grad_cell, saved[5], weights, bias.shape,
-                                     ctx.needs_input_grad, old_h, input)
-        except RuntimeError:        # (a batch of gradients reaches the backend: no memory)
-            if not batched(grad_h, grad_cell):
-                raise
-        return _differentiable_step_backward(ctx, grad_h, grad_cell, saved)
+        return step_backward(grad_h, grad_cell, saved, ctx.needs_input_grad)
 
     vmap = staticmethod(_refuse_vmap)
     jvp = staticmethod(_refuse_jvp)
 
 
-def step_forward_only(input, weights, bias, old_h, old_cell):
-    """One step with no backward to follow (grad mode off, or nothing requires grad):
-    ``(new_h, new_cell)``, the same bits as :class:`LLTMFunction`'s."""
-    if input.is_cuda or _interop.EMULATED_CUDA:
-        return cuda_step_forward(input, weights, bias, old_h, old_cell, keep=False)
+def _one_step(input, weights, bias, old_h, old_cell, keep):
+    """One step: ``(new_h, new_cell, *kept)``, ``kept`` what the backward reads (the CPU's
+    factors (4, B, S); CUDA's X (B, S + F) and gate pre-activations (B, 3S)); with ``keep``
+    False (no backward to follow) only ``(new_h, new_cell)``, the same bits. The CPU step's
+    gate pre-activations come gate-major (3, B, S) from torch's batched GEMM (one product per
+    gate, the bias added) straight into the NumPy backend's scratch (``step.gate_rows``), the
+    element-wise step's layout."""
+    if _tracing():
+        raise _refusal()
+    if cuda_backend(input):
+        return cuda_step_forward(input, weights, bias, old_h, old_cell, keep=keep)
     c = _array(old_cell)
+    batch, state = c.shape
+    z, run = _step.gate_rows(batch, state, c.dtype, keep, _from_numpy)
+    X = _cat((old_h, input), 1)
+    width = X.shape[1]
+    if keep:
+        _baddbmm(bias.reshape(3, 1, state), X.expand(3, batch, width),
+                 weights.view(3, state, width).transpose(1, 2), out=z)
+    else:   # (out= would refuse tensors that require grad, under grad mode: none is recorded)
+        with torch.no_grad():
+            _baddbmm(bias.reshape(3, 1, state), X.expand(3, batch, width),
+                     weights.view(3, state, width).transpose(1, 2), out=z)
     new_h = _new(old_cell, memory_format=_DENSE)
     new_cell = _new(old_cell, memory_format=_DENSE)
-    with torch.no_grad():
-        gates = _cpu_gates(input, weights, bias, old_h, c.shape, c.dtype, False)
-    _step.cell_forward_into(gates, c, _array(new_h), _array(new_cell), gate_major=True)
-    return new_h, new_cell
+    if not keep:
+        run(c, _array(new_h), _array(new_cell))
+        return new_h, new_cell
+    factors = np.empty((4, batch, state), c.dtype)
+    run(c, _array(new_h), _array(new_cell), factors)
+    return new_h, new_cell, _from_numpy(factors)
 
 
-def _cpu_gates(input, weights, bias, old_h, shape, dtype, derivatives: bool):
-    """The CPU step's gate pre-activations, gate-major (3, batch, state), by torch's batched
-    GEMM (one product per gate, the bias added) straight into the NumPy backend's scratch
-    (``step.gate_rows``, whose tensor over it is kept): no pass moves them into the
-    element-wise step's layout."""
-    batch, state = shape
-    z, out = _step.gate_rows(batch, state, dtype, derivatives, _from_numpy)
-    X = _cat((old_h, input), 1)
-    _baddbmm(bias.reshape(3, 1, state), X.expand(3, batch, X.shape[1]),
-             weights.view(3, state, X.shape[1]).transpose(1, 2), out=out)
-    return z
+#: the Function's forward, and a step's forward alone (``keep`` False): :func:`_one_step`
+step_forward = without_autocast(_one_step, True, name="step_forward")
+step_inference = without_autocast(_one_step, False, name="step_inference")
+LLTMFunction.forward = staticmethod(step_forward)
+
+
+def kept_for_backward(output) -> tuple:
+    """What a step's backward reads besides the arguments, from :func:`step_forward`'s output:
+    the CPU's factors; CUDA's X, gates and new_cell (which its kernel reads)."""
+    return output[2:] if len(output) == 3 else (*output[2:], output[1])
+
+
+def _step_backward(grad_h, grad_cell, saved, needed):
+    """One step's gradients in the forward's argument order (None where ``needed`` says so),
+    from ``saved`` = the five arguments and :func:`kept_for_backward`'s. With grad mode off the
+    backend's backward; with it on (``create_graph=True``, ``torch.func``), and for a batch of
+    gradients (which the backends cannot read), docs/derivation.md's formulas in torch
+    operations, differentiable."""
+    input, weights, bias, old_h, old_cell = saved[:5]
+    if not torch.is_grad_enabled():
+        try:
+            if len(saved) > 6:      # CUDA: X, gates, new_cell
+                X, gates, new_cell = saved[5:]
+                return cuda_step_backward(grad_h, grad_cell, X, gates, new_cell, weights,
+                                          bias.shape, needed)
+            return cpu_step_backward(grad_h, grad_cell, saved[5], weights, bias.shape, needed,
+                                     old_h, input)
+        except RuntimeError:        # (a batch of gradients reaches the backend: no memory)
+            if not batched(grad_h, grad_cell):
+                raise
+    return reference.lltm_backward_reference(grad_h, grad_cell, input, weights, bias, old_h,
+                                             old_cell, needed)
+
+
+step_backward = without_autocast(_step_backward, name="step_backward")
 
 
 def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, old_h=None,
@@ -244,12 +250,6 @@ def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, o
     return (d_input, d_weights if need_w else None,
             d_bias.reshape(bias_shape) if need_b else None, d_old_h,
             d_old_cell if need_c else None)
-
-
-def _differentiable_step_backward(ctx, grad_h, grad_cell, saved):
-    input, weights, bias, old_h, old_cell = saved[:5]
-    return reference.lltm_backward_reference(grad_h, grad_cell, input, weights, bias, old_h,
-                                             old_cell, ctx.needs_input_grad)
 
 
 # -- CUDA: the kernels on device pointers, torch's GEMMs and allocator, torch's current stream

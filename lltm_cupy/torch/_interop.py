@@ -43,6 +43,7 @@ computes in (``lltm_cupy.torch`` casts the arguments first, as autocast would).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import numpy as np
@@ -53,7 +54,7 @@ from . import _cpu_arrays, _torch_gemm
 from ._cuda_arrays import imports as _imports, to_array as _array_cuda, to_tensor as _tensor_cuda
 from ._torch_gemm import TORCH_CUDA_GEMM, TORCH_GEMM
 
-__all__ = ["backend_call", "uses_cupy", "launching", "mm", "DTYPES", "KERNEL_DTYPE",
+__all__ = ["cuda_call", "CPU_CALL", "cuda_backend", "without_autocast", "launching", "mm", "DTYPES", "KERNEL_DTYPE",
            "EMULATED_CUDA", "fused_kw", "use_plans", "prepare_capture"]
 
 #: What each backend computes in. bfloat16 CPU tensors are computed in float32 by the layer above
@@ -70,9 +71,33 @@ KERNEL_DTYPE = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(np
                 torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
 
 
-def uses_cupy(device: torch.device) -> bool:
-    """Whether tensors on ``device`` run the CuPy backend."""
-    return device.type == "cuda" or EMULATED_CUDA
+def cuda_backend(t: Tensor) -> bool:
+    """Whether the tensor ``t`` runs on the CUDA backend (a CUDA tensor, or any under the tests'
+    emulated CUDA path): the one test the torch layer makes of it."""
+    return t.is_cuda or EMULATED_CUDA
+
+
+_any_autocast = torch._C._is_any_autocast_enabled
+_DisableAutocast = torch._C._DisableAutocast
+
+
+def without_autocast(body, *bound, name=None):
+    """``body`` as a function of the caller's arguments (followed by ``bound``), run with
+    torch's autocast off (on every device, where any is on): the one way the torch layer
+    switches it off, around the bodies of its Functions and custom operators. The backends'
+    GEMMs run in the dtype the layer computes in, which it cast the arguments to (as autocast
+    would: ``_ops``); left on, autocast would cast the GEMMs' operands again (to bfloat16 under
+    CPU autocast, which NumPy cannot hold). The result takes positional arguments only, and
+    shows no other signature (an autograd Function's forward: ``torch.func`` passes each
+    parameter of its signature, defaults included)."""
+    def run(*args):
+        if not _any_autocast():
+            return body(*args, *bound)
+        with _DisableAutocast():
+            return body(*args, *bound)
+    run.__name__ = run.__qualname__ = name or body.__name__
+    run.__doc__, run.__module__ = body.__doc__, body.__module__
+    return run
 
 
 # ------------------------------------------------------------------------------------ CPU
@@ -195,7 +220,7 @@ def prepare_capture(index: int) -> None:
     torch.mm(x, x).sum().backward()
 
 
-def use_plans(plans, device: torch.device, lengths=None) -> None:
+def use_plans(plans, like: Tensor, lengths=None) -> None:
     """Before a call that reads the packing plans' index arrays on ``device``:
 
     - under CUDA-graph capture, variable-length input runs only on plans already on the device
@@ -205,9 +230,9 @@ def use_plans(plans, device: torch.device, lengths=None) -> None:
       used on another stream, that stream is recorded on them (``record_stream``, once per plan
       and stream), so that torch does not hand their memory out again, once the plan is
       dropped, before the work queued there has read them."""
-    if not uses_cupy(device):
+    if not cuda_backend(like):
         return
-    index = _device_index(device)
+    index = _device_index(like.device)
     stream = current_raw_stream(index)
     for p in plans:
         arrays = p.first_use_on(index, stream)
@@ -258,24 +283,10 @@ class Call:
 CPU_CALL = Call(_numpy, "numpy", {"mm": TORCH_GEMM}, _cpu_arrays.to_array, _cpu_arrays.to_tensor)
 
 
-def backend_call(device: torch.device):
-    """The context of one backend call for tensors on ``device``; ``with`` it gives a
-    :class:`Call`. Autocast is off inside (see the module docstring). (``torch.jit.trace`` is
-    refused before: it would record the results as constants.)"""
-    cupy_path = uses_cupy(device)
-    if not torch.is_autocast_enabled(device.type):
-        return _CudaCall(device) if cupy_path else CPU_CALL
-    return _autocast_off(device, cupy_path)
-
-
-@contextlib.contextmanager
-def _autocast_off(device: torch.device, cupy_path: bool):
-    with torch.autocast(device.type, enabled=False):
-        if not cupy_path:
-            yield CPU_CALL
-            return
-        with _CudaCall(device) as call:
-            yield call
+def cuda_call(device: torch.device):
+    """The context of one call of the CUDA backend on its arrays for tensors on ``device``;
+    ``with`` it gives a :class:`Call`. (The CPU's is :data:`CPU_CALL`, which needs none.)"""
+    return _CudaCall(device)
 
 
 class _CudaCall:
@@ -324,11 +335,6 @@ def _cuda_call() -> Call:
         _CUDA_CALL.append(Call(_cuda, "cupy", {"gemm": TORCH_CUDA_GEMM}, _array_cuda,
                                _tensor_cuda))
     return _CUDA_CALL[0]
-
-
-def backend_name(device: torch.device) -> str:
-    """The name of the backend tensors on ``device`` run ("cupy" or "numpy")."""
-    return "cupy" if uses_cupy(device) else "numpy"
 
 
 def fused_kw(call) -> dict:

@@ -219,7 +219,7 @@ class LLTM(nn.Module):
             _check_input("LLTM", input.data, "(rows, input_size)", self.input_size)
             plans = [packed_plan(input.batch_sizes, reverse=d == 1)
                      for d in range(self.num_directions)]
-            use_plans(plans, input.data.device)
+            use_plans(plans, input.data)
             x, unbatched = input.data, False
             batch = int(input.batch_sizes[0]) if len(input.batch_sizes) else 0
         else:
@@ -235,13 +235,14 @@ class LLTM(nn.Module):
             order = input.sorted_indices
             h0, c0 = h0.index_select(1, order), c0.index_select(1, order)
         h_n, c_n = [], []
+        directions = self.num_directions
         # The array API's forward_layers (lltm_cupy/_layers.py) runs the same plan; its loop
         # writes the backward out and draws dropout from the caller's generator, this one is
         # differentiated by autograd and draws from torch's: two short loops, not one.
         for k in range(self.num_layers):
             outs = []
-            for d in range(self.num_directions):
-                i = k * self.num_directions + d
+            for d in range(directions):
+                i = k * directions + d
                 if packed:
                     out, h, c = lltm_packed(x, *self._layer_parameters(k, d), h0[i], c0[i],
                                             plans[d], fused=getattr(self, "fused", False))

@@ -1,27 +1,32 @@
 """The torch layer's public functions: :func:`lltm` (one step), :func:`lltm_sequence` (a whole
 sequence, padded or with lengths) and :func:`lltm_packed` (a ``PackedSequence``'s rows).
 
-Each first decides, in one cheap pass (:func:`_plain_step`, :func:`_plain_sequence`: plain
-tensors on one CPU or CUDA device, one dtype the backend computes in, the expected shapes, and
-no autocast, ``torch.compile``, ``torch.export``, ``torch.jit.trace`` or ``torch.func``
-transform in play), whether the common case holds; then it calls its autograd Function
-(``_functions``) through torch's C++ ``apply``, or, when autograd will not need a backward
-(grad mode off, as under ``torch.no_grad`` and ``torch.inference_mode``, or no argument
-requiring grad), the backend's forward alone (nothing computed or kept for a backward, the same
-bits).
+A call first decides, in one cheap pass (:func:`_plain`: plain tensors on one CPU or CUDA
+device, one dtype its backend computes in, the expected shapes, and no autocast,
+``torch.compile``, ``torch.export``, ``torch.jit.trace`` or ``torch.func`` transform in play),
+whether the common case holds. If not, the general path first prepares the arguments
+(:func:`_prepared`): under ``torch.autocast`` it casts them (differentiably, so gradients reach
+the parameters in their own dtype) to the dtype the cell computes in: the autocast dtype on
+CUDA (float16 or bfloat16), float32 under CPU autocast (NumPy has no bfloat16; float64 tensors
+are left alone, as autocast leaves them); bfloat16 tensors on the CPU are computed in float32
+and the results rounded to bfloat16; and it checks them, with messages that name the argument
+and the shapes (:func:`check`).
 
-Everything else takes the general path, with the same results:
+Then a call takes one of three routes, each for its case:
 
-- under ``torch.autocast`` the arguments are first cast (differentiably, so gradients reach
-  the parameters in their own dtype) to the dtype the cell computes in: the autocast dtype on
-  CUDA (float16 or bfloat16), float32 under CPU autocast (NumPy has no bfloat16). float64
-  tensors are left alone, as autocast leaves them. bfloat16 tensors on the CPU are computed in
-  float32 and the results rounded to bfloat16;
-- the checks, whose messages name the argument and the shapes (:func:`check`);
-- ``torch.export`` and ``torch.jit.trace`` record the pure-torch reference (``_export``);
-- under ``torch.compile`` and for meta tensors (shape inference) the custom operators
-  (``_custom_ops``), which the compiler treats as opaque;
-- under ``torch.func``'s transforms the Functions through Python's ``Function.apply``.
+1. **eager** (:func:`_run_step`, :func:`_run_sequence`): the autograd Function
+   (``_functions.LLTMFunction``, ``_sequence_function.LLTMSequenceFunction``) where autograd
+   will need a backward, through torch's C++ ``apply`` (Python's ``Function.apply`` under
+   ``torch.func``'s transforms, which need it); else the Function's forward body alone
+   (``step_inference`` / ``sequence_inference``: nothing computed or kept for a
+   backward, the same bits);
+2. **torch.compile and meta tensors** (shape inference): the custom operators
+   (``_custom_ops``), opaque to the compiler, which run the same Function bodies;
+3. **torch.export and torch.jit.trace**: the cell in torch's own operators (``_export``), which
+   the recording sees.
+
+Variable lengths (``lengths=``, ``PackedSequence``) run eagerly (route 1; a graph break under
+torch.compile: their layout is planned from the lengths' values) and are refused by route 3.
 """
 from __future__ import annotations
 
@@ -33,8 +38,9 @@ from torch import Tensor
 
 from .._checks import check_flag, check_packed_shapes, check_sequence_shapes, check_shapes
 from . import _custom_ops, _export, _interop
-from ._functions import LLTMFunction, apply, step_forward_only
-from ._sequence_function import LLTMSequenceFunction, sequence_forward_only
+from ._functions import LLTMFunction, apply, step_inference
+from ._interop import cuda_backend
+from ._sequence_function import LLTMSequenceFunction, sequence_inference
 
 __all__ = ["lltm", "lltm_sequence", "lltm_packed", "check", "autocast_dtype", "eager_only"]
 
@@ -53,84 +59,56 @@ _functorch_active = torch._C._are_functorch_transforms_active
 _tracing = torch._C._is_tracing
 _autocast_on = torch.is_autocast_enabled
 _grad_on = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling
+_exporting = _export._exporting
+
+#: :func:`_plain`'s shapes: the input's dimensions, and which of them is the batch (matched
+#: against the state's rows; None: a PackedSequence's rows, any number)
+STEP, SEQUENCE, ROWS = (2, 0), (3, 1), (2, None)
 
 
-def _plain_environment(cuda: bool) -> bool:
-    """No autocast, export, jit.trace or torch.func transform in play (torch.compile: checked
-    first, by the callers, before any call Dynamo cannot trace)."""
-    return not (_autocast_on("cuda" if cuda else "cpu") or _functorch_active() or _tracing()
-                or _export._exporting())
-
-
-def _plain_step(input, weights, bias, old_h, old_cell) -> bool:
-    """Whether one step takes the eager fast path (see the module docstring): one pass over
-    types, device, dtype and shapes, and the environment."""
-    if torch.compiler.is_compiling() or not (
-            type(input) in _PLAIN and type(weights) in _PLAIN and type(bias) in _PLAIN
-            and type(old_h) in _PLAIN and type(old_cell) in _PLAIN):
+def _plain(x, weights, bias, h, c, form) -> bool:
+    """Whether a call takes the eager fast path (see the module docstring): one pass over
+    types, device, dtype and shapes (``form``: :data:`STEP`, :data:`SEQUENCE` or
+    :data:`ROWS`), and the environment."""
+    if _compiling() or not (type(x) in _PLAIN and type(weights) in _PLAIN
+                            and type(bias) in _PLAIN and type(h) in _PLAIN
+                            and type(c) in _PLAIN):
         return False
-    cuda = input.is_cuda
-    if cuda or _interop.EMULATED_CUDA:
-        device = input.device
-        if not (input.dtype in _CUDA_DTYPES and weights.device == device
-                and bias.device == device and old_h.device == device
-                and old_cell.device == device):
+    cuda = cuda_backend(x)
+    if cuda:
+        device = x.device
+        if not (x.dtype in _CUDA_DTYPES and weights.device == device
+                and bias.device == device and h.device == device and c.device == device):
             return False
-    elif not (input.is_cpu and input.dtype in _CPU_DTYPES and weights.is_cpu and bias.is_cpu
-              and old_h.is_cpu and old_cell.is_cpu):
+    elif not (x.is_cpu and x.dtype in _CPU_DTYPES and weights.is_cpu and bias.is_cpu
+              and h.is_cpu and c.is_cpu):
         return False
-    dtype = input.dtype
-    shape = input.shape
-    h_shape = old_h.shape
-    if (len(shape) != 2 or len(h_shape) != 2 or weights.dtype != dtype or bias.dtype != dtype
-            or old_h.dtype != dtype or old_cell.dtype != dtype or old_cell.shape != h_shape
-            or h_shape[0] != shape[0]):
-        return False
-    state = h_shape[1]
-    if weights.shape != (3 * state, state + shape[1]) or (
-            bias.shape != (3 * state,) and bias.shape != (1, 3 * state)):
-        return False
-    return _plain_environment(cuda)
-
-
-def _plain_sequence(inputs, weights, bias, h0, c0, rows: bool = False) -> bool:
-    """:func:`_plain_step` for a sequence: inputs (steps, batch, features), or (``rows``) a
-    PackedSequence's data (rows, features) with (batch, state) states."""
-    if torch.compiler.is_compiling() or not (
-            type(inputs) in _PLAIN and type(weights) in _PLAIN and type(bias) in _PLAIN
-            and type(h0) in _PLAIN and type(c0) in _PLAIN):
-        return False
-    cuda = inputs.is_cuda
-    if cuda or _interop.EMULATED_CUDA:
-        device = inputs.device
-        if not (inputs.dtype in _CUDA_DTYPES and weights.device == device
-                and bias.device == device and h0.device == device and c0.device == device):
-            return False
-    elif not (inputs.is_cpu and inputs.dtype in _CPU_DTYPES and weights.is_cpu and bias.is_cpu
-              and h0.is_cpu and c0.is_cpu):
-        return False
-    dtype = inputs.dtype
-    shape = inputs.shape
-    h_shape = h0.shape
-    if (len(shape) != (2 if rows else 3) or len(h_shape) != 2 or weights.dtype != dtype
-            or bias.dtype != dtype or h0.dtype != dtype or c0.dtype != dtype
-            or c0.shape != h_shape or (not rows and h_shape[0] != shape[1])):
+    dtype = x.dtype
+    shape = x.shape
+    h_shape = h.shape
+    dims, batch = form
+    if (len(shape) != dims or len(h_shape) != 2 or weights.dtype != dtype or bias.dtype != dtype
+            or h.dtype != dtype or c.dtype != dtype or c.shape != h_shape
+            or (batch is not None and h_shape[0] != shape[batch])):
         return False
     state = h_shape[1]
     if weights.shape != (3 * state, state + shape[-1]) or (
             bias.shape != (3 * state,) and bias.shape != (1, 3 * state)):
         return False
-    return _plain_environment(cuda)
+    return not (_autocast_on("cuda" if cuda else "cpu") or _functorch_active() or _tracing()
+                or _exporting())
 
 
 def eager_step(input, weights, bias, old_h, old_cell):
     """One step on the eager fast path: ``(new_h, new_cell)``, or None where it does not apply
     (then :func:`lltm` takes the general path)."""
-    if not _plain_step(input, weights, bias, old_h, old_cell):
+    if not _plain(input, weights, bias, old_h, old_cell, STEP):
         return None
-    if _needs_backward(input, weights, bias, old_h, old_cell):
+    if _grad_on() and (input.requires_grad or weights.requires_grad or bias.requires_grad
+                       or old_h.requires_grad or old_cell.requires_grad):
         return _step_apply(input, weights, bias, old_h, old_cell)[:2]
-    return step_forward_only(input, weights, bias, old_h, old_cell)
+    return step_inference(input, weights, bias, old_h, old_cell)
 
 
 def _needs_backward(a, b, c, d, e) -> bool:
@@ -139,6 +117,21 @@ def _needs_backward(a, b, c, d, e) -> bool:
     torch.compile, where Dynamo guards on both, so the choice costs no graph break."""
     return _grad_on() and (a.requires_grad or b.requires_grad or c.requires_grad
                            or d.requires_grad or e.requires_grad)
+
+
+def _run_step(tensors):
+    """Route 1 for one step: the Function where a backward will follow (or a ``torch.func``
+    transform's wrapper is among the arguments), else its forward alone."""
+    if _needs_backward(*tensors) or _transformed(tensors):
+        return apply(LLTMFunction, *tensors)[:2]
+    return step_inference(*tensors)
+
+
+def _run_sequence(tensors, plan, fused):
+    """Route 1 for a sequence (``plan``: None, or the packed layout of variable lengths)."""
+    if _needs_backward(*tensors) or _transformed(tensors):
+        return apply(LLTMSequenceFunction, *tensors, plan, fused)[:3]
+    return sequence_inference(*tensors, plan, fused)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +153,7 @@ def check(tensors, names=_NAMES, check_shapes=check_shapes) -> None:
         raise ValueError(f"lltm_cupy.torch: tensors on {device} are not supported (CPU or CUDA "
                          f"only)")
     # meta: shape inference only (the custom operators' fake implementations), any CUDA dtype
-    kind = "cuda" if _interop.uses_cupy(device) or device.type == "meta" else "cpu"
+    kind = "cuda" if cuda_backend(tensors[0]) or device.type == "meta" else "cpu"
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
         listing = ", ".join(f"{n}={t.dtype}" for n, t in zip(names, tensors))
@@ -197,7 +190,25 @@ def _autocast(tensors):
 def _in_float32(tensors) -> bool:
     """bfloat16 tensors all on a device the NumPy backend serves: computed in float32."""
     return (all(isinstance(t, Tensor) and t.dtype == torch.bfloat16 for t in tensors)
-            and not _interop.uses_cupy(tensors[0].device))
+            and not cuda_backend(tensors[0]))
+
+
+def _prepared(tensors, names, shapes):
+    """The general path's arguments: ``(tensors, finish)``, the tensors cast as autocast asks
+    and checked (:func:`check` with ``names`` and ``shapes``), and ``finish``, which takes the
+    results back to the arguments' dtype (bfloat16 on the CPU, computed in float32) or is
+    None."""
+    tensors = _autocast(tensors)
+    finish = None
+    if _in_float32(tensors):
+        tensors = tuple(t.float() for t in tensors)
+        finish = _to_bfloat16
+    check(tensors, names, shapes)
+    return tensors, finish
+
+
+def _to_bfloat16(results):
+    return tuple(t.bfloat16() for t in results)
 
 
 def _transformed(tensors) -> bool:
@@ -228,7 +239,8 @@ def eager_only(fn):
 
 
 def _compiling_or_meta(tensors) -> bool:
-    return torch.compiler.is_compiling() or tensors[0].device.type == "meta"
+    """Route 2's case: torch.compile traces the call, or the tensors are meta tensors."""
+    return _compiling() or tensors[0].device.type == "meta"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,23 +264,17 @@ def lltm(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
     out = eager_step(input, weights, bias, old_h, old_cell)
     if out is not None:
         return out
-    tensors = _autocast((input, weights, bias, old_h, old_cell))
-    if _in_float32(tensors):
-        new_h, new_cell = lltm(*(t.float() for t in tensors))
-        return new_h.bfloat16(), new_cell.bfloat16()
-    check(tensors)
-    if _export.recording():     # torch.export, jit.trace: torch operators (see _export)
+    tensors, finish = _prepared((input, weights, bias, old_h, old_cell), _NAMES, check_shapes)
+    if _export.recording():                                         # route 3
         from .reference import lltm_reference
 
-        return lltm_reference(*tensors)
-    if not _needs_backward(*tensors):
-        if _compiling_or_meta(tensors):
-            return _custom_ops.lltm_inference_op(*tensors)
-        if not _transformed(tensors):
-            return step_forward_only(*tensors)
-    if _compiling_or_meta(tensors):
-        return _custom_ops.lltm_forward_op(*tensors)[:2]
-    return apply(LLTMFunction, *tensors)[:2]
+        out = lltm_reference(*tensors)
+    elif _compiling_or_meta(tensors):                               # route 2
+        out = (_custom_ops.lltm_forward_op(*tensors)[:2] if _needs_backward(*tensors)
+               else _custom_ops.lltm_inference_op(*tensors))
+    else:                                                           # route 1
+        out = _run_step(tensors)
+    return out if finish is None else finish(out)
 
 
 def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Tensor,
@@ -297,43 +303,41 @@ def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0:
     Same device, dtype and autocast rules as :func:`lltm`; second derivatives as there.
     """
     if (lengths is None and reverse.__class__ is bool and fused.__class__ is bool
-            and _plain_sequence(inputs, weights, bias, h0, c0)):
+            and _plain(inputs, weights, bias, h0, c0, SEQUENCE)):
         if reverse:
             inputs = inputs.flip(0)
         if _needs_backward(inputs, weights, bias, h0, c0):
             outputs, h_n, c_n = _sequence_apply(inputs, weights, bias, h0, c0, None, fused)[:3]
         else:
-            outputs, h_n, c_n = sequence_forward_only(inputs, weights, bias, h0, c0, fused=fused)
+            outputs, h_n, c_n = sequence_inference(inputs, weights, bias, h0, c0, None,
+                                                   fused)
         return (outputs.flip(0) if reverse else outputs), h_n, c_n
     reverse = check_flag("lltm_cupy.torch.lltm_sequence", "reverse", reverse)
     fused = check_flag("lltm_cupy.torch.lltm_sequence", "fused", fused)
-    tensors = _autocast((inputs, weights, bias, h0, c0))
-    if _in_float32(tensors):
-        return tuple(t.bfloat16() for t in lltm_sequence(*(t.float() for t in tensors),
-                                                           lengths=lengths, reverse=reverse,
-                                                           fused=fused))
-    check(tensors, _SEQ_NAMES, check_sequence_shapes)
-    if tensors[0].device.type == "meta":   # shape inference: lengths, direction change none
-        hs, h_n, c_n, _, _ = _custom_ops.sequence_forward_op(*tensors)
-        return hs[1:], h_n, c_n
-    if lengths is not None:
+    tensors, finish = _prepared((inputs, weights, bias, h0, c0), _SEQ_NAMES,
+                                check_sequence_shapes)
+    if tensors[0].device.type == "meta":    # route 2 (lengths and direction change no shape)
+        hs, h_n, c_n = _custom_ops.sequence_forward_op(*tensors)[:3]
+        out = hs[1:], h_n, c_n
+    elif lengths is not None:               # route 1, eagerly
         if _export.recording():
             raise _export.refusal("lltm_sequence with lengths=")
-        return _packed_sequence(tensors, lengths, reverse, fused)
-    if reverse:     # every sequence full length: run the time-reversed sequence
-        outputs, h_n, c_n = lltm_sequence(tensors[0].flip(0), *tensors[1:], fused=fused)
-        return outputs.flip(0), h_n, c_n
-    if _export.recording():     # torch.export, jit.trace: torch operators (see _export)
-        return _export.sequence(*tensors)
-    if not _needs_backward(*tensors):
-        if torch.compiler.is_compiling():
-            return _custom_ops.sequence_inference_op(*tensors, fused)
-        if not _transformed(tensors):
-            return sequence_forward_only(*tensors, fused=fused)
-    if torch.compiler.is_compiling():
-        hs, h_n, c_n, _, _ = _custom_ops.sequence_forward_op(*tensors, fused)
-        return hs[1:], h_n, c_n
-    return apply(LLTMSequenceFunction, *tensors, None, fused)[:3]
+        out = _packed_sequence(tensors, lengths, reverse, fused)
+    else:
+        x = tensors[0].flip(0) if reverse else tensors[0]  # (every sequence full length)
+        if _export.recording():                                     # route 3
+            out = _export.sequence(x, *tensors[1:])
+        elif _compiling():                                          # route 2
+            if _needs_backward(*tensors):
+                hs, h_n, c_n = _custom_ops.sequence_forward_op(x, *tensors[1:], fused)[:3]
+                out = hs[1:], h_n, c_n
+            else:
+                out = _custom_ops.sequence_inference_op(x, *tensors[1:], fused)
+        else:                                                       # route 1
+            out = _run_sequence((x, *tensors[1:]), None, fused)
+        if reverse:
+            out = (out[0].flip(0), *out[1:])
+    return tuple(out) if finish is None else finish(out)
 
 
 @eager_only
@@ -343,13 +347,10 @@ def _packed_sequence(tensors, lengths, reverse: bool, fused: bool = False):
     from .. import _packing
 
     steps, batch = tensors[0].shape[:2]
-    device = tensors[0].device
-    _interop.use_plans((), device, lengths)     # lengths on the GPU: refused now
+    _interop.use_plans((), tensors[0], lengths)     # lengths on the GPU: refused now
     plan = _packing.cached_plan(_packing.check_lengths(lengths, steps, batch), steps, reverse)
-    _interop.use_plans((plan,), device)
-    if not _needs_backward(*tensors) and not _transformed(tensors):
-        return sequence_forward_only(*tensors, plan=plan, fused=fused)
-    return apply(LLTMSequenceFunction, *tensors, plan, fused)[:3]
+    _interop.use_plans((plan,), tensors[0])
+    return _run_sequence(tensors, plan, fused)
 
 
 def lltm_packed(data: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Tensor,
@@ -361,25 +362,22 @@ def lltm_packed(data: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Ten
     applies ``sorted_indices`` / ``unsorted_indices``, as :class:`LLTM` does).
     What :class:`LLTM` runs for PackedSequence input: no padded tensor is made, in or out.
     Autocast, dtype and ``fused`` rules as :func:`lltm_sequence`; eager only."""
-    if fused.__class__ is bool and _plain_sequence(data, weights, bias, h0, c0, rows=True):
+    if fused.__class__ is bool and _plain(data, weights, bias, h0, c0, ROWS):
         if _needs_backward(data, weights, bias, h0, c0):
             return _sequence_apply(data, weights, bias, h0, c0, plan, fused)[:3]
-        return sequence_forward_only(data, weights, bias, h0, c0, plan=plan, fused=fused)
+        return sequence_inference(data, weights, bias, h0, c0, plan, fused)
     fused = check_flag("lltm_cupy.torch.lltm_packed", "fused", fused)
-    tensors = _autocast((data, weights, bias, h0, c0))
-    if _in_float32(tensors):
-        return tuple(t.bfloat16() for t in lltm_packed(*(t.float() for t in tensors), plan))
-    check(tensors, _SEQ_NAMES, check_packed_shapes)
+    tensors, finish = _prepared((data, weights, bias, h0, c0), _SEQ_NAMES, check_packed_shapes)
     if _export.recording():
         raise _export.refusal("packed variable-length input")
-    if tensors[0].device.type == "meta":
+    if tensors[0].device.type == "meta":                            # route 2
         # shape inference: the N rows as one step of N sequences (the first state row each)
         # gives every result its shape and dtype, connected to every argument for autograd
         data, weights, bias, h0, c0 = tensors
         rows, batch = data.shape[0], h0.shape[0]
-        hs, h_n, c_n, _, _ = _custom_ops.sequence_forward_op(
-            data[None], weights, bias, h0[:1].expand(rows, -1), c0[:1].expand(rows, -1))
-        return hs[1], h_n[:batch], c_n[:batch]
-    if not _needs_backward(*tensors) and not _transformed(tensors):
-        return sequence_forward_only(*tensors, plan=plan, fused=fused)
-    return apply(LLTMSequenceFunction, *tensors, plan, fused)[:3]
+        hs, h_n, c_n = _custom_ops.sequence_forward_op(
+            data[None], weights, bias, h0[:1].expand(rows, -1), c0[:1].expand(rows, -1))[:3]
+        out = hs[1], h_n[:batch], c_n[:batch]
+    else:                                                           # route 1
+        out = _run_sequence(tensors, plan, fused)
+    return tuple(out) if finish is None else finish(out)

@@ -20,10 +20,11 @@ import torch
 from .._types import LLTMSequenceSaved
 from . import _cuda_sequence, _interop, reference
 from ._functions import _refusal, _refuse_jvp, _refuse_vmap, _saved, _tracing, batched
+from ._interop import cuda_backend, without_autocast
 
-__all__ = ["LLTMSequenceFunction", "sequence_forward_only"]
+__all__ = ["LLTMSequenceFunction", "sequence_forward", "sequence_inference",
+           "sequence_backward"]
 
-_autocast_on = torch.is_autocast_enabled
 _CPU = _interop.CPU_CALL
 
 
@@ -43,27 +44,9 @@ class LLTMSequenceFunction(torch.autograd.Function):
     backward reads: an in-place change of them is refused (clone them first).
 
     Prefer :func:`lltm_cupy.torch.lltm_sequence`. ``torch.func`` as for :class:`LLTMFunction`.
+    Its bodies (:func:`sequence_forward`, :func:`sequence_backward`) are the custom operators'
+    too (``_custom_ops``).
     """
-
-    @staticmethod
-    def forward(inputs, weights, bias, h0, c0, plan=None, fused=False):
-        if _tracing():
-            raise _refusal()
-        if inputs.is_cuda or _interop.EMULATED_CUDA:
-            if plan is None:        # torch's buffers and GEMMs, pointer launches
-                if _autocast_on("cuda"):
-                    with torch.autocast("cuda", enabled=False):
-                        found = _native_forward(inputs, weights, bias, h0, c0, fused)
-                else:
-                    found = _native_forward(inputs, weights, bias, h0, c0, fused)
-                if found is not None:
-                    return found
-            with _interop.backend_call(inputs.device) as call:
-                return _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused)
-        if _autocast_on("cpu"):     # (the general path, under autocast: torch's GEMMs as cast)
-            with torch.autocast("cpu", enabled=False):
-                return _sequence_forward(_CPU, inputs, weights, bias, h0, c0, plan, False)
-        return _sequence_forward(_CPU, inputs, weights, bias, h0, c0, plan, False)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -83,50 +66,52 @@ class LLTMSequenceFunction(torch.autograd.Function):
         saved = _saved(ctx)
         if grad_outputs is None and grad_h_n is None and grad_c_n is None:
             return (None,) * 7
-        inputs, weights, bias, h0, c0 = saved[:5]
-        if not torch.is_grad_enabled():
-            try:
-                return _backend_backward(ctx, (grad_outputs, grad_h_n, grad_c_n), saved)
-            except RuntimeError:    # (a batch of gradients reaches the backend: no memory)
-                if not batched(grad_outputs, grad_h_n, grad_c_n):
-                    raise
-        # create_graph=True, torch.func, batched gradients: BPTT by the formulas
-        grads = _differentiable_sequence_backward(
-            grad_outputs, grad_h_n, grad_c_n, inputs, weights, bias, h0, c0, ctx.plan,
-            ctx.needs_input_grad[:5])
-        return (*grads, None, None)
+        return (*sequence_backward((grad_outputs, grad_h_n, grad_c_n), saved, ctx.plan,
+                                   ctx.fused, ctx.native, tuple(ctx.needs_input_grad[:5])),
+                None, None)
 
     vmap = staticmethod(_refuse_vmap)
     jvp = staticmethod(_refuse_jvp)
 
 
-def _backend_backward(ctx, grads, saved):
-    """The sequence Function's backward by the backend (grad mode off)."""
-    inputs = saved[0]
-    if inputs.is_cuda or _interop.EMULATED_CUDA:
-        if ctx.native:
-            if _autocast_on("cuda"):
-                with torch.autocast("cuda", enabled=False):
-                    return _native_backward(ctx, grads, saved)
-            return _native_backward(ctx, grads, saved)
-        with _interop.backend_call(inputs.device) as call:
-            return _sequence_backward(call, ctx, grads, saved)
-    if _autocast_on("cpu"):
-        with torch.autocast("cpu", enabled=False):
-            return _sequence_backward(_CPU, ctx, grads, saved)
-    return _sequence_backward(_CPU, ctx, grads, saved)
+def _sequence(inputs, weights, bias, h0, c0, plan, fused, keep):
+    """A sequence: ``(outputs, h_n, c_n, (fused_ran, native), *kept)``, ``kept`` what the
+    backward reads besides the arguments: the hidden states [h0, outputs...] (for a plan
+    without a gather of the outputs, the outputs themselves are those), the gate values, on
+    CUDA the cells, the inputs where the backward does not read the argument (a contiguous
+    copy or the gathered rows) and, with a plan, the sorted h0. With ``keep`` False (no
+    backward to follow) ``(outputs, h_n, c_n)`` alone, the same bits, nothing computed or kept
+    for a backward."""
+    if _tracing():
+        raise _refusal()
+    if not cuda_backend(inputs):
+        return _sequence_forward(_CPU, inputs, weights, bias, h0, c0, plan, fused, keep)
+    if plan is None:                    # torch's buffers and GEMMs, pointer launches
+        contiguous = inputs.contiguous()
+        found = _cuda_sequence.forward(contiguous, weights, bias, h0, c0, keep=keep, fused=fused)
+        if found is not _cuda_sequence.GROUP:
+            hs, h_n, c_n, gates, cells, ran = found
+            if not keep:
+                return hs[1:], h_n, c_n
+            kept = (hs, gates, cells) if contiguous is inputs else (hs, gates, cells, contiguous)
+            return (hs[1:], h_n, c_n, (ran, True), *kept)
+    with _interop.cuda_call(inputs.device) as call:     # the CUDA backend's arrays
+        return _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused, keep)
 
 
-def _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused):
-    """The sequence Function's forward in the backend ``call`` gives (see its docstring)."""
+def _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused, keep):
+    """:func:`sequence_forward` in the backend ``call`` gives."""
     contiguous = inputs.contiguous()
     kw = {} if plan is None else {"plan": plan}
     if fused:
         kw.update(_interop.fused_kw(call))
     array = call.array
     outputs, h_n, c_n, saved = call.backend.forward_sequence(
-        array(contiguous), array(weights), array(bias), array(h0), array(c0), **call.kw, **kw)
+        array(contiguous), array(weights), array(bias), array(h0), array(c0), **call.kw, **kw,
+        keep=keep)
     tensor = call.tensor
+    if not keep:
+        return tensor(outputs), tensor(h_n), tensor(c_n)
     hs = tensor(saved.hs)
     # the outputs: a view of the hidden states (the rows after h0), or (a PackedSequence's data
     # in its own order) the packed rows themselves, which are then kept as the output (so that
@@ -149,33 +134,41 @@ def _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused):
     return (out, tensor(h_n), tensor(c_n), (saved.fused, False), *kept)
 
 
-def _native_forward(inputs, weights, bias, h0, c0, fused):
-    """CUDA, one length for all: ``_cuda_sequence`` (torch's buffers and GEMMs)."""
-    contiguous = inputs.contiguous()
-    found = _cuda_sequence.forward(contiguous, weights, bias, h0, c0, fused=fused)
-    if found is _cuda_sequence.GROUP:       # the fused group variant: the backend's arrays
-        return None
-    hs, h_n, c_n, gates, cells, ran = found
-    kept = (hs, gates, cells) if contiguous is inputs else (hs, gates, cells, contiguous)
-    return (hs[1:], h_n, c_n, (ran, True), *kept)
+def _sequence_backward_body(grads, saved, plan, fused, native, needed):
+    """The gradients ``(d_inputs, d_weights, d_bias, d_h0, d_c0)`` (None where ``needed`` says
+    so) of ``grads`` = (outputs, h_n, c_n)'s (any None: zero), from ``saved`` = the five
+    arguments and what :func:`sequence_forward` kept; ``fused``, ``native``: its flags. With
+    grad mode off the backend's backward; with it on (``create_graph=True``, ``torch.func``),
+    and for a batch of gradients (which the backends cannot read), backpropagation through time
+    by the formulas in torch operations, differentiable."""
+    if not torch.is_grad_enabled():
+        try:
+            if native:
+                return _native_backward(grads, saved, fused, needed)
+            if not cuda_backend(saved[0]):
+                return _sequence_backward(_CPU, grads, saved, plan, fused, needed)
+            with _interop.cuda_call(saved[0].device) as call:
+                return _sequence_backward(call, grads, saved, plan, fused, needed)
+        except RuntimeError:        # (a batch of gradients reaches the backend: no memory)
+            if not batched(*grads):
+                raise
+    return _differentiable_sequence_backward(*grads, *saved[:5], plan, needed)
 
 
-def _native_backward(ctx, grads, saved):
+def _native_backward(grads, saved, fused, needed):
     inputs, weights, bias = saved[:3]
     hs, gates, cells = saved[5:8]
     x = inputs if len(saved) == 8 else saved[8]
-    d = _cuda_sequence.backward(*grads, x.view(-1, x.shape[-1]), hs, gates, cells, weights,
-                                bias.shape, tuple(ctx.needs_input_grad[:5]), ctx.fused)
-    return (*d, None, None)
+    return _cuda_sequence.backward(*grads, x.view(-1, x.shape[-1]), hs, gates, cells, weights,
+                                   bias.shape, needed, fused)
 
 
-def _sequence_backward(call, ctx, grads, saved):
-    """The sequence Function's backward in the backend ``call`` gives, from what
-    ``setup_context`` saved: the arguments, then [hs, gates, cells (CUDA), inputs (where not
-    the argument), h0 sorted (with a plan)]."""
+def _sequence_backward(call, grads, saved, plan, fused, needed):
+    """:func:`sequence_backward` in the backend ``call`` gives, from what ``setup_context``
+    saved: the arguments, then [hs, gates, cells (CUDA), inputs (where not the argument), h0
+    sorted (with a plan)]."""
     inputs, weights, bias = saved[:3]
     kept = list(saved[5:])
-    plan = ctx.plan
     array = call.array
     hs, gates = array(kept.pop(0)), array(kept.pop(0))
     cells = (array(kept.pop(0)) if call is not _CPU
@@ -184,42 +177,32 @@ def _sequence_backward(call, ctx, grads, saved):
     x = array(inputs if _direct(plan) and inputs.is_contiguous() else kept.pop(0))
     h0s = array(kept.pop(0)) if plan is not None else None
     state = LLTMSequenceSaved(call.name, x.reshape(-1, x.shape[-1]), hs, gates, cells,
-                              array(weights), tuple(bias.shape), plan=plan, h0=h0s,
-                              fused=ctx.fused)
+                              array(weights), tuple(bias.shape), plan=plan, h0=h0s, fused=fused)
     grad_outputs, grad_h_n, grad_c_n = grads
     d = call.backend.backward_sequence(
         None if grad_outputs is None else array(grad_outputs),
         None if grad_h_n is None else array(grad_h_n),
-        None if grad_c_n is None else array(grad_c_n), state, tuple(ctx.needs_input_grad[:5]),
-        **call.kw)
+        None if grad_c_n is None else array(grad_c_n), state, needed, **call.kw)
     tensor = call.tensor
-    return (*(None if g is None else tensor(g) for g in d), None, None)
+    d_inputs, d_weights, d_bias, d_h0, d_c0 = d
+    return (None if d_inputs is None else tensor(d_inputs),
+            None if d_weights is None else tensor(d_weights),
+            None if d_bias is None else tensor(d_bias), None if d_h0 is None else tensor(d_h0),
+            None if d_c0 is None else tensor(d_c0))
+
+
+#: the Function's forward (arguments: inputs, weights, bias, h0, c0, plan, fused), and a
+#: sequence's forward alone (``keep`` False): :func:`_sequence`; the Function's backward body
+sequence_forward = without_autocast(_sequence, True, name="sequence_forward")
+sequence_inference = without_autocast(_sequence, False, name="sequence_inference")
+sequence_backward = without_autocast(_sequence_backward_body, name="sequence_backward")
+LLTMSequenceFunction.forward = staticmethod(sequence_forward)
 
 
 def _direct(plan) -> bool:
     """Whether the backend reads a sequence's inputs as they are (every sequence full length,
     or a PackedSequence's data in the forward direction), not a gather of their rows."""
     return plan is None or (plan.packed_io and plan.data_index is None)
-
-
-def sequence_forward_only(inputs, weights, bias, h0, c0, plan=None, fused=False):
-    """A sequence with no backward to follow: ``(outputs, h_n, c_n)``, the same bits as
-    :class:`LLTMSequenceFunction`'s, nothing computed or kept for a backward."""
-    if (inputs.is_cuda or _interop.EMULATED_CUDA) and plan is None:
-        if _autocast_on("cuda"):
-            with torch.autocast("cuda", enabled=False):
-                return sequence_forward_only(inputs, weights, bias, h0, c0, fused=fused)
-        found = _cuda_sequence.forward(inputs, weights, bias, h0, c0, keep=False, fused=fused)
-        if found is not _cuda_sequence.GROUP:
-            return found[0][1:], found[1], found[2]
-    kw = {} if plan is None else {"plan": plan}
-    with _interop.backend_call(inputs.device) as call:
-        if fused:
-            kw.update(_interop.fused_kw(call))
-        results = call.backend.forward_sequence(*(call.array(t) for t in (inputs, weights, bias,
-                                                                           h0, c0)),
-                                                keep=False, **call.kw, **kw)
-        return tuple(call.tensor(a) for a in results[:3])
 
 
 def _differentiable_sequence_backward(grad_outputs, grad_h_n, grad_c_n, inputs, weights, bias,
