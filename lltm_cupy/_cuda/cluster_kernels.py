@@ -175,8 +175,9 @@ def max_active_clusters(kernel, size: int, threads: int, shared: int):
 # ------------------------------------------------- a launch of a non-portable size, refused
 
 class LaunchRefused(Exception):
-    """The driver refused a launch of a non-portable cluster size (recorded by
-    :func:`refuse_cluster_size`): the call that made it runs on the stepped path."""
+    """A fused launch that cannot run: the driver refused a launch of a non-portable cluster
+    size (recorded by :func:`refuse_cluster_size`), or no fused variant runs the state size on
+    the device now (``fused.variant``): the call that made it runs on the stepped path."""
 
 
 #: CUresults with which the driver refuses a cluster launch it cannot run (cuda.h):

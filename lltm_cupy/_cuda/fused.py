@@ -98,12 +98,24 @@ def cluster_size(state: int, dtype):
 def variant(batch: int, state: int, dtype, backward: bool, size=None):
     """(kernel, blocks, threads, tile, shared bytes) of the variant that runs ``state`` (``size``:
     that many blocks per tile instead of the launcher's choice). A cluster launch of a
-    non-portable size raises cluster_kernels.LaunchRefused where the driver refuses it."""
+    non-portable size raises cluster_kernels.LaunchRefused where the driver refuses it; so
+    does this call where no variant runs ``state`` now: past one block's shared memory with no
+    cluster (or group) size chosen, as after a non-portable size was refused since the forward
+    ran in it, or while an occupancy query fails (a one-block launch would ask for more shared
+    memory than a block has, and the driver's refusal of that is no error a caller expects)."""
     size = cluster_size(state, dtype) if size is None else size
     if size is None and fused_mma.usable(state, dtype, backward):          # tensor cores
         fns = fused_mma.get_kernels(dtype)
         return (fns.bwd if backward else fns.fwd, *fused_mma.geometry(batch, state, backward))
     if size is None:
+        device = kernels.current_device()
+        if state > max_state(kernels.shared_memory_limit(device), dtype):
+            raise cluster_kernels.LaunchRefused(
+                f"lltm_cupy: no fused variant runs state size {state} in "
+                f"{np.dtype(dtype).name} on device {device} now (one block's shared memory "
+                f"holds up to {max_state(kernels.shared_memory_limit(device), dtype)}, and no "
+                f"cluster or group size is chosen: one was refused, or an occupancy query "
+                f"failed; kernels.cluster_failures says why): the call runs on the stepped path")
         fns = fused_kernels.get_kernels(dtype)
         geometry = _geometry(None, batch, state, dtype, backward)
     elif fused_cluster.uses_clusters(kernels.current_device()):
@@ -213,8 +225,9 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
 
 def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm, size=None):
     """The fused backward of one layer and direction (``size`` as in :func:`forward_fused`);
-    raises cluster_kernels.LaunchRefused as it does (the saved values are the stepped path's: the
-    caller runs the stepped backward on them instead)."""
+    raises cluster_kernels.LaunchRefused as it does, before any launch where no variant runs
+    the state size now (the saved values are the stepped path's: the caller runs the stepped
+    backward on them instead)."""
     cupy = cupy_module()
     plan, x, hs, weights = saved.plan, saved.inputs, saved.hs, saved.weights
     state = weights.shape[0] // 3

@@ -84,6 +84,17 @@ def _stepped_forward(inputs, weights, bias, h0, c0, keep):
     return (hs, h_n, c_n, gates, cells) if keep else (hs, h_n, c_n, None, None)
 
 
+def _fused_runs(state: int, dtype):
+    """Whether the fused kernels run ``state`` in ``dtype`` on the current device now, on
+    torch's buffers (True), in their group variant (:data:`GROUP`), or not at all (False)."""
+    if not _fused.usable(state, dtype):
+        return False
+    if _fused.cluster_size(state, dtype) is not None and \
+            not fused_cluster.uses_clusters(kernels.current_device()):
+        return GROUP
+    return True
+
+
 def _fused_forward(inputs, weights, bias, h0, c0, keep):
     """The fused forward (``_fused.forward_fused``'s on torch's buffers); False where the state
     size does not fit or the driver refuses the launch (the stepped path runs), :data:`GROUP`
@@ -91,11 +102,9 @@ def _fused_forward(inputs, weights, bias, h0, c0, keep):
     steps, batch, features = inputs.shape
     state = h0.shape[1]
     dtype = _interop.KERNEL_DTYPE[inputs.dtype]
-    if not _fused.usable(state, dtype):
-        return False
-    if _fused.cluster_size(state, dtype) is not None and \
-            not fused_cluster.uses_clusters(kernels.current_device()):
-        return GROUP
+    runs = _fused_runs(state, dtype)
+    if runs is not True:
+        return runs
     new = h0.new_empty
     x = inputs.contiguous().view(steps * batch, features)
     hs = new((steps + 1, batch, state))
@@ -203,9 +212,13 @@ def _stepped_backward(grad_outputs, grad_h_n, grad_c_n, gates, cells, weights):
 
 
 def _fused_backward(grad_outputs, grad_h_n, grad_c_n, hs, gates, cells, weights):
-    """(d_gates, d_h0, d_c0) by the fused backward kernel, or None where the driver refuses its
-    launch (the forward's saved values are the stepped path's: the caller runs that)."""
+    """(d_gates, d_h0, d_c0) by the fused backward kernel, or None where the fused kernels do not
+    run the state size on torch's buffers now (checked as the forward checks it: a cluster size
+    refused since the forward, a failed occupancy query) or the driver refuses its launch (the
+    forward's saved values are the stepped path's: the caller runs that)."""
     steps, batch, state = cells.shape
+    if _fused_runs(state, _interop.KERNEL_DTYPE[cells.dtype]) is not True:
+        return None
     new = cells.new_empty
     d_gates = new((steps, batch, 3 * state))
     d_h0, d_c0 = new((batch, state)), new((batch, state))
