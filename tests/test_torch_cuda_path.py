@@ -356,3 +356,55 @@ def test_torchs_matmul_defaults_are_what_the_docs_say():
     assert torch.get_float32_matmul_precision() == "highest"
     assert matmul.allow_fp16_reduced_precision_reduction is True
     assert matmul.allow_bf16_reduced_precision_reduction is True
+
+
+def test_launching_on_another_device_leaves_it_again_when_torchs_stream_cannot_be_read(
+        emulated_cuda_torch):
+    """The pointer launches' context where the tensors' device is not the current one
+    (_interop._OnDevice) enters that device, then reads torch's stream: if the read fails, the
+    thread is back on its own device (as _CudaCall leaves it), not left on the tensors'."""
+    from lltm_cupy.torch import _interop
+
+    emu = emulated_cuda_torch.emulator
+    cupy = emulated_cuda_torch
+    with cupy.cuda.Device(1):
+        def unreadable(index):
+            assert emu.device == 0, "the tensors' device is entered first"
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_interop, "_torch_stream", unreadable)
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                with _interop.launching(torch.device("cpu")):       # device index 0 here
+                    pass
+        assert (emu.device, emu.device_stack) == (1, [0]), (emu.device, emu.device_stack)
+        with _interop.launching(torch.device("cpu")):
+            assert emu.device == 0
+        assert emu.device == 1
+    assert emu.device == 0 and emu.device_stack == []
+
+
+def test_a_cell_on_another_device_than_the_current_one(emulated_cuda_torch):
+    """An LLTMCell step and its backward while another device is current: the same bits as with
+    the tensors' device current, and the current device is the caller's again after each."""
+    from lltm_cupy.torch import LLTMCell
+
+    emu = emulated_cuda_torch.emulator
+    torch.manual_seed(0)
+    cell = LLTMCell(3, 4)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def step():
+        h, c = cell(x)
+        (h.sum() + c.pow(2).sum()).backward()
+        found = [h.detach(), c.detach(), x.grad] + [p.grad for p in cell.parameters()]
+        x.grad = None
+        cell.zero_grad(set_to_none=True)
+        return found
+
+    want = step()
+    with emulated_cuda_torch.cuda.Device(1):
+        got = step()
+        assert emu.device == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

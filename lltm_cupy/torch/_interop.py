@@ -360,7 +360,8 @@ def launching(device: torch.device):
 
 
 class _OnDevice:
-    """:func:`launching` where the device is not current: enters it, then torch's stream."""
+    """:func:`launching` where the device is not current: enters it, then torch's stream (left
+    again if reading the stream fails, as :class:`_CudaCall` does)."""
 
     __slots__ = ("_index", "_device", "_stream")
 
@@ -372,12 +373,18 @@ class _OnDevice:
 
         self._device = kernels.on_device(self._index)
         self._device.__enter__()
-        self._stream = _torch_stream(self._index)
-        self._stream.__enter__()
+        try:    # (reading torch's stream may fail: leave the device entered above again)
+            self._stream = _torch_stream(self._index)
+            self._stream.__enter__()
+        except BaseException:
+            self._device.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc):
-        self._stream.__exit__(None, None, None)
-        self._device.__exit__(None, None, None)
+        try:
+            self._stream.__exit__(None, None, None)
+        finally:
+            self._device.__exit__(None, None, None)
         return False
 
 
