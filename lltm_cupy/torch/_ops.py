@@ -345,7 +345,8 @@ def _packed_sequence(tensors, lengths, reverse: bool, fused: bool = False):
     steps, batch = tensors[0].shape[:2]
     device = tensors[0].device
     _interop.use_plans((), device, lengths)     # lengths on the GPU: refused now
-    plan = _packing.cached_plan(_packing.check_lengths(lengths, steps, batch), steps, reverse)
+    plan = _packing.cached_plan(_packing.check_lengths(lengths, steps, batch), steps, reverse,
+                                "torch")
     _interop.use_plans((plan,), device)
     if not _needs_backward(*tensors) and not _transformed(tensors):
         return sequence_forward_only(*tensors, plan=plan, fused=fused)
