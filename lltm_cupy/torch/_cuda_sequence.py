@@ -105,6 +105,10 @@ def _fused_forward(inputs, weights, bias, h0, c0, keep):
     runs = _fused_runs(state, dtype)
     if runs is not True:
         return runs
+    try:        # planned first, before any work is queued (see _fused.forward_fused)
+        launched = _fused.variant(batch, state, dtype, False) if batch and steps else None
+    except cluster_kernels.LaunchRefused:       # no variant runs it now: the stepped path
+        return False
     new = h0.new_empty
     x = inputs.contiguous().view(steps * batch, features)
     hs = new((steps + 1, batch, state))
@@ -132,7 +136,7 @@ def _fused_forward(inputs, weights, bias, h0, c0, keep):
             pointers.append((finals[1][0].data_ptr(), finals[1][1].data_ptr()))
         try:
             _fused.launch_forward(
-                _fused.variant(batch, state, dtype, False), spans, starts, project, w.data_ptr(),
+                launched, spans, starts, project, w.data_ptr(),
                 weights.shape[1], b.data_ptr(), gates.data_ptr(), hs.data_ptr(), c.data_ptr(),
                 hs[1].data_ptr(), state * hs.element_size(), cells.data_ptr(), pointers,
                 hs.data_ptr(), np.int32(0), batch, state)      # (offsets: not read)
@@ -217,7 +221,12 @@ def _fused_backward(grad_outputs, grad_h_n, grad_c_n, hs, gates, cells, weights)
     refused since the forward, a failed occupancy query) or the driver refuses its launch (the
     forward's saved values are the stepped path's: the caller runs that)."""
     steps, batch, state = cells.shape
-    if _fused_runs(state, _interop.KERNEL_DTYPE[cells.dtype]) is not True:
+    dtype = _interop.KERNEL_DTYPE[cells.dtype]
+    if _fused_runs(state, dtype) is not True:
+        return None
+    try:        # planned first, before any work is queued (see _fused.forward_fused)
+        launched = _fused.variant(batch, state, dtype, True) if batch else None
+    except cluster_kernels.LaunchRefused:       # no variant runs it now
         return None
     new = cells.new_empty
     d_gates = new((steps, batch, 3 * state))
@@ -229,11 +238,10 @@ def _fused_backward(grad_outputs, grad_h_n, grad_c_n, hs, gates, cells, weights)
         w = weights.contiguous()
         try:
             _fused.launch_backward(
-                _fused.variant(batch, state, _interop.KERNEL_DTYPE[cells.dtype], True),
-                w.data_ptr(), weights.shape[1], gates.data_ptr(), cells.data_ptr(),
+                launched, w.data_ptr(), weights.shape[1], gates.data_ptr(), cells.data_ptr(),
                 None if go is None else go.data_ptr(), None if ghn is None else ghn.data_ptr(),
                 None if gcn is None else gcn.data_ptr(), d_gates.data_ptr(), d_h0.data_ptr(),
                 d_c0.data_ptr(), hs.data_ptr(), np.int32(0), steps, batch, state)
-        except cluster_kernels.LaunchRefused:
+        except cluster_kernels.LaunchRefused:   # the driver refused the launch
             return None
     return d_gates, d_h0, d_c0

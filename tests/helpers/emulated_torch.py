@@ -112,8 +112,6 @@ def torch_blas(emulator, interop, patch):
     emulator.torch_blas_threads.clear()
     patch.setattr(interop, "create_torch_blas_handle",
                   lambda index: emulator.torch_blas_threads.add(threading.get_ident()))
-    # lltm_cupy.warmup's: the calling thread's handle (the emulated backward runs on it too)
-    patch.setattr(interop, "prepare_capture", lambda index: interop._torch_blas_ready(index))
 
     def issued(out):
         failure = emu._fault("gemm:torch")
