@@ -341,11 +341,16 @@ class EmulatedCuda(Bench):
             "kernels.refused_sizes": {k: True for k in kernels.refused_sizes},
             "packing plans": self.recorder.picture(),
         }
+        picture["gemm._CONSTANTS"] = {k: signature(v) for k, v in gemm._CONSTANTS.items()}
         if self.torch_layer:
             from lltm_cupy.torch import _interop
 
             picture["_interop._cupy_streams"] = {k: signature(v)
                                                  for k, v in _interop._cupy_streams.items()}
+            picture["_interop._ALLOCATORS"] = {k: signature(v)
+                                               for k, v in _interop._ALLOCATORS.items()}
+            picture["_interop._blas_ready"] = {
+                d: True for d in getattr(_interop._blas_ready, "devices", ())}
         return picture
 
     def context(self) -> tuple:
@@ -564,10 +569,11 @@ class Cpu(Bench):
             "scratch": {dtype: "mapping" for dtype in local.get("buffers", {})},
             "zeros": {dtype: "mapping" for dtype in local.get("zeros", {})},
             "steps": {key[1:]: signature(value) for key, value in local.get("steps", {}).items()},
-            "workspaces": {key: (w.z.shape, w.s.shape, w.d.shape, w.d_c.shape, w.zero.shape)
+            "workspaces": {key: tuple(getattr(getattr(w, n, None), "shape", "missing")
+                                      for n in ("z", "s", "d", "d_c", "zero"))
                            for key, w in workspaces.items()},
             "workspace steps": {(key, made_key): signature(value) for key, w in workspaces.items()
-                                for made_key, value in w.made.items()},
+                                for made_key, value in getattr(w, "made", {}).items()},
             "plans": {(p.lengths.tobytes(), p.steps, p.reverse, p.packed_io): True
                       for p in list(self.plans)},
         }
@@ -588,10 +594,11 @@ class Cpu(Bench):
         arrays = []
         local = memory._local.__dict__
         arrays += [*local.get("buffers", {}).values(), *local.get("zeros", {}).values()]
-        for rows, _ in local.get("steps", {}).values():
-            arrays.append(rows)
+        for kept in local.get("steps", {}).values():
+            if isinstance(kept, tuple):
+                arrays.append(kept[0])
         for w in getattr(sequence._local, "workspaces", {}).values():
-            arrays += [w.z, w.s, w.d, w.d_c, w.zero]
+            arrays += [getattr(w, n) for n in ("z", "s", "d", "d_c", "zero") if hasattr(w, n)]
         mappings = set()
         for a in arrays:
             while isinstance(a, np.ndarray):
