@@ -27,9 +27,10 @@ plan. Plans are cached (:func:`cached_plan`, :func:`packed_plan`: the last 64 of
 lengths or batch_sizes), so a loop over batches of recurring lengths uploads nothing in steady
 state; the torch layer's plans apart from the array API's (``pool="torch"``): the torch layer
 uploads its plans' arrays into torch's allocator, the array API into CuPy's pool, and neither
-reads the other's (``lltm_cupy.warmup`` caches none). While a CUDA graph is being captured no upload is allowed (it would stage through host
-memory and be invalid, or frozen, in the graph): a plan must be on the device already (an eager
-call with the same lengths first), else :class:`CaptureError`. A plan used under capture is
+reads the other's (``lltm_cupy.warmup`` caches none). While a CUDA graph is being captured no
+upload is allowed (it would stage through host memory and be invalid, or frozen, in the graph):
+a plan must be on the device already (an eager call with the same lengths first), else
+:class:`CaptureError`. A plan used under capture is
 kept for the life of the process, since the graph reads its device arrays at every replay.
 """
 from __future__ import annotations
@@ -227,11 +228,6 @@ def plan(lengths: np.ndarray, steps: int, reverse: bool = False, perm=None,
     return Plan(lengths, perm, batch_sizes, tuple(int(o) for o in offsets),
                 t_index.astype(np.int64), b_index.astype(np.int64), last_row.astype(np.int64),
                 bool(reverse), int(steps), bool(packed_io), data_index)
-
-
-#: the memory pools whose plans are cached apart: CuPy's (the array API) and torch's (the torch
-#: layer, whose every byte comes from torch's caching allocator)
-POOLS = ("cupy", "torch")
 
 
 @functools.lru_cache(maxsize=64)

@@ -158,7 +158,8 @@ def _cell_module_op(cell, x, grad):
 
 
 def _lengths_op(model, x, grad, lengths):
-    """lltm_sequence on padded input with lengths (the CuPy backend's arrays, torch's allocator)."""
+    """lltm_sequence on padded input with lengths (the CuPy backend's arrays in torch's
+    allocator)."""
     import lltm_cupy.torch as lt
 
     def op():

@@ -869,7 +869,8 @@ def make_module() -> types.ModuleType:
         Device=_Device, is_available=lambda: True, cublas=cublas, Stream=Stream,
         get_current_stream=lambda device_id=-1: _current_stream(),
         runtime_error=CUDARuntimeError,
-        runtime=types.SimpleNamespace(getDevice=lambda: _state.device, getDeviceProperties=lambda device_id: {
+        runtime=types.SimpleNamespace(
+            getDevice=lambda: _state.device, getDeviceProperties=lambda device_id: {
             "name": b"emulated CuPy (host memory)"}, memcpyAsync=_memcpy_async,
             memGetInfo=_mem_get_info,
             **_RUNTIME_CONSTANTS),

@@ -285,6 +285,7 @@ class EmulatedCuda(Bench):
         if self._entered is not None:
             self._entered.__exit__(None, None, None)
             self._entered = None
+        self.emu.fault = None
         _threads_back(self._threads)
 
     def run_op(self, op):

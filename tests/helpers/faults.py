@@ -16,7 +16,8 @@ alone, and check what that left:
 
 The injection points, each a kind (``Injector.points``):
 
-    alloc:cupy          an allocation from the emulated CuPy's pool (tests/helpers/emulated_cupy.py)
+    alloc:cupy          an allocation from the pool of the emulated CuPy
+                        (tests/helpers/emulated_cupy.py)
     alloc:torch         a new storage of a torch operator (:class:`TorchAllocations`, a
                         TorchDispatchMode: every allocation of torch's, the CuPy allocator that
                         the torch layer installs included)
@@ -39,9 +40,7 @@ buffer NumPy allocates (MemoryError, NumPy's own).
 """
 from __future__ import annotations
 
-import gc
 import sys
-import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -293,8 +292,9 @@ def explore(bench: Bench, name: str, op, *, close=None, dedupe=False, kinds=None
     :class:`Report`. ``op()`` returns {name: array-like} (copied to the host here, after the
     run); ``close(got, want)`` -> a problem string or None: the check of a fallback's results
     (default: the same bits). ``dedupe``: one fault per distinct site (kind and the library's
-    stack) rather than per point; "innermost": per kind and innermost library frame. ``kinds``: only points of these kinds. ``variants``: kind ->
-    the failures to inject there (default: every one the injector knows). ``also``: the
+    stack) rather than per point; "innermost": per kind and innermost library frame. ``kinds``:
+    only points of these kinds. ``variants``: kind -> the failures to inject there (default:
+    every one the injector knows). ``also``: the
     operations of the fallback paths (a fused call's stepped path): the cache entries their runs
     make may be left by a fallback too."""
     inj = bench.injector
