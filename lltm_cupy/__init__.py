@@ -234,8 +234,10 @@ def warmup(dtypes=("float32",), device=None, *, fused=False) -> None:
     always passes) and synchronises the device: kernels are cached per device and dtype, so it
     is needed once per process, device and dtype. Where torch is imported, it also makes torch's
     cuBLAS handles of the calling thread and of autograd's thread for the device, which the
-    torch layer's GEMMs use (creating them inside a capture fails). Needs CuPy and
-    a GPU (RuntimeError otherwise).
+    torch layer's GEMMs use (creating them inside a capture fails), and binds both threads' CUDA
+    context. The fused kernels' plans for state sizes past one block's shared memory depend on
+    the shapes, which it does not know: run such a call eagerly once before capturing it.
+    Needs CuPy and a GPU (RuntimeError otherwise).
     """
     from . import _cuda
 

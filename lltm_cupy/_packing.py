@@ -25,9 +25,12 @@ Device copies. The GPU backend needs some of a plan's index arrays on the device
 :meth:`Plan.device_arrays` uploads each at most once per plan and device and keeps it with the
 plan. Plans are cached (:func:`cached_plan`, :func:`packed_plan`: the last 64 of each, by their
 lengths or batch_sizes), so a loop over batches of recurring lengths uploads nothing in steady
-state. While a CUDA graph is being captured no upload is allowed (it would stage through host
-memory and be invalid, or frozen, in the graph): a plan must be on the device already (an eager
-call with the same lengths first), else :class:`CaptureError`. A plan used under capture is
+state; the torch layer's plans apart from the array API's (``pool="torch"``): the torch layer
+uploads its plans' arrays into torch's allocator, the array API into CuPy's pool, and neither
+reads the other's (``lltm_cupy.warmup`` caches none). While a CUDA graph is being captured no
+upload is allowed (it would stage through host memory and be invalid, or frozen, in the graph):
+a plan must be on the device already (an eager call with the same lengths first), else
+:class:`CaptureError`. A plan used under capture is
 kept for the life of the process, since the graph reads its device arrays at every replay.
 """
 from __future__ import annotations
@@ -40,8 +43,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["Plan", "plan", "cached_plan", "packed_plan", "pack_rows", "unpack_rows",
-           "incoming_cell_grad", "block_steps", "step_blocks", "CaptureError"]
+__all__ = ["Plan", "plan", "cached_plan", "packed_plan", "packed_layout", "pack_rows",
+           "unpack_rows", "incoming_cell_grad", "block_steps", "step_blocks", "CaptureError"]
 
 
 class CaptureError(RuntimeError):
@@ -228,24 +231,32 @@ def plan(lengths: np.ndarray, steps: int, reverse: bool = False, perm=None,
 
 
 @functools.lru_cache(maxsize=64)
-def _cached(key: bytes, batch: int, steps: int, reverse: bool) -> Plan:
+def _cached(key: bytes, batch: int, steps: int, reverse: bool, pool: str) -> Plan:
     return plan(np.frombuffer(key, np.int64, batch).copy(), steps, reverse)
 
 
-def cached_plan(lengths: np.ndarray, steps: int, reverse: bool = False) -> Plan:
+def cached_plan(lengths: np.ndarray, steps: int, reverse: bool = False,
+                pool: str = "cupy") -> Plan:
     """:func:`plan` of checked ``lengths`` (int64), from a cache of the last 64 (by value), so
-    that recurring lengths reuse the plan and its device arrays."""
+    that recurring lengths reuse the plan and its device arrays. ``pool``: whose plans, "cupy"
+    (the array API's) or "torch" (the torch layer's, with their arrays in torch's allocator)."""
     lengths = np.ascontiguousarray(lengths, np.int64)
-    return _cached(lengths.tobytes(), len(lengths), int(steps), bool(reverse))
+    return _cached(lengths.tobytes(), len(lengths), int(steps), bool(reverse), pool)
 
 
-@functools.lru_cache(maxsize=64)
-def _packed(sizes: tuple, reverse: bool) -> Plan:
-    sizes = np.asarray(sizes, dtype=np.int64)
+def packed_layout(batch_sizes, reverse: bool = False) -> Plan:
+    """The plan of a ``PackedSequence``'s ``batch_sizes`` (a sequence of ints), not cached (see
+    :func:`packed_plan`)."""
+    sizes = np.asarray(batch_sizes, dtype=np.int64)
     batch = int(sizes[0]) if len(sizes) else 0
     lengths = (sizes[None, :] > np.arange(batch)[:, None]).sum(1).astype(np.int64)
     return plan(lengths, len(sizes), reverse, perm=np.arange(batch, dtype=np.int64),
                 packed_io=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _packed(sizes: tuple, reverse: bool, pool: str) -> Plan:
+    return packed_layout(sizes, reverse)
 
 
 def clear_caches() -> None:
@@ -256,13 +267,14 @@ def clear_caches() -> None:
     _pinned.clear()
 
 
-def packed_plan(batch_sizes, reverse: bool = False) -> Plan:
+def packed_plan(batch_sizes, reverse: bool = False, pool: str = "cupy") -> Plan:
     """The plan of a ``PackedSequence`` from its ``batch_sizes`` (a CPU tensor or a sequence of
     ints), with inputs and outputs in its ``data`` layout, in the sorted batch order (the caller
-    applies ``sorted_indices`` / ``unsorted_indices`` to the states). Cached by batch_sizes."""
+    applies ``sorted_indices`` / ``unsorted_indices`` to the states). Cached by batch_sizes and
+    ``pool`` (as :func:`cached_plan`)."""
     if hasattr(batch_sizes, "tolist"):
         batch_sizes = batch_sizes.tolist()
-    return _packed(tuple(int(n) for n in batch_sizes), bool(reverse))
+    return _packed(tuple(int(n) for n in batch_sizes), bool(reverse), pool)
 
 
 def pack_rows(a, plan: Plan, t_index, b_index, data_index):

@@ -156,13 +156,13 @@ def test_a_cooperative_launch_larger_than_the_device_fails(group_cupy, monkeypat
 
 def test_a_launch_past_the_resident_figure_is_an_error(group_cupy, monkeypatch):
     """Each cooperative launch's grid is checked against the device's resident figure right
-    before the launch: a plan past it (here a figure that falls from 8 blocks at the plan to 2
-    at the launch) raises a clear error instead of launching a grid that CuPy would shrink,
-    leaving tiles' blocks waiting forever; nothing is launched."""
+    before the launch: a plan past it (here a figure that falls from 8 blocks at the plan and
+    its waves to 2 at the launch) raises a clear error instead of launching a grid that CuPy
+    would shrink, leaving tiles' blocks waiting forever; nothing is launched."""
     monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 4)
     stored, _ = make(2, 7, 3, 9, np.dtype(np.float32), seed=1)
-    answers = iter([8, 2])
+    answers = iter([8, 8, 2])       # asked at the plan, for the waves, before the launch
     monkeypatch.setattr(_group_kernels, "resident_blocks",
                         lambda kernel, threads, shared: next(answers))
     emu = group_cupy.emulator

@@ -130,3 +130,43 @@ def test_without_a_gpu_it_names_what_is_missing_and_fails(tmp_path):
     assert "prerequisites missing; nothing else run" in proc.stdout
     assert "gpu_check: missing:" in (tmp_path / "env.txt").read_text()
     assert not (tmp_path / "gpu_tests.txt").exists()
+
+
+def _test_steps():
+    """[(name, its pytest arguments)] of the script's test steps, in order."""
+    found = []
+    for m in re.finditer(r'^step "(tests[^"]*)" \d+ \S+ python3 -m pytest (.*?)(?<!\\)$', TEXT,
+                         re.M | re.S):
+        found.append((m.group(1), m.group(2)))
+    return found
+
+
+def test_the_torch_cuda_paths_tests_run_first_and_once():
+    """The tests of the torch layer's CUDA path (test_torch*.py, test_gpu_training.py: the
+    rewritten path, never run on a GPU) are the first tests step, so that no other step's
+    overrun leaves them unrun; the rest and the compiled steps do not run them again (but the
+    compiled one runs their torch.compile tests, which the first leaves out)."""
+    steps = _test_steps()
+    assert [name for name, _ in steps][:1] == ["tests (torch CUDA path)"], steps
+    first = steps[0][1]
+    assert '"${torch_tests[@]}"' in first and '-k "not compile"' in first, first
+    torch_files = re.search(r"^torch_tests=\((.*)\)$", TEXT, re.M).group(1).split()
+    assert set(torch_files) == {"tests/test_torch*.py", "tests/test_gpu_training.py"}, torch_files
+    ignored = re.search(r'^for f in (.*); do ignored\+=', TEXT, re.M).group(1)
+    assert '"${torch_tests[@]}"' in ignored, ignored
+    rest = dict(steps)["tests (the rest)"]
+    assert '"${ignored[@]}"' in rest and '-k "not compile"' in rest, rest
+    compiled = dict(steps)["tests (compiled)"]
+    assert "-k \"compile\"" in compiled and "torch_tests" not in compiled, compiled
+
+
+def test_every_test_step_has_a_margin_over_its_expected_time():
+    """A cold GPU machine varies more than the run the expected times come from: every pytest
+    step's cap is at least 4/3 of its expected seconds (the compiled step's Inductor compiles
+    vary most)."""
+    block = TEXT[TEXT.index("#   step "):TEXT.index("#   sum ")]
+    rows = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in
+            re.finditer(r"^#   (\S(?:.*?\S)?)\s{2,}(\d+)\s+(\d+)(?:\s|$)", block, re.M)}
+    for name, _ in _test_steps():
+        cap, expected = rows[name]
+        assert 3 * cap >= 4 * expected, (name, cap, expected)

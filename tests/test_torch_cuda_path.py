@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
 
+import lltm_cupy  # noqa: E402
 import lltm_cupy.torch as lt  # noqa: E402
 from conftest import make_case  # noqa: E402
 from test_launch_budget import BACKWARD, FORWARD  # noqa: E402
@@ -356,3 +357,103 @@ def test_torchs_matmul_defaults_are_what_the_docs_say():
     assert torch.get_float32_matmul_precision() == "highest"
     assert matmul.allow_fp16_reduced_precision_reduction is True
     assert matmul.allow_bf16_reduced_precision_reduction is True
+
+
+def test_launching_on_another_device_leaves_it_again_when_torchs_stream_cannot_be_read(
+        emulated_cuda_torch):
+    """The pointer launches' context where the tensors' device is not the current one
+    (_interop._OnDevice) enters that device, then reads torch's stream: if the read fails, the
+    thread is back on its own device (as _CudaCall leaves it), not left on the tensors'."""
+    from lltm_cupy.torch import _interop
+
+    emu = emulated_cuda_torch.emulator
+    cupy = emulated_cuda_torch
+    with cupy.cuda.Device(1):
+        def unreadable(index):
+            assert emu.device == 0, "the tensors' device is entered first"
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_interop, "_torch_stream", unreadable)
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                with _interop.launching(torch.device("cpu")):       # device index 0 here
+                    pass
+        assert (emu.device, emu.device_stack) == (1, [0]), (emu.device, emu.device_stack)
+        with _interop.launching(torch.device("cpu")):
+            assert emu.device == 0
+        assert emu.device == 1
+    assert emu.device == 0 and emu.device_stack == []
+
+
+def test_a_cell_on_another_device_than_the_current_one(emulated_cuda_torch):
+    """An LLTMCell step and its backward while another device is current: the same bits as with
+    the tensors' device current, and the current device is the caller's again after each."""
+    from lltm_cupy.torch import LLTMCell
+
+    emu = emulated_cuda_torch.emulator
+    torch.manual_seed(0)
+    cell = LLTMCell(3, 4)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def step():
+        h, c = cell(x)
+        (h.sum() + c.pow(2).sum()).backward()
+        found = [h.detach(), c.detach(), x.grad] + [p.grad for p in cell.parameters()]
+        x.grad = None
+        cell.zero_grad(set_to_none=True)
+        return found
+
+    want = step()
+    with emulated_cuda_torch.cuda.Device(1):
+        got = step()
+        assert emu.device == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def _plan_arrays_owned_by_torch(plan):
+    arrays = [a for ns in plan._device.values() for a in vars(ns).values() if a is not None]
+    assert arrays, "the plan's index arrays never went to the device"
+    return all(isinstance(getattr(a.data.mem, "_owner", None), torch.Tensor) for a in arrays)
+
+
+def test_after_warmup_the_layers_packed_layouts_are_torch_allocations(emulated_cuda_torch):
+    """lltm_cupy.warmup runs variable-length calls of every kind (lengths, PackedSequence data,
+    both directions) on tiny batches, in CuPy's pool: it keeps none of their layouts, so that the
+    torch layer meeting the same lengths afterwards (here batch_sizes (2, 1), warmup's own)
+    uploads its index arrays into torch's allocator, never reading CuPy's pool."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    from lltm_cupy import _packing
+
+    emu = emulated_cuda_torch.emulator
+    lltm_cupy.warmup(["float32"])
+    emu.reset()
+    torch.manual_seed(0)
+    model = lt.LLTM(3, 4, bidirectional=True)
+    packed = pack_padded_sequence(torch.randn(2, 2, 3), [2, 1])
+    out, (h, c) = model(packed)
+    (out.data.sum() + h.sum() + c.sum()).backward()
+    assert emu.pool_allocations == 0
+    for reverse in (False, True):
+        assert _plan_arrays_owned_by_torch(_packing.packed_plan((2, 1), reverse, "torch"))
+
+
+def test_the_layer_reads_no_layout_the_array_api_uploaded(emulated_cuda_torch):
+    """The array API uploads a layout's index arrays into CuPy's pool (no torch there); the torch
+    layer's calls with the same lengths use layouts of their own, in torch's allocator."""
+    from lltm_cupy import _packing
+
+    cupy = emulated_cuda_torch
+    rng = np.random.default_rng(0)
+    T, B, F, S = 3, 3, 2, 4
+    lengths = [3, 1, 2]
+    arrays = [cupy.asarray(rng.standard_normal(shape).astype(np.float32))
+              for shape in ((T, B, F), (3 * S, S + F), (3 * S,), (B, S), (B, S))]
+    lltm_cupy.forward_sequence(*arrays, lengths=lengths)
+    ours = _packing.cached_plan(np.array(lengths), T)
+    assert ours.on_device(0) and not _plan_arrays_owned_by_torch(ours)
+    args = [torch.from_numpy(np.asarray(a).copy()).requires_grad_() for a in arrays]
+    out, h, c = lt.lltm_sequence(*args, lengths=lengths)
+    (out.sum() + h.sum()).backward()
+    assert _plan_arrays_owned_by_torch(_packing.cached_plan(np.array(lengths), T, False, "torch"))

@@ -16,7 +16,8 @@ from .kernels import CUDA_TYPE, FusedKernels, current_device
 __all__ = ["SOURCE_NAME", "KERNEL_NAMES", "SIZES", "PORTABLE_SIZE",
            "NON_PORTABLE_CLUSTER_SIZE_ALLOWED", "source", "name_expression", "get_kernels",
            "compile_offline", "CUlaunchConfig", "OCCUPANCY_PROTOTYPE", "allow_cluster_size",
-           "max_active_clusters", "refuse_cluster_size", "LaunchRefused", "REFUSALS", "guarded"]
+           "max_active_clusters", "refuse_under_capture", "refuse_cluster_size", "LaunchRefused",
+           "REFUSALS", "guarded"]
 
 SOURCE_NAME = "lltm_fused_cluster.cu"
 KERNEL_NAMES = ("lltm_seq_fwd_cluster_kernel", "lltm_seq_bwd_cluster_kernel")
@@ -135,6 +136,25 @@ def refuse_cluster_size(kernel, size: int, exc: Exception) -> None:
     kernels.refused_sizes.add((device, size))
 
 
+def refuse_under_capture(what: str) -> None:
+    """Raise ``lltm_cupy._packing.CaptureError`` if CuPy's current stream is being captured
+    into a CUDA graph: the driver's occupancy queries, and the context a thread binds for them
+    (``kernels.ensure_context``), are not made while capturing. Their answers are kept per shape,
+    so the same call run eagerly once before the capture leaves the capture nothing to ask."""
+    cupy = kernels.cupy_module()
+    if not cupy.cuda.get_current_stream().is_capturing():
+        return
+    from .._packing import CaptureError
+
+    raise CaptureError(
+        f"lltm_cupy: the fused kernels' launch plan for this call asks the driver {what} the "
+        f"device holds, which is not asked while a CUDA graph is being captured. Run the same "
+        f"call (the same state size, batch and dtype, on this device) eagerly once before the "
+        f"capture: the warm-up iterations that torch.cuda.graph and make_graphed_callables ask "
+        f"for do this (lltm_cupy.warmup cannot: it does not know the shapes); the answers are "
+        f"kept, and the capture then asks nothing.")
+
+
 def max_active_clusters(kernel, size: int, threads: int, shared: int):
     """How many clusters of ``size`` blocks of ``kernel`` (a ``cupy.RawKernel`` of the cluster
     kernels, whose cluster shape is its compile-time ``__cluster_dims__``: no launch attribute
@@ -144,7 +164,9 @@ def max_active_clusters(kernel, size: int, threads: int, shared: int):
     current device: ``RawKernel.kernel.ptr``, after ``kernels.ensure_context``), cached per
     (device, function, threads, bytes). None where the query fails (no driver library, an error
     status); the reason is kept in ``kernels.cluster_failures``, and a failure is not cached (the
-    next call asks again: a failure may be the calling thread's, not the device's)."""
+    next call asks again: a failure may be the calling thread's, not the device's). Raises
+    ``lltm_cupy._packing.CaptureError`` where the answer is not kept and the current stream is
+    being captured (:func:`refuse_under_capture`)."""
     device = current_device()
     try:
         handle = kernel.kernel.ptr
@@ -155,6 +177,8 @@ def max_active_clusters(kernel, size: int, threads: int, shared: int):
     found = _occupancy.get(key, _occupancy)
     if found is not _occupancy:
         return found
+    refuse_under_capture(f"how many clusters of {size} blocks ({threads} threads, {shared} bytes "
+                         f"of shared memory each)")
     try:
         config = CUlaunchConfig(gridDimX=size, gridDimY=1, gridDimZ=1, blockDimX=threads,
                                 blockDimY=1, blockDimZ=1, sharedMemBytes=shared)
@@ -175,8 +199,9 @@ def max_active_clusters(kernel, size: int, threads: int, shared: int):
 # ------------------------------------------------- a launch of a non-portable size, refused
 
 class LaunchRefused(Exception):
-    """The driver refused a launch of a non-portable cluster size (recorded by
-    :func:`refuse_cluster_size`): the call that made it runs on the stepped path."""
+    """A fused launch that cannot run: the driver refused a launch of a non-portable cluster
+    size (recorded by :func:`refuse_cluster_size`), or no fused variant runs the state size on
+    the device now (``fused.variant``): the call that made it runs on the stepped path."""
 
 
 #: CUresults with which the driver refuses a cluster launch it cannot run (cuda.h):

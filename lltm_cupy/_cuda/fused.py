@@ -98,12 +98,24 @@ def cluster_size(state: int, dtype):
 def variant(batch: int, state: int, dtype, backward: bool, size=None):
     """(kernel, blocks, threads, tile, shared bytes) of the variant that runs ``state`` (``size``:
     that many blocks per tile instead of the launcher's choice). A cluster launch of a
-    non-portable size raises cluster_kernels.LaunchRefused where the driver refuses it."""
+    non-portable size raises cluster_kernels.LaunchRefused where the driver refuses it; so
+    does this call where no variant runs ``state`` now: past one block's shared memory with no
+    cluster (or group) size chosen, as after a non-portable size was refused since the forward
+    ran in it, or while an occupancy query fails (a one-block launch would ask for more shared
+    memory than a block has, and the driver's refusal of that is no error a caller expects)."""
     size = cluster_size(state, dtype) if size is None else size
     if size is None and fused_mma.usable(state, dtype, backward):          # tensor cores
         fns = fused_mma.get_kernels(dtype)
         return (fns.bwd if backward else fns.fwd, *fused_mma.geometry(batch, state, backward))
     if size is None:
+        device = kernels.current_device()
+        if state > max_state(kernels.shared_memory_limit(device), dtype):
+            raise cluster_kernels.LaunchRefused(
+                f"lltm_cupy: no fused variant runs state size {state} in "
+                f"{np.dtype(dtype).name} on device {device} now (one block's shared memory "
+                f"holds up to {max_state(kernels.shared_memory_limit(device), dtype)}, and no "
+                f"cluster or group size is chosen: one was refused, or an occupancy query "
+                f"failed; kernels.cluster_failures says why): the call runs on the stepped path")
         fns = fused_kernels.get_kernels(dtype)
         geometry = _geometry(None, batch, state, dtype, backward)
     elif fused_cluster.uses_clusters(kernels.current_device()):
@@ -115,9 +127,10 @@ def variant(batch: int, state: int, dtype, backward: bool, size=None):
         return (kernel, *shape)
     else:                                       # sm_80 to sm_89: groups, a cooperative launch
         fns = group_kernels.get_kernels(dtype, size)
-        kernel = group_kernels.group_launch(fns.bwd if backward else fns.fwd, size, dtype, state,
-                                            backward)
-        return (kernel, *fused_cluster.geometry(batch, state, dtype, backward, size))
+        fn = fns.bwd if backward else fns.fwd
+        shape = fused_cluster.geometry(batch, state, dtype, backward, size)
+        group_kernels.resident_blocks(fn, shape[1], shape[3])   # asked now, not at the launch
+        return (group_kernels.group_launch(fn, size, dtype, state, backward), *shape)
     return (fns.bwd if backward else fns.fwd, *geometry)
 
 
@@ -142,11 +155,16 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
     the number of steps (one launch for sequences of up to 2048 / batch steps). ``size``: the
     blocks per tile to run instead of the launcher's choice (warmup). Raises
     cluster_kernels.LaunchRefused where the driver refuses a non-portable cluster launch (the
-    caller runs the call on the stepped path instead)."""
+    caller runs the call on the stepped path instead). The launch is planned first, before any
+    work is queued (under CUDA-graph capture a plan that needs the driver's query is refused
+    there: ``cluster_kernels.refuse_under_capture``)."""
     cupy = cupy_module()
     dtype = inputs.dtype
     state = h0.shape[1]
     with on_device(inputs.data.device_id):
+        batch = inputs.shape[1] if plan is None else len(plan.perm)
+        launched = variant(batch, state, dtype, False, size) if batch and (
+            inputs.shape[0] if plan is None else plan.batch_sizes) else None
         if plan is None:
             steps, batch, features = inputs.shape
             x = cupy.ascontiguousarray(inputs).reshape(steps * batch, features)
@@ -183,7 +201,7 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
                 gemm(x[r0:r1], w_x_t, gates[: r1 - r0])
 
             last = launch_forward(
-                variant(batch, state, dtype, False, size), spans, starts, project,
+                launched, spans, starts, project,
                 w.data.ptr, weights.shape[1], bias_c.data.ptr, gates.data.ptr, h_prev.data.ptr,
                 c_prev.data.ptr, out.data.ptr, out.strides[0], cells.data.ptr,
                 [(h.data.ptr, c.data.ptr) for h, c in finals], offsets.data.ptr, packed, batch,
@@ -213,13 +231,16 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
 
 def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm, size=None):
     """The fused backward of one layer and direction (``size`` as in :func:`forward_fused`);
-    raises cluster_kernels.LaunchRefused as it does (the saved values are the stepped path's: the
-    caller runs the stepped backward on them instead)."""
+    raises cluster_kernels.LaunchRefused as it does, before any launch where no variant runs
+    the state size now (the saved values are the stepped path's: the caller runs the stepped
+    backward on them instead)."""
     cupy = cupy_module()
     plan, x, hs, weights = saved.plan, saved.inputs, saved.hs, saved.weights
     state = weights.shape[0] // 3
     dtype = hs.dtype
     with on_device(hs.data.device_id):
+        batch = saved.cells.shape[1] if plan is None else len(plan.perm)
+        launched = variant(batch, state, dtype, True, size) if batch else None   # (first)
         if plan is None:
             steps, batch = saved.cells.shape[:2]
             grad_out = None if grad_outputs is None else cupy.ascontiguousarray(grad_outputs)
@@ -244,7 +265,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm, size=N
             gcn = None if gcn is None else cupy.ascontiguousarray(gcn)
             w = cupy.ascontiguousarray(weights)
             launch_backward(
-                variant(batch, state, dtype, True, size), w.data.ptr,
+                launched, w.data.ptr,
                 weights.shape[1], gates.data.ptr, cells.data.ptr,
                 *(None if a is None else a.data.ptr for a in (grad_out, ghn, gcn)),
                 d_gates.data.ptr, d_h0.data.ptr, d_c0.data.ptr, offsets.data.ptr, packed, steps,

@@ -61,13 +61,17 @@ def resident_blocks(kernel, threads: int, shared: int) -> int:
     cooperative launch against, cupy/cuda/function.pyx v14.2, which, for a one-dimensional grid
     past it, shrinks the grid with a warning instead of failing: the launcher never launches one
     past it). Cached per (device, kernel, threads, shared); the query made after
-    ``kernels.ensure_context`` (CuPy's driver call binds no context to the calling thread)."""
+    ``kernels.ensure_context`` (CuPy's driver call binds no context to the calling thread), and
+    refused while the current stream is being captured
+    (:func:`.cluster_kernels.refuse_under_capture`)."""
     import cupy
 
     device = current_device()
     key = (device, id(kernel), threads, shared)
     found = _resident.get(key)
     if found is None:
+        cluster_kernels.refuse_under_capture(f"how many blocks of {threads} threads and {shared} "
+                                             f"bytes of shared memory")
         kernels.ensure_context()
         per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
             kernel.kernel.ptr, threads, shared)

@@ -90,10 +90,15 @@ def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=T
 
 def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, gemm=gemm):
     if saved.fused:
-        try:
-            return _fused.backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
-        except LaunchRefused:   # the fused forward saved what the stepped backward reads
-            saved = dataclasses.replace(saved, fused=False)
+        # as the forward: fused only where the fused kernels run the state size now (a cluster
+        # size refused since the forward, a failed occupancy query: the stepped path)
+        if _fused_usable(saved.hs.data.device_id, saved.weights.shape[0] // 3, saved.hs.dtype):
+            try:
+                return _fused.backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed,
+                                             gemm)
+            except LaunchRefused:   # the fused forward saved what the stepped backward reads
+                pass
+        saved = dataclasses.replace(saved, fused=False)
     cupy = cupy_module()
     if saved.plan is not None:
         return _packed.backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed,

@@ -97,7 +97,7 @@ def _exercise_fused(cupy, dtype, batch, features, state):
     cases = [(None, (2, batch)), (None, (0, batch))]
     for reverse in (False, True):
         cases += [(_packing.plan(lengths, 2, reverse), (2, batch)),
-                  (_packing.packed_plan((batch, 1), reverse), (batch + 1,))]
+                  (_packing.packed_layout((batch, 1), reverse), (batch + 1,))]
     for plan, lead in cases:
         x = cupy.zeros(lead + (features,), dtype)
         forward_sequence(x, weights, bias, h, c, plan=plan, keep=False, fused=True)
@@ -127,7 +127,10 @@ def _exercise(cupy, dtype, batch, features, state):
         for grads in ((zeros(steps, batch, state), h, c), (None, None, None),
                       (None, h, None), (zeros(steps, batch, state), None, c)):
             backward_sequence(*grads, saved)
-    from .. import _packing      # variable lengths: gathers, scatters, the final-state add
+    # variable lengths: gathers, scatters, the final-state add (plans of their own, cached by
+    # none: a cached plan would keep its index arrays, in CuPy's pool, for the calls that meet
+    # the same lengths later, the torch layer's among them, whose bytes are torch's)
+    from .. import _packing
 
     lengths = np.arange(batch, dtype=np.int64) % 3
     for reverse in (False, True):
@@ -137,7 +140,7 @@ def _exercise(cupy, dtype, batch, features, state):
         for grads in ((zeros(2, batch, state), h, c), (None, None, None)):
             backward_sequence(*grads, saved)
         # a PackedSequence's data in and out (the torch layer's packed input)
-        plan = _packing.packed_plan((batch, 1), reverse)
+        plan = _packing.packed_layout((batch, 1), reverse)
         forward_sequence(zeros(batch + 1, features), weights, bias, h, c, plan=plan, keep=False)
         *_, saved = forward_sequence(zeros(batch + 1, features), weights, bias, h, c, plan=plan)
         for grads in ((zeros(batch + 1, state), h, c), (None, None, None)):

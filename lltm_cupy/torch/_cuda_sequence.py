@@ -52,17 +52,6 @@ def forward(inputs, weights, bias, h0, c0, keep=True, fused=False):
         return (*_stepped_forward(inputs, weights, bias, h0, c0, keep), False)
 
 
-def _fused_kind(state: int, dtype):
-    """On the current device: False where the fused kernels do not run ``state`` in ``dtype``
-    (the stepped path runs), :data:`GROUP` where their group variant would, else True."""
-    if not _fused.usable(state, dtype):
-        return False
-    if _fused.cluster_size(state, dtype) is not None and \
-            not fused_cluster.uses_clusters(kernels.current_device()):
-        return GROUP
-    return True
-
-
 def route(like, state: int, fused: bool) -> tuple:
     """``(fused_ran, native)`` of a sequence of one length asked with ``fused`` on tensors like
     ``like``, as :func:`forward` decides it (a launch the driver refused is not planned again,
@@ -71,7 +60,7 @@ def route(like, state: int, fused: bool) -> tuple:
     if not fused:
         return False, True
     with _interop.launching(like.device):
-        kind = _fused_kind(state, _interop.KERNEL_DTYPE[like.dtype])
+        kind = _fused_runs(state, _interop.KERNEL_DTYPE[like.dtype])
     return kind is not False, kind is not GROUP
 
 
@@ -107,6 +96,17 @@ def _stepped_forward(inputs, weights, bias, h0, c0, keep):
     return (hs, h_n, c_n, gates, cells) if keep else (hs, h_n, c_n, None, None)
 
 
+def _fused_runs(state: int, dtype):
+    """Whether the fused kernels run ``state`` in ``dtype`` on the current device now, on
+    torch's buffers (True), in their group variant (:data:`GROUP`), or not at all (False)."""
+    if not _fused.usable(state, dtype):
+        return False
+    if _fused.cluster_size(state, dtype) is not None and \
+            not fused_cluster.uses_clusters(kernels.current_device()):
+        return GROUP
+    return True
+
+
 def _fused_forward(inputs, weights, bias, h0, c0, keep):
     """The fused forward (``_fused.forward_fused``'s on torch's buffers); False where the state
     size does not fit or the driver refuses the launch (the stepped path runs), :data:`GROUP`
@@ -114,9 +114,13 @@ def _fused_forward(inputs, weights, bias, h0, c0, keep):
     steps, batch, features = inputs.shape
     state = h0.shape[1]
     dtype = _interop.KERNEL_DTYPE[inputs.dtype]
-    kind = _fused_kind(state, dtype)
-    if kind is not True:
-        return kind
+    runs = _fused_runs(state, dtype)
+    if runs is not True:
+        return runs
+    try:        # planned first, before any work is queued (see _fused.forward_fused)
+        launched = _fused.variant(batch, state, dtype, False) if batch and steps else None
+    except cluster_kernels.LaunchRefused:       # no variant runs it now: the stepped path
+        return False
     new = h0.new_empty
     x = inputs.contiguous().view(steps * batch, features)
     hs = new((steps + 1, batch, state))
@@ -144,7 +148,7 @@ def _fused_forward(inputs, weights, bias, h0, c0, keep):
             pointers.append((finals[1][0].data_ptr(), finals[1][1].data_ptr()))
         try:
             _fused.launch_forward(
-                _fused.variant(batch, state, dtype, False), spans, starts, project, w.data_ptr(),
+                launched, spans, starts, project, w.data_ptr(),
                 weights.shape[1], b.data_ptr(), gates.data_ptr(), hs.data_ptr(), c.data_ptr(),
                 hs[1].data_ptr(), state * hs.element_size(), cells.data_ptr(), pointers,
                 hs.data_ptr(), np.int32(0), batch, state)      # (offsets: not read)
@@ -224,9 +228,18 @@ def _stepped_backward(grad_outputs, grad_h_n, grad_c_n, gates, cells, weights):
 
 
 def _fused_backward(grad_outputs, grad_h_n, grad_c_n, hs, gates, cells, weights):
-    """(d_gates, d_h0, d_c0) by the fused backward kernel, or None where the driver refuses its
-    launch (the forward's saved values are the stepped path's: the caller runs that)."""
+    """(d_gates, d_h0, d_c0) by the fused backward kernel, or None where the fused kernels do not
+    run the state size on torch's buffers now (checked as the forward checks it: a cluster size
+    refused since the forward, a failed occupancy query) or the driver refuses its launch (the
+    forward's saved values are the stepped path's: the caller runs that)."""
     steps, batch, state = cells.shape
+    dtype = _interop.KERNEL_DTYPE[cells.dtype]
+    if _fused_runs(state, dtype) is not True:
+        return None
+    try:        # planned first, before any work is queued (see _fused.forward_fused)
+        launched = _fused.variant(batch, state, dtype, True) if batch else None
+    except cluster_kernels.LaunchRefused:       # no variant runs it now
+        return None
     new = cells.new_empty
     d_gates = new((steps, batch, 3 * state))
     d_h0, d_c0 = new((batch, state)), new((batch, state))
@@ -237,11 +250,10 @@ def _fused_backward(grad_outputs, grad_h_n, grad_c_n, hs, gates, cells, weights)
         w = weights.contiguous()
         try:
             _fused.launch_backward(
-                _fused.variant(batch, state, _interop.KERNEL_DTYPE[cells.dtype], True),
-                w.data_ptr(), weights.shape[1], gates.data_ptr(), cells.data_ptr(),
+                launched, w.data_ptr(), weights.shape[1], gates.data_ptr(), cells.data_ptr(),
                 None if go is None else go.data_ptr(), None if ghn is None else ghn.data_ptr(),
                 None if gcn is None else gcn.data_ptr(), d_gates.data_ptr(), d_h0.data_ptr(),
                 d_c0.data_ptr(), hs.data_ptr(), np.int32(0), steps, batch, state)
-        except cluster_kernels.LaunchRefused:
+        except cluster_kernels.LaunchRefused:   # the driver refused the launch
             return None
     return d_gates, d_h0, d_c0

@@ -209,15 +209,45 @@ def _torch_blas_ready(index: int) -> None:
         devices.add(index)
 
 
-def prepare_capture(index: int) -> None:
-    """torch's cuBLAS handles for a later capture on device ``index``: the calling thread's, and
-    that of autograd's thread for the device (which runs the backward), by one tiny backward of
-    a torch GEMM. Nothing without a CUDA device for torch."""
-    if not torch.cuda.is_available():
-        return
+def _prepare_thread(index: int) -> None:
+    """What the calling thread needs for a capture on device ``index`` and makes only outside
+    one: torch's cuBLAS handle, and a current CUDA context (``kernels.ensure_context``: CuPy binds
+    a thread's context lazily, in its first runtime call; the fused kernels' occupancy queries
+    need one)."""
+    from .._cuda import kernels
+
     _torch_blas_ready(index)
+    with kernels.on_device(index):
+        kernels.ensure_context()
+
+
+class _PrepareThread(torch.autograd.Function):
+    """An identity whose backward prepares the thread autograd runs it on
+    (:func:`_prepare_thread`)."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.index = index
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _prepare_thread(ctx.index)
+        return grad, None
+
+
+def prepare_capture(index: int) -> None:
+    """What a later capture on device ``index`` needs and must not make itself
+    (:func:`_prepare_thread`), for the calling thread and for autograd's thread for the device
+    (which runs the backward), by one tiny backward there. Nothing without a CUDA device for
+    torch (but the calling thread's on the tests' emulated CUDA path)."""
+    if not torch.cuda.is_available():
+        if EMULATED_CUDA:
+            _prepare_thread(index)
+        return
+    _prepare_thread(index)
     x = torch.ones(1, 1, device=torch.device("cuda", index), requires_grad=True)
-    torch.mm(x, x).sum().backward()
+    _PrepareThread.apply(torch.mm(x, x), index).sum().backward()
 
 
 def use_plans(plans, like: Tensor, lengths=None) -> None:
@@ -360,7 +390,8 @@ def launching(device: torch.device):
 
 
 class _OnDevice:
-    """:func:`launching` where the device is not current: enters it, then torch's stream."""
+    """:func:`launching` where the device is not current: enters it, then torch's stream (left
+    again if reading the stream fails, as :class:`_CudaCall` does)."""
 
     __slots__ = ("_index", "_device", "_stream")
 
@@ -372,12 +403,18 @@ class _OnDevice:
 
         self._device = kernels.on_device(self._index)
         self._device.__enter__()
-        self._stream = _torch_stream(self._index)
-        self._stream.__enter__()
+        try:    # (reading torch's stream may fail: leave the device entered above again)
+            self._stream = _torch_stream(self._index)
+            self._stream.__enter__()
+        except BaseException:
+            self._device.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc):
-        self._stream.__exit__(None, None, None)
-        self._device.__exit__(None, None, None)
+        try:
+            self._stream.__exit__(None, None, None)
+        finally:
+            self._device.__exit__(None, None, None)
         return False
 
 

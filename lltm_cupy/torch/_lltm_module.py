@@ -217,7 +217,7 @@ class LLTM(nn.Module):
             from ._interop import use_plans
 
             _check_input("LLTM", input.data, "(rows, input_size)", self.input_size)
-            plans = [packed_plan(input.batch_sizes, reverse=d == 1)
+            plans = [packed_plan(input.batch_sizes, d == 1, "torch")
                      for d in range(self.num_directions)]
             use_plans(plans, input.data)
             x, unbatched = input.data, False

@@ -348,7 +348,8 @@ def _packed_sequence(tensors, lengths, reverse: bool, fused: bool = False):
 
     steps, batch = tensors[0].shape[:2]
     _interop.use_plans((), tensors[0], lengths)     # lengths on the GPU: refused now
-    plan = _packing.cached_plan(_packing.check_lengths(lengths, steps, batch), steps, reverse)
+    plan = _packing.cached_plan(_packing.check_lengths(lengths, steps, batch), steps, reverse,
+                                "torch")
     _interop.use_plans((plan,), tensors[0])
     return _run_sequence(tensors, plan, fused)
 

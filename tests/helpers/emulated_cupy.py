@@ -73,7 +73,16 @@ records each query (kernel name, cluster, grid, threads, shared bytes, answer). 
 a query from another fails with CUDA_ERROR_INVALID_CONTEXT, and ``runtime.memGetInfo`` (as
 CuPy's runtime calls) binds the calling thread's. ``refused_launches``: {kernel name
 (tests/helpers/host_cluster.py's, "seq_fwd_cluster16"): CUresult} of the launches the driver
-refuses, raised by the launch call as CuPy does (CUDADriverError).
+refuses, raised by the launch call as CuPy does (CUDADriverError). While ``capturing``, the
+driver's occupancy query fails (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and ``runtime.memGetInfo``
+raises, each noted in ``capture_queries``: the library must ask neither inside a capture.
+``device`` is the current device (``runtime.getDevice``): ``with cuda.Device(i):`` makes ``i``
+current until the block ends (``device_stack``); ``Device()`` is the current one.
+``fault`` (None by default) is the fault injector of tests/helpers/faults.py: every allocation
+from the pool ("alloc:cupy"), every first use of a kernel ("compile") and every cuBLAS GEMM
+("gemm:cublas") asks it, and the occupancy query ("occupancy"), whether to fail there: it
+answers None or the failure (an exception raised there, OutOfMemoryError, CompileException,
+CUBLASError; or the CUresult the query returns).
 What it cannot show: real concurrency, and the NVRTC-compiled code itself.
 """
 from __future__ import annotations
@@ -141,6 +150,10 @@ class _State:
         self.occupancy_queries = []
         self.contexts = None
         self.refused_launches = {}
+        self.fault = None
+        self.device = 0
+        self.device_stack = []
+        self.capture_queries = []
 
     def count(self, what, n=1):
         self.counts[what] += n
@@ -178,8 +191,12 @@ class _State:
 
 
     def compile(self, *key):
-        """Note a kernel's first use (a compile and a module load on a GPU)."""
+        """Note a kernel's first use (a compile and a module load on a GPU); a fault injected
+        there (``fault``) raises CuPy's CompileException and compiles nothing."""
         if key not in self.compiled:
+            failure = _fault("compile")
+            if failure is not None:
+                raise failure
             self.compiled.add(key)
             self.compiles.append(key)
 
@@ -250,9 +267,27 @@ def using_allocator(allocator=None):
         _state.allocator = previous
 
 
+def _fault(kind):
+    """What the fault injector (``_state.fault``, tests/helpers/faults.py) makes of this point
+    of kind ``kind``: None (no fault here), or the failure (an exception to raise, or a status
+    to return)."""
+    return None if _state.fault is None else _state.fault(kind)
+
+
+class OutOfMemoryError(MemoryError):
+    """cupy.cuda.memory.OutOfMemoryError's stand-in (CuPy's is a MemoryError too)."""
+
+
+class CompileException(Exception):
+    """cupy.cuda.compiler.CompileException's stand-in (NVRTC or a module load failed)."""
+
+
 def _alloc(nbytes):
     _state.allocations.append(nbytes)
     if _state.allocator is None:
+        failure = _fault("alloc:cupy")
+        if failure is not None:
+            raise failure
         _state.pool_allocations += 1
         return MemoryPointer(_PoolMemory(nbytes), 0)
     memptr = _state.allocator(nbytes)
@@ -377,7 +412,11 @@ class ndarray(np.ndarray):
         np.asarray(self).fill(value)
 
     def sum(self, axis=None, dtype=None, out=None, keepdims=False):
-        return np.add.reduce(self, axis=axis, dtype=dtype, out=out, keepdims=keepdims)
+        # (straight to __array_ufunc__: NumPy 2.4's np.add.reduce keeps its arguments alive for
+        # good when an override raises, which would show as memory left allocated after a
+        # fault injected in the reduction)
+        return self.__array_ufunc__(np.add, "reduce", self, axis=axis, dtype=dtype,
+                                    out=None if out is None else (out,), keepdims=keepdims)
 
 
 def _upload_host_keys(keys):
@@ -408,16 +447,22 @@ def _adopt(result):
 
 
 class _Device:
-    def __init__(self, device_id=0):
-        self.id = device_id
+    """``cupy.cuda.Device``: ``Device()`` (or ``Device(None)``) is the current device;
+    ``with Device(i):`` makes ``i`` current (``runtime.getDevice``) until the block ends."""
+
+    def __init__(self, device_id=None):
+        self.id = _state.device if device_id is None else device_id
         self.attributes = {"MultiProcessorCount": 1}
         # no thread-block clusters (sm_90) unless a test patches kernels.compute_capability
         self.compute_capability = "80"
 
     def __enter__(self):
+        _state.device_stack.append(_state.device)
+        _state.device = self.id
         return self
 
     def __exit__(self, *exc):
+        _state.device = _state.device_stack.pop()
         return False
 
     def synchronize(self):
@@ -490,6 +535,9 @@ class _MemoryPool:
     allocator is current (as CuPy's pool does)."""
 
     def malloc(self, nbytes):
+        failure = _fault("alloc:cupy")
+        if failure is not None:
+            raise failure
         _state.pool_allocations += 1
         return MemoryPointer(_PoolMemory(nbytes), 0)
 
@@ -580,10 +628,16 @@ class CUDADriverError(RuntimeError):
 
 CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_CLUSTER_SIZE = 1, 912
 CUDA_ERROR_INVALID_CONTEXT = 201
+CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
 
 
 def _mem_get_info():
-    """cudaMemGetInfo: binds the calling thread's context (see ``contexts``)."""
+    """cudaMemGetInfo: binds the calling thread's context (see ``contexts``); refused while
+    capturing (noted in ``capture_queries``)."""
+    if _state.capturing:
+        _state.capture_queries.append("memGetInfo")
+        raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported: operation not permitted "
+                               "when stream is capturing (cudaMemGetInfo)")
     if _state.contexts is not None:
         _state.contexts.add(threading.get_ident())
     return (1 << 34, 1 << 35)
@@ -625,7 +679,12 @@ def _max_active_clusters(count, func, config):
     (num_attrs,) = struct.unpack_from("<I", raw, 48)
     entry = _state.functions.get(func)
     answer = None
-    if _state.occupancy_error:
+    if _state.capturing:
+        _state.capture_queries.append("cuOccupancyMaxActiveClusters")
+        status = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+    elif (failure := _fault("occupancy")) is not None:
+        status = failure
+    elif _state.occupancy_error:
         status = _state.occupancy_error
     elif _state.contexts is not None and threading.get_ident() not in _state.contexts:
         status = CUDA_ERROR_INVALID_CONTEXT
@@ -703,6 +762,9 @@ def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ld
     if _state.capturing:
         raise NotImplementedError("calling cuBLAS API during stream capture is currently "
                                   "unsupported")
+    failure = _fault("gemm:cublas")
+    if failure is not None:
+        raise failure
     if transa not in (0, 1) or transb not in (0, 1) or min(m, n, k) < 0:
         raise CUBLASError("CUBLAS_STATUS_INVALID_VALUE: transpose flag or size")
     a_rows = m if transa == 0 else k
@@ -764,6 +826,9 @@ def _set_math_mode(handle, mode):
 
 
 def _matmul(a, b, out=None):
+    failure = _fault("gemm:cublas")
+    if failure is not None:
+        raise failure
     _state.log.append("gemm")
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype == np.float16:  # cuBLAS accumulates half products in float32
@@ -804,7 +869,8 @@ def make_module() -> types.ModuleType:
         Device=_Device, is_available=lambda: True, cublas=cublas, Stream=Stream,
         get_current_stream=lambda device_id=-1: _current_stream(),
         runtime_error=CUDARuntimeError,
-        runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceProperties=lambda device_id: {
+        runtime=types.SimpleNamespace(
+            getDevice=lambda: _state.device, getDeviceProperties=lambda device_id: {
             "name": b"emulated CuPy (host memory)"}, memcpyAsync=_memcpy_async,
             memGetInfo=_mem_get_info,
             **_RUNTIME_CONSTANTS),
@@ -813,7 +879,8 @@ def make_module() -> types.ModuleType:
         driver=types.SimpleNamespace(funcSetAttribute=_func_set_attribute,
                                      CUDADriverError=CUDADriverError),
         using_allocator=using_allocator, UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
-        BaseMemory=BaseMemory)
+        BaseMemory=BaseMemory, memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
+        compiler=types.SimpleNamespace(CompileException=CompileException))
     cupy.get_default_memory_pool = _MemoryPool
     cupy.__version__ = "emulated"
     cupy.emulator = _state

@@ -104,17 +104,19 @@ def torch_blas(emulator, interop, patch):
     GEMM inside a capture on a thread without one raises, as ``cublasCreate`` does there. Every
     torch GEMM of the CUDA path (``_torch_gemm._mm`` / ``_addmm_``) is device work: logged as
     "gemm" on its stream, its engine noted in ``emulator.gemm_engines`` ("torch"; CuPy's gemmEx
-    notes "cublas"), its arithmetic skipped under ``noop``."""
+    notes "cublas"), its arithmetic skipped under ``noop``; a fault injected there (the
+    emulator's ``fault``, kind "gemm:torch") raises."""
     from lltm_cupy.torch import _torch_gemm
 
     patch.setattr(interop, "_blas_ready", threading.local())   # a fresh process
     emulator.torch_blas_threads.clear()
     patch.setattr(interop, "create_torch_blas_handle",
                   lambda index: emulator.torch_blas_threads.add(threading.get_ident()))
-    # lltm_cupy.warmup's: the calling thread's handle (the emulated backward runs on it too)
-    patch.setattr(interop, "prepare_capture", lambda index: interop._torch_blas_ready(index))
 
     def issued(out):
+        failure = emu._fault("gemm:torch")
+        if failure is not None:
+            raise failure
         if threading.get_ident() not in emulator.torch_blas_threads:
             if emulator.capturing:
                 raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling "

@@ -1,0 +1,147 @@
+"""Faults survived, one at a time, on the CPU (tests/helpers/faults.py): a MemoryError at each
+allocation of the NumPy backend (every buffer NumPy allocates, through the data-memory handler
+of tests/helpers/numpy_faults.cpp; every scratch and workspace mapping; every torch allocation
+of the torch layer's CPU path) and a KeyboardInterrupt between two steps of a sequence (at the
+GEMM that starts each step), through the array API and the torch layer. For each: the call
+raises it, the next call returns the bits of a run that never faulted, the backend's kept
+buffers, workspaces and step closures hold no half-built entry, nothing else is left allocated,
+NumPy's error state is what it was.
+
+The count of points of every scenario is printed (``pytest -s``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers.fault_benches import Cpu, build_numpy_faults
+from helpers.faults import explore
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+
+import lltm_cupy  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def numpy_faults(tmp_path_factory):
+    return build_numpy_faults(tmp_path_factory.mktemp("numpy_faults"))
+
+
+def _check(report):
+    print(report.line())
+    assert report.injected, report.line()
+    assert not report.problems, "\n".join(report.problems[:40]) + (
+        f"\n... {len(report.problems)} problems" if len(report.problems) > 40 else "")
+
+
+def _arrays(T, B, F, S, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    k = S + F
+    shapes = {"x": (T, B, F), "w": (3 * S, k), "b": (3 * S,), "h0": (B, S), "c0": (B, S),
+              "go": (T, B, S), "gh": (B, S), "gc": (B, S)}
+    return {n: (rng.uniform(-1, 1, s) / (np.sqrt(k) if n == "w" else 1)).astype(dtype)
+            for n, s in shapes.items()}
+
+
+def _sequence_op(a, lengths=None):
+    def op():
+        out, h_n, c_n, _ = lltm_cupy.forward_sequence(a["x"], a["w"], a["b"], a["h0"], a["c0"],
+                                                      lengths=lengths, return_saved=False)
+        found = dict(fo_out=out, fo_h=h_n, fo_c=c_n)
+        out, h_n, c_n, saved = lltm_cupy.forward_sequence(a["x"], a["w"], a["b"], a["h0"],
+                                                          a["c0"], lengths=lengths)
+        grads = lltm_cupy.backward_sequence(a["go"], a["gh"], a["gc"], saved)
+        found.update(out=out, h_n=h_n, c_n=c_n, **grads._asdict())
+        return found
+    return op
+
+
+def _cell_op(a):
+    def op():
+        h, c, saved = lltm_cupy.forward(a["x"][0], a["w"], a["b"], a["h0"], a["c0"])
+        grads = lltm_cupy.backward(a["gh"], a["gc"], saved)
+        return dict(h=h, c=c, **grads._asdict())
+    return op
+
+
+ARRAY = {
+    "cell": ((1, 2, 3, 4), None),
+    "sequence": ((3, 2, 3, 4), None),
+    "sequence-lengths": ((3, 3, 3, 4), [3, 0, 2]),
+}
+
+
+@pytest.mark.parametrize("name", ARRAY)
+def test_array_api_survives_every_fault(monkeypatch, numpy_faults, name):
+    (T, B, F, S), lengths = ARRAY[name]
+    bench = Cpu(monkeypatch, numpy_faults)
+    a = _arrays(T, B, F, S)
+    op = _cell_op(a) if name == "cell" else _sequence_op(a, lengths)
+    _check(explore(bench, name, op))
+
+
+def _torch_scenario(what, T, B, F, S, packed=None, lengths=None):
+    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+    from lltm_cupy.torch import LLTM, LLTMCell, lltm_sequence
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.rand(T, B, F, generator=g) * 2 - 1).requires_grad_()
+    grad = torch.rand(T, B, S, generator=g) * 2 - 1
+    torch.manual_seed(0)
+    if what == "cell":
+        cell = LLTMCell(F, S)
+
+        def op():
+            with torch.no_grad():
+                h0, c0 = cell(x[0])
+            h, c = cell(x[0])
+            h, c = cell(x[1], (h, c))
+            torch.autograd.backward((h, c), (grad[0], grad[1]))
+            return dict(fo_h=h0, fo_c=c0, h=h, c=c, dx=x.grad,
+                        **{f"d{i}": p.grad for i, p in enumerate(cell.parameters())})
+        return op, [x, *cell.parameters()]
+    model = LLTM(F, S)
+    params = list(model.parameters())
+    if what == "lengths":
+        def op():
+            h0 = c0 = torch.zeros(B, S)
+            out, h, c = lltm_sequence(x, model.weights, model.bias, h0, c0, lengths=lengths)
+            torch.autograd.backward((out, h, c), (grad, torch.ones_like(h), torch.ones_like(c)))
+            return dict(out=out, h=h, c=c, dx=x.grad, dw=model.weights.grad,
+                        db=model.bias.grad)
+        return op, [x, *params]
+
+    def run():
+        return pack_padded_sequence(x, packed, enforce_sorted=False) if packed else x
+
+    def op():
+        with torch.no_grad():
+            out, (h, c) = model(run())
+        found = dict(fo_out=out.data if isinstance(out, PackedSequence) else out, fo_h=h,
+                     fo_c=c)
+        out, (h, c) = model(run())
+        out = out.data if isinstance(out, PackedSequence) else out
+        torch.autograd.backward((out, h, c), (torch.ones_like(out), torch.ones_like(h),
+                                              torch.ones_like(c)))
+        found.update(out=out, h=h, c=c, dx=x.grad,
+                     **{f"d{i}": p.grad for i, p in enumerate(params)})
+        return found
+    return op, [x, *params]
+
+
+TORCH = {
+    "LLTMCell": ("cell", (2, 2, 3, 4), {}),
+    "LLTM": ("module", (3, 2, 3, 4), {}),
+    "LLTM-packed": ("module", (3, 3, 3, 4), dict(packed=[3, 1, 2])),
+    "lltm_sequence-lengths": ("lengths", (3, 3, 3, 4), dict(lengths=[3, 0, 2])),
+}
+
+
+@pytest.mark.parametrize("name", TORCH)
+def test_torch_layer_survives_every_fault(monkeypatch, numpy_faults, name):
+    what, (T, B, F, S), kw = TORCH[name]
+    bench = Cpu(monkeypatch, numpy_faults)
+    op, grads = _torch_scenario(what, T, B, F, S, **kw)
+    bench.dropping = grads
+    _check(explore(bench, name, op))
