@@ -412,7 +412,8 @@ def test_inference_benchmark_measures_both_in_fresh_processes():
 
 
 def test_inference_picture_is_a_png(tmp_path):
-    """--inference --plot's picture, at tiny sizes: a PNG of both panels, the title given."""
+    """--inference --plot's picture, at tiny sizes: a PNG of both panels (training above
+    no_grad), the title given; a column per thread count."""
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib", reason="the examples extra is not installed")
     from lltm_cupy.benchmark import inference, plot_inference
@@ -421,8 +422,68 @@ def test_inference_picture_is_a_png(tmp_path):
     timing = inference.time_report(sizes=sizes, rounds=1)
     training = inference.time_report(sizes=sizes, rounds=1, train=True)
     png = tmp_path / "cpu.png"
-    width, height = plot_inference(timing, training, png, "a machine; versions")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and width > 2 * height > 0
+    width, height = plot_inference([{"threads": 1, "time": timing, "training": training}], png,
+                                   "a machine; versions")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and height > width > 0   # two rows
+    two = inference.time_report(sizes=sizes, rounds=1, threads=2, train=True)
+    runs = [{"threads": 1, "time": timing, "training": training},
+            {"threads": 2, "time": {}, "training": two}]
+    wide, high = plot_inference(runs, png, "a machine; versions")    # side by side
+    assert wide > width and high == height
+
+
+def test_inference_benchmark_runs_at_torchs_threads_unless_told(monkeypatch, tmp_path, capsys):
+    """scripts/benchmark.py --inference: the reports at torch's default thread count (what a
+    user gets) unless --threads says otherwise; several counts each in turn, into one JSON
+    file and one picture (the reports themselves stubbed: what is checked is the wiring)."""
+    torch = pytest.importorskip("torch")
+    import importlib.util
+    import json
+
+    from lltm_cupy.benchmark import inference
+
+    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seen = []
+    row = {"lltm_s": 2.0, "lstm_s": 1.0, "lltm_gemm_s": 1.0, "lstm_gemm_s": 1.0, "ratio": 2.0,
+           "rounds": 1}
+
+    def time_report(sizes=None, rounds=1, threads=1, train=False, **_):
+        seen.append(("time", threads, train))
+        return {"(1, 1, 1, 1)": dict(row, threads=threads,
+                                     clock="process" if threads == 1 else "wall")}
+
+    def split_report(rounds=1, threads=1, **_):
+        seen.append(("split", threads))
+        one = {"per_step_s": 1.0, "fixed_s": 1.0, "long_s": 1.0}
+        return {"size": [1, 1, 1], "lengths": [1, 2], "rounds": 1, "threads": threads,
+                "clock": "process" if threads == 1 else "wall",
+                "training": {"lltm": one, "lstm": one}, "no_grad": {"lltm": one, "lstm": one}}
+
+    def memory_report(rounds=1, threads=1, **_):
+        seen.append(("memory", threads))
+        return {}
+
+    monkeypatch.setattr(inference, "time_report", time_report)
+    monkeypatch.setattr(inference, "split_report", split_report)
+    monkeypatch.setattr(inference, "memory_report", memory_report)
+    default = torch.get_num_threads()
+    try:
+        assert bench.main(["--inference", "--quiet"]) == 0
+        assert {t for _, t, *rest in seen} == {default}, seen
+        seen.clear()
+        out = tmp_path / "runs.json"
+        assert bench.main(["--inference", "--threads", "1,3", "--json", str(out)]) == 0
+        assert [t for kind, t, *rest in seen if kind == "memory"] == [1, 3], seen
+        assert [r["threads"] for r in json.loads(out.read_text())["runs"]] == [1, 3]
+        text = capsys.readouterr().out
+        assert "1 thread(s), process CPU time (the quiet-machine figure)" in text
+        assert "3 thread(s), wall time" in text
+    finally:
+        torch.set_num_threads(default)
+    proc = script("benchmark.py", "--threads", "1,2", "-b", "2", "-f", "2", "-s", "2")
+    assert proc.returncode == 2 and "only with --inference" in proc.stderr, proc.stderr
 
 
 def test_every_scripts_help_says_what_it_does_in_whole_sentences():
