@@ -356,3 +356,80 @@ def test_torchs_matmul_defaults_are_what_the_docs_say():
     assert torch.get_float32_matmul_precision() == "highest"
     assert matmul.allow_fp16_reduced_precision_reduction is True
     assert matmul.allow_bf16_reduced_precision_reduction is True
+
+
+def _crossings(emu, call) -> dict:
+    """The DLPack conversions (imports into CuPy and exports from it) and CuPy arrays of one
+    ``call()`` after a first one (what a first call makes once, later calls reuse)."""
+    call()
+    emu.reset()
+    call()
+    counts = emu.tally()
+    return {"dlpack": counts["dlpack"], "arrays": counts["arrays"]}
+
+
+def test_tensors_cross_by_pointer_and_dlpack_only_where_cupy_arrays_are_made(
+        emulated_cuda_torch):
+    """How tensors cross on CUDA (docs/api.md, the README's first table): a plain ``LLTMCell``
+    step and an ``LLTM`` call of one length, forward + backward and forward only, reach the
+    kernels as device pointers (``torch.empty`` outputs, torch's GEMMs): no DLPack import, no
+    CuPy array; variable lengths still make CuPy arrays, through DLPack."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    emu = emulated_cuda_torch.emulator
+    torch.manual_seed(0)
+    cell, layer = lt.LLTMCell(3, 6), lt.LLTM(3, 6)
+    x, h, c = torch.randn(4, 3), torch.randn(4, 6), torch.randn(4, 6)
+    xs = torch.randn(5, 4, 3)
+
+    def cell_step():
+        new_h, new_c = cell(x, (h, c))
+        (new_h.sum() + new_c.sum()).backward()
+
+    def layer_call(inputs=xs):
+        out, (h_n, c_n) = layer(inputs)
+        data = out.data if hasattr(out, "batch_sizes") else out
+        (data.sum() + h_n.sum() + c_n.sum()).backward()
+
+    def layer_forward_only():
+        with torch.no_grad():
+            layer(xs)
+
+    none = {"dlpack": 0, "arrays": 0}
+    assert _crossings(emu, cell_step) == none, "LLTMCell step"
+    assert _crossings(emu, layer_call) == none, "LLTM call"
+    assert _crossings(emu, layer_forward_only) == none, "LLTM call under no_grad"
+    packed = pack_padded_sequence(xs, [5, 3, 4, 2], enforce_sorted=False)
+    ragged = _crossings(emu, lambda: layer_call(packed))
+    assert ragged["dlpack"] > 0 and ragged["arrays"] > 0, ragged
+
+
+def test_compiled_calls_cross_as_the_docs_say(emulated_cuda_torch):
+    """Under torch.compile (docs/api.md): the step's custom operators and a sequence's forward
+    only on device pointers, no DLPack; a sequence's training operators
+    (``lltm_sequence_forward`` / ``_backward``) through CuPy arrays over torch's memory."""
+    emu = emulated_cuda_torch.emulator
+    torch.manual_seed(0)
+    cell = torch.compile(lt.LLTMCell(3, 6), backend="aot_eager", fullgraph=True)
+    layer = torch.compile(lt.LLTM(3, 6), backend="aot_eager", fullgraph=True)
+    x, h = torch.randn(4, 3), torch.randn(4, 6)
+    xs = torch.randn(5, 4, 3)
+
+    def cell_step():
+        new_h, new_c = cell(x, (h, h))
+        (new_h.sum() + new_c.sum()).backward()
+
+    def training():
+        out, (h_n, c_n) = layer(xs)
+        (out.sum() + h_n.sum() + c_n.sum()).backward()
+
+    def forward_only():
+        with torch.no_grad():
+            layer(xs)
+
+    none = {"dlpack": 0, "arrays": 0}
+    assert _crossings(emu, cell_step) == none, "compiled LLTMCell step"
+    assert _crossings(emu, forward_only) == none, "compiled LLTM under no_grad"
+    trained = _crossings(emu, training)
+    assert trained["dlpack"] > 0 and trained["arrays"] > 0, trained
+
