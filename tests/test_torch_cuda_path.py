@@ -433,3 +433,17 @@ def test_compiled_calls_cross_as_the_docs_say(emulated_cuda_torch):
     trained = _crossings(emu, training)
     assert trained["dlpack"] > 0 and trained["arrays"] > 0, trained
 
+
+def test_sequence_function_apply_returns_the_pair_the_docs_name(request):
+    """docs/api.md: ``LLTMSequenceFunction.apply`` returns (outputs, h_n, c_n), then the pair
+    (fused kernels ran, on torch's buffers with pointer launches), then what it keeps."""
+    from lltm_cupy.torch._sequence_function import LLTMSequenceFunction
+
+    torch.manual_seed(0)
+    args = (torch.randn(5, 4, 3), torch.randn(18, 9) / 3, torch.randn(18), torch.randn(4, 6),
+            torch.randn(4, 6))
+    found = LLTMSequenceFunction.apply(*args)
+    assert found[3] == (False, False) and found[0].shape == (5, 4, 6), found[3]   # the CPU
+    request.getfixturevalue("emulated_cuda_torch")
+    found = LLTMSequenceFunction.apply(*args)
+    assert found[3] == (False, True), found[3]          # the CUDA path: torch's buffers
