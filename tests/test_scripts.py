@@ -518,3 +518,32 @@ def test_profile_step_calls_prints_the_budgets_figures():
         line = next(l for l in proc.stdout.splitlines() if l.startswith(where + ":"))
         cell = int(re.search(r"LLTMCell forward \+ backward (\d+) library", line).group(1))
         assert 0 < cell <= 60, line
+
+
+def test_cpu_scaling_splits_a_call_and_predicts_more_cores():
+    """scripts/cpu_scaling.py's library, at a tiny size: the three parts add up to the call,
+    the no-GEMM engine does no torch GEMM, and the prediction is Amdahl's law fitted to one and
+    two threads (element-wise and per-call work serial)."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from lltm_cupy.benchmark import scaling
+
+    engine = scaling._no_gemm()
+    a = np.ones((2, 3), np.float32)
+    out = torch.full((3, 2, 3), 7.0)
+    engine.bmm(torch.ones(3, 2, 3), torch.ones(3, 3, 3), out=out)
+    engine.addmm_(out[0], torch.ones(2, 3), torch.ones(3, 3))
+    assert bool((out == 7).all()) and engine(a, a.T).shape == (2, 2)
+    report = scaling.parts(sizes=((3, 2, 3, 4),), threads=(1, 2), rounds=1)
+    for n in (1, 2):
+        r = report["(3, 2, 3, 4)", n]
+        parts = r["gemm_s"] + r["elementwise_s"] + r["per_call_s"]
+        assert r["lltm_s"] > 0 and r["lstm_s"] > 0 and parts == pytest.approx(r["lltm_s"])
+    one = {"gemm_s": 10.0, "elementwise_s": 2.0, "per_call_s": 1.0, "lstm_s": 20.0}
+    two = {"gemm_s": 6.0, "elementwise_s": 2.0, "per_call_s": 1.0, "lstm_s": 12.0}
+    predicted = scaling.predict({("s", 1): one, ("s", 2): two}, cores=(8,))["s"][8]
+    # GEMM: f = 2 * 6 / 10 - 1 = 0.2, 10 * (0.2 + 0.8 / 8) = 3; nn.LSTM: f = 0.2, 20 * 0.3 = 6
+    assert predicted["lltm_s"] == pytest.approx(3.0 + 2.0 + 1.0)
+    assert predicted["lstm_s"] == pytest.approx(6.0) and predicted["ratio"] == pytest.approx(1.0)
+    assert "predicted" in scaling.format_parts(report, scaling.predict(report))
