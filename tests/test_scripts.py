@@ -287,6 +287,25 @@ def test_ab_backend_times_both_backends(extra):
     assert rows[0][-3:] == ["+0.0%"] * 3, proc.stdout
 
 
+@pytest.mark.skipif(not _git_revision_available("HEAD"),
+                    reason="ab_backend.py reads the earlier backend from git: no git checkout here")
+def test_ab_backend_times_sequences_against_nn_lstm():
+    """--sequence: the torch layer's LLTM on each backend and nn.LSTM, interleaved; a row per
+    backend with its time, spread, system time, faults and ratios (the base's own ratio 1)."""
+    pytest.importorskip("torch")
+    proc = script("ab_backend.py", "--base", "HEAD", "--sequence", "3x2x3x4,2x2x2x2",
+                  "--rounds", "2", "--threads", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tables = [block.splitlines() for block in proc.stdout.strip().split("LLTM training step")[1:]]
+    assert len(tables) == 2 and "(3, 2, 3, 4)" in tables[0][0] and "process CPU time" in tables[0][0]
+    for table in tables:
+        rows = {line.split()[0]: line.split()[-6:] for line in table[2:]}
+        assert set(rows) == {"HEAD", "working", "nn.LSTM"}, table
+        assert rows["HEAD"][-1] == "1.000" and rows["nn.LSTM"][-2] == "1.00", table
+    proc = script("ab_backend.py", "--base", "HEAD", "--sequence", "3x2x0x4")
+    assert proc.returncode == 2 and "TxBxFxS" in proc.stderr, proc.stderr
+
+
 def test_ab_backend_names_a_revision_it_cannot_read():
     proc = script("ab_backend.py", "--base", "no-such-revision", "--seconds", "0.1")
     assert proc.returncode != 0
