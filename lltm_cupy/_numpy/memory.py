@@ -1,6 +1,8 @@
 """This thread's memory for the CPU backend, and its floating-point error state.
 
 - :func:`scratch`: temporaries of one call, reused call after call (no page faults);
+- :func:`recycled`: large arrays a call returns or keeps, in the memory of earlier ones that
+  nothing refers to any more;
 - :func:`zeros`: a read-only zeros array (``minimum(z, zeros)`` beats ``minimum(z, 0)``);
 - :func:`quiet` / :func:`loud`: NumPy's floating-point errors ignored around an entry point.
 """
@@ -12,7 +14,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["scratch", "zeros", "quiet", "loud"]
+__all__ = ["scratch", "recycled", "zeros", "quiet", "loud"]
 
 try:    # NumPy 2: the error state is a context variable; setting it is one C call
     from numpy._core.umath import _extobj_contextvar as _ERROR_STATE, _make_extobj
