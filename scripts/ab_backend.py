@@ -14,10 +14,19 @@ are initialised as ``LLTMCell`` does (uniform in +-1/sqrt(state)), inputs and st
 standard normal; --randn draws the parameters from a standard normal too, which saturates the
 gates (pre-activations of about sqrt(state + features)).
 
+With --sequence TxBxFxS[,...] it times whole sequences instead: the torch layer's ``LLTM``
+(training: forward, then the backward of ``output.sum() + h_n.sum() + c_n.sum()`` into the
+parameters; --no-grad: a forward under ``torch.no_grad``) on each backend, interleaved in
+--rounds rounds with ``nn.LSTM`` of the same size (the order rotated every round); per row each
+one's median time, its slowest round over its fastest, its median system time and page faults
+per call (``getrusage``), the median per-round ratio to ``nn.LSTM`` and of the working tree
+to the base. At --threads 1 process CPU time, at more wall time (default: torch's threads).
+
 Examples:
     python scripts/ab_backend.py --base 554f7e2                 # array API, float32, 60 s
     python scripts/ab_backend.py --base 554f7e2 --cell -d       # LLTMCell, float64
     OPENBLAS_NUM_THREADS=1 python scripts/ab_backend.py --base HEAD~1 --seconds 20
+    python scripts/ab_backend.py --base HEAD~1 --sequence 32x256x512x1024 --threads 2
 
 Needs git and a checkout. The earlier backend is imported as it was, from a copy of that
 revision's whole ``lltm_cupy`` (so its own helpers, ``_types`` and ``_packing``, come with it).
@@ -196,6 +205,76 @@ def report(times: dict, base: str, label: str) -> str:
     return "\n".join(lines)
 
 
+def sequence_rounds(size, backends: dict, rounds: int, threads: int, train: bool) -> dict:
+    """``LLTM`` at (T, B, F, S) = ``size`` on each of ``backends`` (name -> NumPy backend
+    module) and ``nn.LSTM``, interleaved (see the module docstring): {name: [(seconds,
+    system seconds, page faults) per round]}."""
+    import resource
+
+    import torch
+
+    from lltm_cupy.torch import LLTM, _interop
+
+    torch.set_num_threads(threads)
+    clock = time.process_time if threads == 1 else time.perf_counter
+    steps, batch, features, state = size
+    torch.manual_seed(0)
+    ours, lstm = LLTM(features, state), torch.nn.LSTM(features, state)
+    x = torch.randn(steps, batch, features)
+    own = _interop.CPU_CALL.backend
+
+    def run(module):
+        if not train:
+            module(x)
+            return
+        out, (h, c) = module(x)
+        (out.sum() + h.sum() + c.sum()).backward()
+
+    def on(backend):
+        def call():
+            _interop.CPU_CALL.backend = backend
+            try:
+                run(ours)
+            finally:
+                _interop.CPU_CALL.backend = own
+        return call
+
+    calls = {**{name: on(b) for name, b in backends.items()}, "nn.LSTM": lambda: run(lstm)}
+    names = list(calls)
+    samples = {name: [] for name in names}
+    with torch.set_grad_enabled(train):
+        for call in calls.values():
+            call()
+            call()
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                before = resource.getrusage(resource.RUSAGE_SELF)
+                t0 = clock()
+                calls[name]()
+                elapsed = clock() - t0
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                samples[name].append((elapsed, after.ru_stime - before.ru_stime,
+                                      after.ru_minflt - before.ru_minflt))
+    return samples
+
+
+def sequence_report(samples: dict, base: str, label: str) -> str:
+    from statistics import median
+
+    lstm = [t for t, _, _ in samples["nn.LSTM"]]
+    ref = [t for t, _, _ in samples[base]]
+    lines = [label, f"{'':<14} {'median ms':>10} {'max/min':>8} {'sys ms':>7} {'faults':>8} "
+                    f"{'/ nn.LSTM':>10} {'/ ' + base:>12}"]
+    for name, rows in samples.items():
+        t = [r[0] for r in rows]
+        ratio = median(a / b for a, b in zip(t, lstm))
+        to_base = median(a / b for a, b in zip(t, ref))
+        lines.append(f"{name:<14} {median(t) * 1e3:>10.1f} {max(t) / min(t):>8.2f} "
+                     f"{median(r[1] for r in rows) * 1e3:>7.0f} {median(r[2] for r in rows):>8.0f} "
+                     f"{ratio:>10.2f} {to_base:>12.3f}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -210,7 +289,33 @@ def main(argv=None) -> int:
                    help="parameters from a standard normal (saturated gates) instead of "
                         "LLTMCell's init")
     p.add_argument("--seconds", type=float, default=60.0, help="measuring time (default: 60)")
+    p.add_argument("--sequence", metavar="TxBxFxS[,...]", default=None,
+                   help="time the torch layer's LLTM over whole sequences against nn.LSTM")
+    p.add_argument("--no-grad", action="store_true", help="with --sequence: a forward under "
+                                                          "torch.no_grad, not a training step")
+    p.add_argument("--rounds", type=int, default=15, help="with --sequence (default: 15)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="with --sequence: torch threads (default: torch's own)")
     args = p.parse_args(argv)
+    if args.sequence:
+        from lltm_cupy.benchmark._common import parse_sequence_sizes
+
+        import torch
+
+        try:
+            sizes = parse_sequence_sizes(args.sequence, "--sequence")
+        except argparse.ArgumentTypeError as exc:
+            p.error(str(exc))
+        threads = args.threads or torch.get_num_threads()
+        backends = {args.base: load_backend(args.base), "working tree": _numpy}
+        for size in sizes:
+            samples = sequence_rounds(size, backends, args.rounds, threads, not args.no_grad)
+            what = "forward under no_grad" if args.no_grad else "training step"
+            clock = "process CPU time" if threads == 1 else "wall time"
+            print(sequence_report(samples, args.base,
+                                  f"LLTM {what} at (T, B, F, S) = {size}, {threads} thread(s), "
+                                  f"{clock}, {args.rounds} interleaved rounds"), flush=True)
+        return 0
     if args.seconds <= 0 or min(args.batch_size, args.features, args.state_size) < 1:
         p.error("--seconds and the sizes must be positive")
 

@@ -8,7 +8,8 @@ Examples:
     python scripts/benchmark.py --mixed               # the cell between torch layers (CPU)
     python scripts/benchmark.py --sequence            # T = 64: our LLTM vs stepped cells
     python scripts/benchmark.py --inference           # sequences against nn.LSTM: memory, time, split
-    python scripts/benchmark.py --inference --plot docs/cpu_sequences.png   # and the picture
+    python scripts/benchmark.py --inference --threads 1,2 --plot docs/cpu_sequences.png   # one
+                                                      # thread and two, and the picture
 
 Options -b/-f/-s/-r/--scale/-c/-d are those of the tutorial's benchmark.py. Giving any of
 -b/-f/-s runs that one size; otherwise the sweep of --sizes (default: the CPU or GPU sweep).
@@ -77,13 +78,18 @@ def main(argv=None) -> int:
     p.add_argument("--inference", action="store_true",
                    help="our LLTM against nn.LSTM and the tutorial's cell stepped (CPU): a "
                         "forward under torch.no_grad's peak resident memory added (a fresh "
-                        "process per implementation) at (T, B, F, S) = (500, 64, 16, 512) and "
-                        "process CPU time at (64, 16, 32, 128), (128, 32, 128, 256) and (64, "
-                        "64, 256, 512), a training step's time at four sizes, interleaved, "
-                        "medians; and the per-step / fixed split of a call at (B, F, S) = (16, "
+                        "process per implementation) at (T, B, F, S) = (500, 64, 16, 512), the "
+                        "time of a forward under no_grad at (64, 16, 32, 128), (128, 32, 128, "
+                        "256) and (64, 64, 256, 512) and of a training step at four sizes, "
+                        "interleaved, medians (process CPU time with one thread, wall time with "
+                        "more); and the per-step / fixed split of a call at (B, F, S) = (16, "
                         "32, 128) (T = 4 and 64); with --plot, the times as a picture")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's own; 1 for --inference)")
+    p.add_argument("--threads", type=_int_list, default=None,
+                   help="torch threads (default: torch's own, what a user gets); 1 is the "
+                        "quiet-machine figure: with --process-time, or with --inference, timed "
+                        "by process CPU time, which other processes disturb least; with "
+                        "--inference several, separated by commas (1,2): the reports for each "
+                        "in turn, and the picture's panels side by side")
     p.add_argument("--no-kernels", action="store_true",
                    help="skip the GPU kernel bandwidth report (GPU) or the BLAS share report (CPU)")
     p.add_argument("--json", metavar="FILE", help="write all results as JSON")
@@ -106,7 +112,9 @@ def main(argv=None) -> int:
     if args.inference:
         return _inference(args, torch)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        if len(args.threads) > 1:
+            p.error("several --threads only with --inference")
+        torch.set_num_threads(args.threads[0])
     if args.cuda and not torch.cuda.is_available():
         print("--cuda given but torch finds no CUDA device", file=sys.stderr)
         return 2
@@ -153,25 +161,30 @@ def _inference(args, torch) -> int:
         return 2
     import numpy
 
-    threads = args.threads or 1
-    title = (f"{bm.machine_name(False)}; Python {sys.version.split()[0]}, torch "
-             f"{torch.__version__}, NumPy {numpy.__version__}; float32, {threads} thread(s), "
-             + ("process CPU time" if threads == 1 else "wall time"))
-    print(f"lltm_cupy inference benchmark on {title}")
-    memory = inference.memory_report(rounds=3, threads=threads)
-    timing = inference.time_report(rounds=args.runs or 15, threads=threads)
-    training = inference.time_report(inference.TRAIN_SIZES, rounds=args.runs or 7,
-                                     threads=threads, train=True)
-    print(inference.format_inference(memory, timing, training))
-    split = inference.split_report(rounds=args.runs or 21, threads=threads)
-    print(inference.format_split(split))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": bm.machine_name(False),
-                                               "torch": torch.__version__, "memory": memory,
-                                               "time": timing, "training": training,
-                                               "split": split}, indent=1))
+    counts = args.threads or [torch.get_num_threads()]     # (torch's default: what users get)
+    versions = (f"{bm.machine_name(False)}; Python {sys.version.split()[0]}, torch "
+                f"{torch.__version__}, NumPy {numpy.__version__}; float32")
+    runs = []
+    for threads in counts:
+        clock = "process CPU time" if threads == 1 else "wall time"
+        print(f"lltm_cupy inference benchmark on {versions}, {threads} thread(s), {clock}"
+              + (" (the quiet-machine figure)" if threads == 1 else ""), flush=True)
+        memory = inference.memory_report(rounds=3, threads=threads)
+        timing = inference.time_report(rounds=args.runs or 15, threads=threads)
+        training = inference.time_report(inference.TRAIN_SIZES, rounds=args.runs or 7,
+                                         threads=threads, train=True)
+        print(inference.format_inference(memory, timing, training))
+        split = inference.split_report(rounds=args.runs or 21, threads=threads)
+        print(inference.format_split(split) + "\n", flush=True)
+        runs.append({"threads": threads, "memory": memory, "time": timing,
+                     "training": training, "split": split})
+        if args.json:
+            Path(args.json).write_text(json.dumps({
+                "machine": bm.machine_name(False), "torch": torch.__version__,
+                "numpy": numpy.__version__, "runs": runs}, indent=1))
     if args.plot:
-        width, height = bm.plot_inference(timing, training, args.plot, title)
+        title = f"{versions}; one thread: process CPU time, more: wall time"
+        width, height = bm.plot_inference(runs, args.plot, title)
         print(f"wrote {args.plot} ({width}x{height} pixels)")
     return 0
 

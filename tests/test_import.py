@@ -65,3 +65,57 @@ def test_the_cuda_backend_imports_in_one_direction():
                              else {alias.name for alias in node.names})
         below = sorted(m for m in imported if m in order[i:])
         assert not below, f"{name} imports {below}, listed at or below it"
+
+
+def _relative_imports(path: Path) -> set:
+    """The sibling modules ``path`` imports (``from . import x``, ``from .x import y``), at
+    module level or inside a function."""
+    import ast
+
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            imported |= ({node.module.split(".")[0]} if node.module
+                         else {alias.name for alias in node.names})
+    return imported
+
+
+def _layout_entry(path: str) -> str:
+    """The text of docs/testing.md's Layout entry of ``path`` (up to the next entry at its
+    indentation or above)."""
+    import re
+
+    text = (ROOT / "docs" / "testing.md").read_text()
+    match = re.search(rf"^( +){re.escape(path)} .*?(?=^ {{0,4}}\S)", text, re.M | re.S)
+    assert match, f"no entry for {path} in docs/testing.md's Layout"
+    return match.group(0)
+
+
+def _assert_one_direction(package: Path, order: list) -> None:
+    modules = sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__")
+    assert sorted(order) == modules, (order, modules)
+    for i, name in enumerate(order):
+        above = sorted(m for m in _relative_imports(package / f"{name}.py") if m in order[:i + 1])
+        assert not above, f"{name} imports {above}, listed at or above it in docs/testing.md"
+
+
+def test_the_layout_states_the_numpy_backends_import_order():
+    """docs/testing.md's Layout: each module of lltm_cupy/_numpy imports only the modules named
+    after it, and the entry names every module."""
+    import re
+
+    package = ROOT / "lltm_cupy" / "_numpy"
+    entry = _layout_entry("lltm_cupy/_numpy/")
+    names = [p.stem for p in package.glob("*.py") if p.stem != "__init__"]
+    at = {n: m.start() for n in names for m in [re.search(rf"\b{n} \(", entry)] if m}
+    _assert_one_direction(package, sorted(at, key=at.get))
+
+
+def test_the_layout_states_the_torch_layers_import_order():
+    """docs/testing.md's Layout: each file of lltm_cupy/torch imports only the files listed
+    below it, and the entry lists every file."""
+    import re
+
+    entry = _layout_entry("lltm_cupy/torch/")
+    order = re.findall(r"^        (\w+)\.py\s", entry, re.M)
+    _assert_one_direction(ROOT / "lltm_cupy" / "torch", order)

@@ -319,6 +319,51 @@ def test_unread_fields_are_not_kept():
     assert (T, B, H) not in sizes, sizes        # cells: (T, B, H); hs: (T + 1, B, H)
 
 
+def _changed_in_place(make, sequence: bool, which: str, dtype) -> bool:
+    """Whether the backward raises after ``which`` argument (input, weights, bias, h0, c0) of
+    a module ``make(dtype)`` made was changed in place between its forward and its backward."""
+    torch.manual_seed(4)
+    module = make(dtype)
+    x = torch.randn(*((T,) if sequence else ()), B, F, dtype=dtype, requires_grad=True)
+    state = [torch.randn(*((1,) if sequence else ()), B, H, dtype=dtype, requires_grad=True)
+             for _ in range(2)]
+    weights, bias = ([p for n, p in module.named_parameters() if n.startswith(k)][0]
+                     for k in ("weight", "bias"))
+    if sequence:
+        out, (h, c) = module(x, tuple(state))
+        loss = out.sum() + h.sum() + c.sum()
+    else:
+        h, c = module(x, tuple(state))
+        loss = h.sum() + c.sum()
+    with torch.no_grad():
+        dict(input=x, weights=weights, bias=bias, h0=state[0], c0=state[1])[which].add_(0.5)
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        assert "inplace" in str(exc), exc     # (a saved tensor, or a view of one)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_arguments_changed_in_place_beside_nn_lstm_and_nn_lstmcell(dtype):
+    """An argument changed in place between forward and backward: ours raises for every one
+    (it saves them all); nn.LSTMCell and nn.LSTM raise for their input, weights and state, and
+    for their bias only where their backward reads it: nn.LSTMCell never, nn.LSTM on oneDNN's
+    float32 path (the CHANGELOG and docs/api.md say so)."""
+    arguments = ("input", "weights", "bias", "h0", "c0")
+    made = {"LLTMCell": (lambda d: lt.LLTMCell(F, H, dtype=d), False),
+            "LLTM": (lambda d: lt.LLTM(F, H, dtype=d), True),
+            "nn.LSTMCell": (lambda d: torch.nn.LSTMCell(F, H, dtype=d), False),
+            "nn.LSTM": (lambda d: torch.nn.LSTM(F, H, dtype=d), True)}
+    raised = {name: {a for a in arguments if _changed_in_place(*made[name], a, dtype)}
+              for name in made}
+    every = set(arguments)
+    onednn = dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    assert raised == {"LLTMCell": every, "LLTM": every, "nn.LSTMCell": every - {"bias"},
+                      "nn.LSTM": every if onednn else every - {"bias"}}, raised
+
+
 def test_nn_lstm_beside_it_in_place():
     """What docs/api.md's table says nn.LSTMCell / nn.LSTM allow, run beside the LLTM cases above:
     c.clamp_() after nn.LSTMCell backpropagates as the out-of-place clamp does, h_n / c_n of

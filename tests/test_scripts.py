@@ -288,6 +288,25 @@ def test_ab_backend_times_both_backends(extra):
     assert rows[0][-3:] == ["+0.0%"] * 3, proc.stdout
 
 
+@pytest.mark.skipif(not _git_revision_available("HEAD"),
+                    reason="ab_backend.py reads the earlier backend from git: no git checkout here")
+def test_ab_backend_times_sequences_against_nn_lstm():
+    """--sequence: the torch layer's LLTM on each backend and nn.LSTM, interleaved; a row per
+    backend with its time, spread, system time, faults and ratios (the base's own ratio 1)."""
+    pytest.importorskip("torch")
+    proc = script("ab_backend.py", "--base", "HEAD", "--sequence", "3x2x3x4,2x2x2x2",
+                  "--rounds", "2", "--threads", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tables = [block.splitlines() for block in proc.stdout.strip().split("LLTM training step")[1:]]
+    assert len(tables) == 2 and "(3, 2, 3, 4)" in tables[0][0] and "process CPU time" in tables[0][0]
+    for table in tables:
+        rows = {line.split()[0]: line.split()[-6:] for line in table[2:]}
+        assert set(rows) == {"HEAD", "working", "nn.LSTM"}, table
+        assert rows["HEAD"][-1] == "1.000" and rows["nn.LSTM"][-2] == "1.00", table
+    proc = script("ab_backend.py", "--base", "HEAD", "--sequence", "3x2x0x4")
+    assert proc.returncode == 2 and "TxBxFxS" in proc.stderr, proc.stderr
+
+
 def test_ab_backend_names_a_revision_it_cannot_read():
     proc = script("ab_backend.py", "--base", "no-such-revision", "--seconds", "0.1")
     assert proc.returncode != 0
@@ -413,7 +432,8 @@ def test_inference_benchmark_measures_both_in_fresh_processes():
 
 
 def test_inference_picture_is_a_png(tmp_path):
-    """--inference --plot's picture, at tiny sizes: a PNG of both panels, the title given."""
+    """--inference --plot's picture, at tiny sizes: a PNG of both panels (training above
+    no_grad), the title given; a column per thread count."""
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib", reason="the examples extra is not installed")
     from lltm_cupy.benchmark import inference, plot_inference
@@ -422,8 +442,68 @@ def test_inference_picture_is_a_png(tmp_path):
     timing = inference.time_report(sizes=sizes, rounds=1)
     training = inference.time_report(sizes=sizes, rounds=1, train=True)
     png = tmp_path / "cpu.png"
-    width, height = plot_inference(timing, training, png, "a machine; versions")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and width > 2 * height > 0
+    width, height = plot_inference([{"threads": 1, "time": timing, "training": training}], png,
+                                   "a machine; versions")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and height > width > 0   # two rows
+    two = inference.time_report(sizes=sizes, rounds=1, threads=2, train=True)
+    runs = [{"threads": 1, "time": timing, "training": training},
+            {"threads": 2, "time": {}, "training": two}]
+    wide, high = plot_inference(runs, png, "a machine; versions")    # side by side
+    assert wide > width and high == height
+
+
+def test_inference_benchmark_runs_at_torchs_threads_unless_told(monkeypatch, tmp_path, capsys):
+    """scripts/benchmark.py --inference: the reports at torch's default thread count (what a
+    user gets) unless --threads says otherwise; several counts each in turn, into one JSON
+    file and one picture (the reports themselves stubbed: what is checked is the wiring)."""
+    torch = pytest.importorskip("torch")
+    import importlib.util
+    import json
+
+    from lltm_cupy.benchmark import inference
+
+    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seen = []
+    row = {"lltm_s": 2.0, "lstm_s": 1.0, "lltm_gemm_s": 1.0, "lstm_gemm_s": 1.0, "ratio": 2.0,
+           "rounds": 1}
+
+    def time_report(sizes=None, rounds=1, threads=1, train=False, **_):
+        seen.append(("time", threads, train))
+        return {"(1, 1, 1, 1)": dict(row, threads=threads,
+                                     clock="process" if threads == 1 else "wall")}
+
+    def split_report(rounds=1, threads=1, **_):
+        seen.append(("split", threads))
+        one = {"per_step_s": 1.0, "fixed_s": 1.0, "long_s": 1.0}
+        return {"size": [1, 1, 1], "lengths": [1, 2], "rounds": 1, "threads": threads,
+                "clock": "process" if threads == 1 else "wall",
+                "training": {"lltm": one, "lstm": one}, "no_grad": {"lltm": one, "lstm": one}}
+
+    def memory_report(rounds=1, threads=1, **_):
+        seen.append(("memory", threads))
+        return {}
+
+    monkeypatch.setattr(inference, "time_report", time_report)
+    monkeypatch.setattr(inference, "split_report", split_report)
+    monkeypatch.setattr(inference, "memory_report", memory_report)
+    default = torch.get_num_threads()
+    try:
+        assert bench.main(["--inference", "--quiet"]) == 0
+        assert {t for _, t, *rest in seen} == {default}, seen
+        seen.clear()
+        out = tmp_path / "runs.json"
+        assert bench.main(["--inference", "--threads", "1,3", "--json", str(out)]) == 0
+        assert [t for kind, t, *rest in seen if kind == "memory"] == [1, 3], seen
+        assert [r["threads"] for r in json.loads(out.read_text())["runs"]] == [1, 3]
+        text = capsys.readouterr().out
+        assert "1 thread(s), process CPU time (the quiet-machine figure)" in text
+        assert "3 thread(s), wall time" in text
+    finally:
+        torch.set_num_threads(default)
+    proc = script("benchmark.py", "--threads", "1,2", "-b", "2", "-f", "2", "-s", "2")
+    assert proc.returncode == 2 and "only with --inference" in proc.stderr, proc.stderr
 
 
 def test_every_scripts_help_says_what_it_does_in_whole_sentences():
@@ -458,3 +538,32 @@ def test_profile_step_calls_prints_the_budgets_figures():
         line = next(l for l in proc.stdout.splitlines() if l.startswith(where + ":"))
         cell = int(re.search(r"LLTMCell forward \+ backward (\d+) library", line).group(1))
         assert 0 < cell <= 60, line
+
+
+def test_cpu_scaling_splits_a_call_and_predicts_more_cores():
+    """scripts/cpu_scaling.py's library, at a tiny size: the three parts add up to the call,
+    the no-GEMM engine does no torch GEMM, and the prediction is Amdahl's law fitted to one and
+    two threads (element-wise and per-call work serial)."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from lltm_cupy.benchmark import scaling
+
+    engine = scaling._no_gemm()
+    a = np.ones((2, 3), np.float32)
+    out = torch.full((3, 2, 3), 7.0)
+    engine.bmm(torch.ones(3, 2, 3), torch.ones(3, 3, 3), out=out)
+    engine.addmm_(out[0], torch.ones(2, 3), torch.ones(3, 3))
+    assert bool((out == 7).all()) and engine(a, a.T).shape == (2, 2)
+    report = scaling.parts(sizes=((3, 2, 3, 4),), threads=(1, 2), rounds=1)
+    for n in (1, 2):
+        r = report["(3, 2, 3, 4)", n]
+        parts = r["gemm_s"] + r["elementwise_s"] + r["per_call_s"]
+        assert r["lltm_s"] > 0 and r["lstm_s"] > 0 and parts == pytest.approx(r["lltm_s"])
+    one = {"gemm_s": 10.0, "elementwise_s": 2.0, "per_call_s": 1.0, "lstm_s": 20.0}
+    two = {"gemm_s": 6.0, "elementwise_s": 2.0, "per_call_s": 1.0, "lstm_s": 12.0}
+    predicted = scaling.predict({("s", 1): one, ("s", 2): two}, cores=(8,))["s"][8]
+    # GEMM: f = 2 * 6 / 10 - 1 = 0.2, 10 * (0.2 + 0.8 / 8) = 3; nn.LSTM: f = 0.2, 20 * 0.3 = 6
+    assert predicted["lltm_s"] == pytest.approx(3.0 + 2.0 + 1.0)
+    assert predicted["lstm_s"] == pytest.approx(6.0) and predicted["ratio"] == pytest.approx(1.0)
+    assert "predicted" in scaling.format_parts(report, scaling.predict(report))

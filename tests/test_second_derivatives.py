@@ -293,3 +293,30 @@ def test_nn_lstm_on_the_cpu_has_second_derivatives_as_the_layer_does():
         (g,) = torch.autograd.grad(module(x)[0].pow(2).sum(), x, create_graph=True)
         g.pow(2).sum().backward()
         assert all(float(p.grad.abs().max()) > 0 for p in module.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, f64], ids=["f32", "f64"])
+def test_compiled_nn_lstm_differentiates_twice_and_nn_lstmcell_does_not(dtype):
+    """What docs/api.md says of torch's own modules under torch.compile (default backend), run
+    beside ours: a compiled nn.LSTM on the CPU is not compiled (Dynamo breaks the graph at RNN
+    modules and runs it eagerly), so a gradient penalty through it differentiates twice without
+    error; a compiled nn.LSTMCell raises AOTAutograd's error at the second differentiation, as
+    our compiled LLTM does."""
+    def penalty(module, x):
+        out = module(x)[0]
+        (g,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+        g.pow(2).sum().backward()
+
+    torch.manual_seed(13)
+    xs = torch.randn(T, B, F, dtype=dtype, requires_grad=True)
+    x = torch.randn(B, F, dtype=dtype, requires_grad=True)
+    lstm = torch.nn.LSTM(F, S, dtype=dtype)
+    torch._dynamo.reset()
+    penalty(torch.compile(lstm), xs)
+    assert all(float(p.grad.abs().max()) > 0 for p in lstm.parameters())
+    for module, inputs in ((torch.nn.LSTMCell(F, S, dtype=dtype), x),
+                           (lt.LLTM(F, S, dtype=dtype), xs)):
+        torch._dynamo.reset()
+        with pytest.raises(RuntimeError, match="torch.compile with aot_autograd does not "
+                                               "currently support double backward"):
+            penalty(torch.compile(module), inputs)

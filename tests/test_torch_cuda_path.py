@@ -457,3 +457,93 @@ def test_the_layer_reads_no_layout_the_array_api_uploaded(emulated_cuda_torch):
     out, h, c = lt.lltm_sequence(*args, lengths=lengths)
     (out.sum() + h.sum()).backward()
     assert _plan_arrays_owned_by_torch(_packing.cached_plan(np.array(lengths), T, False, "torch"))
+
+
+def _crossings(emu, call) -> dict:
+    """The DLPack conversions (imports into CuPy and exports from it) and CuPy arrays of one
+    ``call()`` after a first one (what a first call makes once, later calls reuse)."""
+    call()
+    emu.reset()
+    call()
+    counts = emu.tally()
+    return {"dlpack": counts["dlpack"], "arrays": counts["arrays"]}
+
+
+def test_tensors_cross_by_pointer_and_dlpack_only_where_cupy_arrays_are_made(
+        emulated_cuda_torch):
+    """How tensors cross on CUDA (docs/api.md, the README's first table): a plain ``LLTMCell``
+    step and an ``LLTM`` call of one length, forward + backward and forward only, reach the
+    kernels as device pointers (``torch.empty`` outputs, torch's GEMMs): no DLPack import, no
+    CuPy array; variable lengths still make CuPy arrays, through DLPack."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    emu = emulated_cuda_torch.emulator
+    torch.manual_seed(0)
+    cell, layer = lt.LLTMCell(3, 6), lt.LLTM(3, 6)
+    x, h, c = torch.randn(4, 3), torch.randn(4, 6), torch.randn(4, 6)
+    xs = torch.randn(5, 4, 3)
+
+    def cell_step():
+        new_h, new_c = cell(x, (h, c))
+        (new_h.sum() + new_c.sum()).backward()
+
+    def layer_call(inputs=xs):
+        out, (h_n, c_n) = layer(inputs)
+        data = out.data if hasattr(out, "batch_sizes") else out
+        (data.sum() + h_n.sum() + c_n.sum()).backward()
+
+    def layer_forward_only():
+        with torch.no_grad():
+            layer(xs)
+
+    none = {"dlpack": 0, "arrays": 0}
+    assert _crossings(emu, cell_step) == none, "LLTMCell step"
+    assert _crossings(emu, layer_call) == none, "LLTM call"
+    assert _crossings(emu, layer_forward_only) == none, "LLTM call under no_grad"
+    packed = pack_padded_sequence(xs, [5, 3, 4, 2], enforce_sorted=False)
+    ragged = _crossings(emu, lambda: layer_call(packed))
+    assert ragged["dlpack"] > 0 and ragged["arrays"] > 0, ragged
+
+
+def test_compiled_calls_cross_as_the_docs_say(emulated_cuda_torch):
+    """Under torch.compile (docs/api.md): the custom operators run the eager calls' code, so
+    the step's and a sequence's, training and forward only, on device pointers: no DLPack, no
+    CuPy array."""
+    emu = emulated_cuda_torch.emulator
+    torch.manual_seed(0)
+    cell = torch.compile(lt.LLTMCell(3, 6), backend="aot_eager", fullgraph=True)
+    layer = torch.compile(lt.LLTM(3, 6), backend="aot_eager", fullgraph=True)
+    x, h = torch.randn(4, 3), torch.randn(4, 6)
+    xs = torch.randn(5, 4, 3)
+
+    def cell_step():
+        new_h, new_c = cell(x, (h, h))
+        (new_h.sum() + new_c.sum()).backward()
+
+    def training():
+        out, (h_n, c_n) = layer(xs)
+        (out.sum() + h_n.sum() + c_n.sum()).backward()
+
+    def forward_only():
+        with torch.no_grad():
+            layer(xs)
+
+    none = {"dlpack": 0, "arrays": 0}
+    assert _crossings(emu, cell_step) == none, "compiled LLTMCell step"
+    assert _crossings(emu, forward_only) == none, "compiled LLTM under no_grad"
+    assert _crossings(emu, training) == none, "compiled LLTM training"
+
+
+def test_sequence_function_apply_returns_the_pair_the_docs_name(request):
+    """docs/api.md: ``LLTMSequenceFunction.apply`` returns (outputs, h_n, c_n), then the pair
+    (fused kernels ran, on torch's buffers with pointer launches), then what it keeps."""
+    from lltm_cupy.torch._sequence_function import LLTMSequenceFunction
+
+    torch.manual_seed(0)
+    args = (torch.randn(5, 4, 3), torch.randn(18, 9) / 3, torch.randn(18), torch.randn(4, 6),
+            torch.randn(4, 6))
+    found = LLTMSequenceFunction.apply(*args)
+    assert found[3] == (False, False) and found[0].shape == (5, 4, 6), found[3]   # the CPU
+    request.getfixturevalue("emulated_cuda_torch")
+    found = LLTMSequenceFunction.apply(*args)
+    assert found[3] == (False, True), found[3]          # the CUDA path: torch's buffers

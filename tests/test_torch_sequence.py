@@ -140,3 +140,44 @@ def test_sequence_module_accepts_lstm_shaped_state():
         seq(x, (torch.randn(2, 3, 6, dtype=torch.float64), c0[None]))
     with pytest.raises(ValueError, match=r"h_0 must have shape \(1, 3, 6\) or \(3, 6\)"):
         seq(x, (h0, c0[None]))
+
+
+@pytest.mark.parametrize("recycle", [False, True], ids=["fresh arrays", "reused arrays"])
+def test_one_thread_and_two_agree(monkeypatch, recycle):
+    """torch's thread count changes only who runs torch's GEMMs (the NumPy element-wise work is
+    the same code on one core): a training call and a forward under no_grad at one thread and
+    at two give results within float32's accuracy bound of each other (normalised), and the
+    forward under no_grad equals the training forward bit for bit at each count (the same
+    blocks and order); with the CPU backend's large arrays reused too (its size gate lowered
+    to 0), as at the sizes where it applies."""
+    import numpy as np
+
+    from lltm_cupy._numpy import memory
+    from lltm_cupy.verify import TOLERANCE, normalised_error
+
+    if recycle:
+        monkeypatch.setattr(memory, "_RECYCLE_BYTES", 0)
+    before = torch.get_num_threads()
+    torch.manual_seed(5)
+    model = lt.LLTM(32, 96)
+    xs = torch.randn(6, 48, 32)
+    results = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for _ in range(2):              # (the second call on reused memory, where gated in)
+                model.zero_grad()
+                out, (h, c) = model(xs)
+                (out.sum() + h.sum() + c.sum()).backward()
+                with torch.no_grad():
+                    forward_only = model(xs)[0]
+            assert torch.equal(forward_only, out.detach()), threads
+            results[threads] = [out.detach(), h.detach(), c.detach(),
+                                *(p.grad.clone() for p in model.parameters())]
+    finally:
+        torch.set_num_threads(before)
+        memory.forget_recycled()
+    bound = TOLERANCE[np.dtype(np.float32)]
+    for i, (a, b) in enumerate(zip(results[1], results[2])):
+        error = normalised_error(a.numpy(), b.numpy())
+        assert error <= bound, (i, error)

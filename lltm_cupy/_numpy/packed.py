@@ -10,9 +10,8 @@ import numpy as np
 from .. import _packing
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 from . import sequence
-from .gemm import copy
 from .sequence import _backward_loop, _forward_loop, bias_grad
-from .memory import scratch
+from .memory import recycled, scratch
 
 __all__ = ["forward_packed", "backward_packed"]
 
@@ -29,9 +28,14 @@ def forward_packed(inputs, weights, bias, h0, c0, mm, plan, keep):
     sizes, offsets, ended = plan.batch_sizes, plan.offsets, plan.ended
     c0s = c0[plan.perm]
     direct = plan.packed_io and data_index is None   # the packed rows are the outputs' rows
+    cells = factors = None
     if keep or direct:
-        # the hidden states: h0 sorted, then every step's rows (the outputs, packed)
+        # the hidden states (h0 sorted, then every step's rows: the outputs, packed) in the
+        # engine's memory (mm.empty: the torch layer's, or NumPy's), and what the backward keeps
+        # in memory of earlier calls' no longer referred to (memory.recycled)
         h = mm.empty((batch + rows, state), dtype)
+        if keep:
+            cells, factors = recycled(dtype, (rows, state), (rows * 4 * state,))
         emit = None
     else:
         # forward only, the outputs elsewhere: one block's rows at a time, scattered into
@@ -50,10 +54,6 @@ def forward_packed(inputs, weights, bias, h0, c0, mm, plan, keep):
                 outputs[t_index[at], b_index[at]] = block
     np.take(h0, plan.perm, axis=0, out=h[:batch])
     h0s = h[:batch].copy() if emit is not None else h[:batch]
-    cells = factors = None
-    if keep:
-        cells = np.empty((rows, state), dtype)
-        factors = np.empty(rows * 4 * state, dtype)
     # forward only: the sorted cell state c0s, rows [0, n) updated in place at each step
     _forward_loop(x, weights, bias, mm, sizes, offsets, h, batch, cells, c0s, factors, emit)
     # each sequence's state after its last step (h0, c0 for length 0); the sequences that ran

@@ -27,7 +27,7 @@ import numpy as np
 from .. import _packing
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 from .gemm import copy, row_blocks
-from .memory import _mapped, scratch, zeros
+from .memory import _mapped, recycled, scratch, zeros
 from .step import _backward_step, _forward_step, _step_factors
 
 __all__ = ["forward_sequence", "backward_sequence"]
@@ -156,13 +156,16 @@ def forward_sequence(inputs, weights, bias, h0, c0, mm, keep):
     state = h0.shape[1]
     dtype = inputs.dtype
     x = inputs.reshape(steps * batch, features)
-    hs = mm.empty((steps + 1, batch, state), dtype)   # [h0, h_1, ..., h_T]
+    # the hidden states [h0, h_1, ..., h_T] in the engine's memory (the outputs are a view of
+    # them: the torch layer's, or NumPy's; large ones reused, see memory.recycled) and, for a
+    # backward, the cells and factors in memory of earlier calls' no longer referred to
+    hs = mm.empty((steps + 1, batch, state), dtype)
+    if keep:
+        cells, factors = recycled(dtype, (steps, batch, state), (steps, 4, batch, state))
     hs[0] = h0
     offsets = range(0, (steps + 1) * batch, batch) if batch else [0] * (steps + 1)
     h = hs.reshape((steps + 1) * batch, state)
     if keep:    # what the backward keeps
-        cells = np.empty((steps, batch, state), dtype)
-        factors = np.empty((steps, 4, batch, state), dtype)
         _forward_loop(x, weights, bias, mm, batch, offsets, h, batch,
                       cells.reshape(steps * batch, state), c0, factors.reshape(-1))
         c_n = copy(mm, cells[-1] if steps else c0)

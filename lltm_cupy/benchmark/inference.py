@@ -11,10 +11,12 @@ and a fixed cost per call (two lengths, :func:`split_report`).
   resident memory the forward added, whoever allocated it (NumPy, torch's CPU allocator, oneDNN's
   scratch). tracemalloc would see NumPy's allocations only, not torch's. Rounds alternate the
   implementations; the median is reported.
-- **time**: in one process, one thread unless told otherwise, implementations interleaved, the
-  median of per-round ratios; process CPU time with one thread (what a loaded machine disturbs
-  least), wall time with more (process time would count the threads' spin-waiting, which
-  OpenMP does between parallel regions);
+- **time**: in one process, at the thread count given (``scripts/benchmark.py``: torch's
+  default, what a user gets, unless ``--threads`` says otherwise), implementations interleaved,
+  the median of per-round ratios and each one's slowest round over its fastest; process CPU
+  time with one thread (what a loaded machine disturbs least: the quiet-machine figure), wall
+  time with more (process time would count the threads' spin-waiting, which OpenMP does
+  between parallel regions);
 - **GEMM-only floor**: beside each implementation, the GEMMs a recurrent layer of its gate count
   (3 for the LLTM, 4 for the LSTM) does on the same sizes, alone: ``torch.mm`` on preallocated
   operands, the input projection in one call, one recurrent product per step, and for a
@@ -209,7 +211,10 @@ def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: boo
         report[str((steps, batch, features, state))] = {
             **{f"{row}_s": statistics.median(times[row]) for row in calls},
             "ratio": statistics.median(ratios), "rounds": rounds, "threads": threads,
-            "clock": "process" if threads == 1 else "wall"}
+            "clock": "process" if threads == 1 else "wall",
+            # each implementation's slowest round over its fastest
+            **{f"{row}_spread": max(times[row]) / min(times[row]) for row in TIME_IMPLS
+               if row in calls and min(times[row]) > 0}}
     return report
 
 
@@ -268,12 +273,16 @@ def format_inference(memory: dict, timing: dict, training: dict = None) -> str:
         clock = "process CPU time" if first.get("clock", "process") == "process" else "wall time"
         lines += ["", f"{title}, {clock}, {first['threads']} thread(s), median of "
                       f"{first['rounds']} interleaved rounds; GEMM-only: the same layer's GEMMs "
-                      f"alone (torch.mm), the floor",
+                      f"alone (torch.mm), the floor; max/min: the slowest round over the "
+                      f"fastest, LLTM/nn.LSTM",
                   f"{'(T, B, F, S)':<22} {'LLTM ms':>9} {'nn.LSTM ms':>11} {'ratio':>6} "
-                  f"{'LLTM GEMM-only':>15} {'nn.LSTM GEMM-only':>18}"]
+                  f"{'LLTM GEMM-only':>15} {'nn.LSTM GEMM-only':>18} {'max/min':>11}"]
         for size, r in table.items():
+            spread = (f"{r['lltm_spread']:.2f}/{r['lstm_spread']:.2f}"
+                      if "lltm_spread" in r and "lstm_spread" in r else "")
             lines.append(f"{size:<22} {r['lltm_s'] * 1e3:>9.1f} {r['lstm_s'] * 1e3:>11.1f} "
-                         f"{r['ratio']:>6.2f} {_floor(r, 'lltm'):>15} {_floor(r, 'lstm'):>18}"
+                         f"{r['ratio']:>6.2f} {_floor(r, 'lltm'):>15} {_floor(r, 'lstm'):>18} "
+                         f"{spread:>11}"
                          + (f" {r['reference_s'] * 1e3:>13.1f}" if "reference_s" in r else ""))
         if any("reference_s" in r for r in table.values()):
             lines[-len(table) - 1] += f" {'tutorial ms':>13}"

@@ -134,42 +134,54 @@ INFERENCE_PLOT_ROWS = (("lltm", "LLTM (lltm_cupy)"), ("lstm", "nn.LSTM (oneDNN)"
                        ("reference", "tutorial's LLTM cell, stepped"))
 
 
-def plot_inference(timing: dict, training: dict, path, title: str = "") -> tuple:
+def plot_inference(runs, path, title: str = "") -> tuple:
     """Time per call of each of :data:`INFERENCE_PLOT_ROWS` at every (T, B, F, S) of the
-    --inference reports, training (forward + backward) and forward under no_grad side by side,
-    as grouped bars on a log scale, each labelled with its time and its ratio to nn.LSTM's.
-    ``title``: the machine and versions. Needs matplotlib (the examples extra). Returns the
-    image size in pixels (width, height)."""
+    --inference reports, as grouped bars on a log scale, each labelled with its time and its
+    ratio to nn.LSTM's: one column per thread count, side by side, the training step (forward
+    + backward) above the forward under no_grad. ``runs``: one dict per thread count, with
+    ``threads``, ``time`` and ``training`` (the reports of :func:`lltm_cupy.benchmark.
+    inference.time_report`; either may be empty). ``title``: the machine and versions. Needs
+    matplotlib (the examples extra). Returns the image size in pixels (width, height)."""
     from .._extras import pyplot
 
     plt = pyplot()
-    panels = [(name, table) for name, table in (("training step (forward + backward)", training),
-                                                ("forward under no_grad", timing)) if table]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), dpi=100,
-                             squeeze=False)
+    modes = [m for m in (("training", "training step (forward + backward)"),
+                         ("time", "forward under no_grad")) if any(r.get(m[0]) for r in runs)]
+    fig, axes = plt.subplots(len(modes), len(runs), figsize=(5.2 * len(runs), 4.0 * len(modes)),
+                             dpi=100, squeeze=False)
     width = 0.8 / len(INFERENCE_PLOT_ROWS)
-    for ax, (name, table) in zip(axes[0], panels):
-        sizes = list(table)
-        for k, (row, label) in enumerate(INFERENCE_PLOT_ROWS):
-            xs = [i - 0.4 + width * (k + 0.5) for i, size in enumerate(sizes)
-                  if f"{row}_s" in table[size]]
-            ys = [table[size][f"{row}_s"] * 1e3 for size in sizes if f"{row}_s" in table[size]]
-            if not ys:
+    for column, run in enumerate(runs):
+        for row_index, (key, name) in enumerate(modes):
+            ax, table = axes[row_index][column], run.get(key) or {}
+            if not table:
+                ax.set_axis_off()
                 continue
-            bars = ax.bar(xs, ys, width, label=label)
-            ratios = [table[size][f"{row}_s"] / table[size]["lstm_s"] for size in sizes
+            first = next(iter(table.values()))
+            clock = "process CPU time" if first.get("clock") == "process" else "wall time"
+            threads = run["threads"]
+            sizes = list(table)
+            for k, (row, label) in enumerate(INFERENCE_PLOT_ROWS):
+                xs = [i - 0.4 + width * (k + 0.5) for i, size in enumerate(sizes)
                       if f"{row}_s" in table[size]]
-            ax.bar_label(bars, [f"{_ms(y)}\n{r:.2f}x" for y, r in zip(ys, ratios)],
-                         fontsize=6, padding=1)
-        ax.set_yscale("log")
-        ax.set_xticks(range(len(sizes)), [s.replace(" ", "") for s in sizes], fontsize=7)
-        ax.set_xlabel("(T, B, F, S)")
-        ax.set_ylabel("ms per call (log scale)")
-        ax.set_title(f"{name}\nbar labels: ms, and the time over nn.LSTM's", fontsize=8)
-        low, high = ax.get_ylim()
-        ax.set_ylim(low, high * 4)      # room for the labels and the legend
-        ax.legend(fontsize=7, loc="upper left")
-        ax.grid(axis="y", alpha=0.3, which="both")
+                ys = [table[size][f"{row}_s"] * 1e3 for size in sizes
+                      if f"{row}_s" in table[size]]
+                if not ys:
+                    continue
+                bars = ax.bar(xs, ys, width, label=label)
+                ratios = [table[size][f"{row}_s"] / table[size]["lstm_s"] for size in sizes
+                          if f"{row}_s" in table[size]]
+                ax.bar_label(bars, [f"{_ms(y)}\n{r:.2f}x" for y, r in zip(ys, ratios)],
+                             fontsize=6, padding=1)
+            ax.set_yscale("log")
+            ax.set_xticks(range(len(sizes)), [s.replace(" ", "") for s in sizes], fontsize=7)
+            ax.set_xlabel("(T, B, F, S)")
+            ax.set_ylabel("ms per call (log scale)")
+            ax.set_title(f"{name}, {threads} thread{'s' if threads != 1 else ''} ({clock})\n"
+                         f"bar labels: ms, and the time over nn.LSTM's", fontsize=8)
+            low, high = ax.get_ylim()
+            ax.set_ylim(low, high * 4)      # room for the labels and the legend
+            ax.legend(fontsize=7, loc="upper left")
+            ax.grid(axis="y", alpha=0.3, which="both")
     if title:
         fig.suptitle(title, fontsize=8)
     fig.tight_layout()

@@ -187,8 +187,8 @@ def _one_step(input, weights, bias, old_h, old_cell, keep):
 
 
 #: the Function's forward, and a step's forward alone (``keep`` False): :func:`_one_step`
-step_forward = without_autocast(_one_step, True, name="step_forward")
-step_inference = without_autocast(_one_step, False, name="step_inference")
+step_forward = without_autocast(_one_step, "step_forward", keep=True)
+step_inference = without_autocast(_one_step, "step_inference", keep=False)
 LLTMFunction.forward = staticmethod(step_forward)
 
 
@@ -220,7 +220,7 @@ def _step_backward(grad_h, grad_cell, saved, needed):
                                              old_cell, needed)
 
 
-step_backward = without_autocast(_step_backward, name="step_backward")
+step_backward = without_autocast(_step_backward, "step_backward")
 
 
 def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, old_h=None,

@@ -81,8 +81,8 @@ _any_autocast = torch._C._is_any_autocast_enabled
 _DisableAutocast = torch._C._DisableAutocast
 
 
-def without_autocast(body, *bound, name=None):
-    """``body`` as a function of the caller's arguments (followed by ``bound``), run with
+def without_autocast(body, name=None, **bound):
+    """``body`` as a function of the caller's arguments (and the keywords ``bound``), run with
     torch's autocast off (on every device, where any is on): the one way the torch layer
     switches it off, around the bodies of its Functions and custom operators. The backends'
     GEMMs run in the dtype the layer computes in, which it cast the arguments to (as autocast
@@ -92,9 +92,9 @@ def without_autocast(body, *bound, name=None):
     parameter of its signature, defaults included)."""
     def run(*args):
         if not _any_autocast():
-            return body(*args, *bound)
+            return body(*args, **bound)
         with _DisableAutocast():
-            return body(*args, *bound)
+            return body(*args, **bound)
     run.__name__ = run.__qualname__ = name or body.__name__
     run.__doc__, run.__module__ = body.__doc__, body.__module__
     return run

@@ -53,7 +53,7 @@ class LLTMSequenceFunction(torch.autograd.Function):
         kept = output[4:]
         ctx.mark_non_differentiable(*kept)
         ctx.set_materialize_grads(False)
-        ctx.plan = inputs[5]
+        ctx.plan = inputs[5] if len(inputs) > 5 else None
         ctx.fused, ctx.native = output[3]   # the fused kernels ran; on torch's buffers
         plan = ctx.plan
         if plan is not None and plan.packed_io and plan.data_index is None:
@@ -74,7 +74,7 @@ class LLTMSequenceFunction(torch.autograd.Function):
     jvp = staticmethod(_refuse_jvp)
 
 
-def _sequence(inputs, weights, bias, h0, c0, plan, fused, keep):
+def _sequence(inputs, weights, bias, h0, c0, plan=None, fused=False, keep=True):
     """A sequence: ``(outputs, h_n, c_n, (fused_ran, native), *kept)``, ``kept`` what the
     backward reads besides the arguments: the hidden states [h0, outputs...] (for a plan
     without a gather of the outputs, the outputs themselves are those), the gate values, on
@@ -193,9 +193,9 @@ def _sequence_backward(call, grads, saved, plan, fused, needed):
 
 #: the Function's forward (arguments: inputs, weights, bias, h0, c0, plan, fused), and a
 #: sequence's forward alone (``keep`` False): :func:`_sequence`; the Function's backward body
-sequence_forward = without_autocast(_sequence, True, name="sequence_forward")
-sequence_inference = without_autocast(_sequence, False, name="sequence_inference")
-sequence_backward = without_autocast(_sequence_backward_body, name="sequence_backward")
+sequence_forward = without_autocast(_sequence, "sequence_forward", keep=True)
+sequence_inference = without_autocast(_sequence, "sequence_inference", keep=False)
+sequence_backward = without_autocast(_sequence_backward_body, "sequence_backward")
 LLTMSequenceFunction.forward = staticmethod(sequence_forward)
 
 

@@ -6,7 +6,10 @@ import tracemalloc
 
 
 def peak_traced_bytes(call):
-    """Run ``call()`` under tracemalloc; return (the peak traced bytes during it, its result)."""
+    """Run ``call()`` under tracemalloc; return (the peak traced bytes during it, its result).
+    The CPU backend's memory of earlier calls' large arrays is forgotten first (as in
+    :func:`held_bytes`): every array the call makes counts."""
+    _forget_recycled()
     tracemalloc.start()
     try:
         result = call()
@@ -18,16 +21,27 @@ def peak_traced_bytes(call):
 _profiler_started = []
 
 
+def _forget_recycled():
+    """Forget the CPU backend's earlier arrays that it would reuse (lltm_cupy._numpy.memory),
+    in this thread."""
+    from lltm_cupy._numpy import memory
+
+    memory.forget_recycled()
+
+
 def held_bytes(call):
     """Run ``call()``; return (the bytes it allocated and still holds when it returns, its
     result): NumPy's buffers as tracemalloc sees them plus torch's CPU allocations as torch's
-    profiler records them (each sees only its own, so the sum counts everything once)."""
+    profiler records them (each sees only its own, so the sum counts everything once). The CPU
+    backend's memory of earlier calls' large arrays is forgotten first, so that every array
+    the call keeps is one it allocates (not one reused, which tracemalloc saw before)."""
     import torch
 
     def profile():
         return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                       profile_memory=True)
 
+    _forget_recycled()
     if not _profiler_started:       # its first start allocates for good: not the call's bytes
         with profile():
             _profiler_started.append(True)
