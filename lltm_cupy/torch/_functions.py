@@ -56,7 +56,7 @@ _from_numpy = torch.from_numpy
 #: NumPy backend writing into their memory through arrays that leave them so (``_cpu_arrays``;
 #: the caller's tensors too: ``Tensor.numpy()`` would make their storage non-resizable)
 _new, _DENSE = torch.empty_like, torch.contiguous_format
-_array = _cpu_arrays.to_array
+_array = _cpu_arrays.view
 _baddbmm, _cat, _mm = torch.baddbmm, torch.cat, torch.mm
 
 
