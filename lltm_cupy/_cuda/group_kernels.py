@@ -20,10 +20,8 @@ SOURCE_NAME, KERNEL_NAMES = FAMILY.files[-1], FAMILY.kernels
 #: Blocks per tile of the group kernels (one instance each).
 SIZES = tuple(FAMILY.instances)
 #: ``get_kernels(dtype, size)``: the :class:`~.kernels.FusedKernels` in groups of ``size``
-#: blocks on the current device, every size compiled at the first call per (device, dtype), in
-#: a module whose launches are cooperative (every block of the grid resident at once:
-#: :func:`resident_blocks` says how many may be; CuPy shrinks a larger one-dimensional grid to
-#: that with a warning rather than failing, so the launcher never launches one);
+#: blocks on the current device (every size compiled at the first call per (device, dtype), in
+#: a cooperative module: :func:`resident_blocks` says how many blocks a launch may have);
 #: ``compile_offline``: sm_80 and newer.
 source, name_expression, get_kernels = FAMILY.source, FAMILY.name_expression, FAMILY.get_kernels
 compile_offline = FAMILY.compile_offline
