@@ -32,6 +32,6 @@ def test_single_precision_kernels_use_no_double_arithmetic(dtype):
 
 
 def test_compile_error_reports_the_log(monkeypatch):
-    monkeypatch.setattr(_elementwise, "source", lambda: "this is not C++;")
+    monkeypatch.setattr(_kernels, "joined", lambda files: "this is not C++;")
     with pytest.raises(RuntimeError, match="NVRTC failed"):
         _elementwise.compile_offline(np.float32, 75)

@@ -1,78 +1,32 @@
 """The cluster kernels of ``cuda_src/lltm_fused_cluster.cu`` (the fused sequence kernels split
-over the blocks of a thread-block cluster, sm_90 and newer): their module, one instantiation per
-cluster size, the non-portable cluster size attribute, the driver's occupancy query for
-clusters (which CuPy 14 has no call for: ctypes) and the launch handle that answers a refused
-non-portable launch. What to launch is :mod:`.fused_cluster`'s to plan."""
+over the blocks of a thread-block cluster, sm_90 and newer), whose record is
+:data:`.kernels.CLUSTERS` (one instance per cluster size, those past the portable size allowed
+the non-portable sizes): the driver's occupancy query for clusters (which CuPy 14 has no call
+for: ctypes) and the launch handle that answers a refused non-portable launch. What to launch is
+:mod:`.fused_cluster`'s to plan."""
 from __future__ import annotations
 
 import ctypes
 import functools
 
-import numpy as np
+from . import kernels
+from .kernels import CLUSTERS as FAMILY, current_device
+from .kernels import NON_PORTABLE_CLUSTER_SIZE_ALLOWED, PORTABLE_SIZE, allow_cluster_size
 
-from . import fused_kernels, kernels
-from .kernels import CUDA_TYPE, FusedKernels, current_device
-
-__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "SIZES", "PORTABLE_SIZE",
+__all__ = ["FAMILY", "SOURCE_NAME", "KERNEL_NAMES", "SIZES", "PORTABLE_SIZE",
            "NON_PORTABLE_CLUSTER_SIZE_ALLOWED", "source", "name_expression", "get_kernels",
            "compile_offline", "CUlaunchConfig", "OCCUPANCY_PROTOTYPE", "allow_cluster_size",
            "max_active_clusters", "refuse_under_capture", "refuse_cluster_size", "LaunchRefused",
            "REFUSALS", "guarded"]
 
-SOURCE_NAME = "lltm_fused_cluster.cu"
-KERNEL_NAMES = ("lltm_seq_fwd_cluster_kernel", "lltm_seq_bwd_cluster_kernel")
-#: Blocks per cluster of the cluster kernels (one instantiation each: ``__cluster_dims__``); 16
-#: is past the portable size (below) and runs only where the device holds such a cluster.
-SIZES = (1, 2, 4, 8, 16)
-#: The portable cluster size: every device of compute capability 9.0 or newer runs clusters of up
-#: to this many blocks (CUDA C++ Programming Guide, "Thread Block Clusters"; cuda.h).
-PORTABLE_SIZE = 8
-#: cuda.h's CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: set to 1 on a function, it may
-#: be launched in clusters larger than the portable size where the device holds them.
-NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
-
-
-@functools.lru_cache(maxsize=None)
-def source() -> str:
-    """lltm.cu, lltm_fused.cu, then lltm_fused_cluster.cu: one translation unit, so that the
-    cluster (and group) kernels use the one-block kernels' walk over a tile, step offsets, row
-    stride and dot products (the fixed order of their sums) as well as lltm.cu's types and
-    cell."""
-    return kernels.joined(fused_kernels.source(), SOURCE_NAME)
-
-
-def name_expression(kernel: str, dtype, size: int) -> str:
-    return f"{kernel}<{CUDA_TYPE[np.dtype(dtype)]}, {size}>"
-
-
-def _names(dtype):
-    return [name_expression(k, dtype, p) for p in SIZES for k in KERNEL_NAMES]
-
-
-def get_kernels(dtype, size: int):
-    """The :class:`~.kernels.FusedKernels` (forward, backward) for ``dtype`` in clusters of
-    ``size`` blocks on the current device (sm_90 or newer); every size's kernels compiled at the
-    first call for the dtype, each allowed the device's whole opt-in shared memory per block,
-    and those past the portable cluster size the non-portable sizes
-    (:func:`allow_cluster_size`)."""
-    import cupy
-
-    def build():
-        fns = kernels.load(source(), _names(dtype))
-        count = len(KERNEL_NAMES)
-        found = {p: FusedKernels(*fns[i * count:(i + 1) * count]) for i, p in enumerate(SIZES)}
-        for p, pair in found.items():
-            allow_cluster_size(pair, p)
-        return found
-
-    dtype = np.dtype(dtype)
-    return kernels.cached(("cluster", cupy.cuda.Device().id, dtype.str), build)[size]
-
-
-def compile_offline(dtype, arch: int, output: str = "cubin") -> bytes:
-    """The kernels for ``dtype`` at every cluster size compiled by NVRTC for ``sm_<arch>``
-    (sm_90 and newer; :func:`.kernels.nvrtc`)."""
-    return kernels.nvrtc(source(), SOURCE_NAME, _names(dtype), arch, output)
+SOURCE_NAME, KERNEL_NAMES = FAMILY.files[-1], FAMILY.kernels
+#: Blocks per cluster of the cluster kernels (one instance each: ``__cluster_dims__``).
+SIZES = tuple(FAMILY.instances)
+#: ``get_kernels(dtype, size)``: the :class:`~.kernels.FusedKernels` in clusters of ``size``
+#: blocks on the current device (every size compiled at the first call per (device, dtype));
+#: ``compile_offline``: sm_90 and newer.
+source, name_expression, get_kernels = FAMILY.source, FAMILY.name_expression, FAMILY.get_kernels
+compile_offline = FAMILY.compile_offline
 
 
 # ------------------------------------------------------ clusters the device holds at once (query)
@@ -105,34 +59,12 @@ def _occupancy_function():
 _occupancy: dict = {}
 
 
-def allow_cluster_size(fns, size: int) -> None:
-    """Set the non-portable cluster size attribute (to 1) on the functions ``fns`` (RawKernels)
-    of clusters of ``size`` blocks, where ``size`` is past the portable size: without it a
-    launch (and the occupancy query) refuses the size. A failure is kept in
-    ``kernels.cluster_failures``; the occupancy query then refuses the size, and the launcher
-    does not use it."""
-    if size <= PORTABLE_SIZE:
-        return
-    import cupy
-
-    for fn in fns:
-        try:
-            cupy.cuda.driver.funcSetAttribute(fn.kernel.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-        except Exception as exc:    # noqa: BLE001 (the size is then refused, not the module)
-            _failed(current_device(), fn, "non-portable", exc)
-
-
-def _failed(device: int, kernel, what, exc: Exception) -> None:
-    name = getattr(kernel, "__name__", None) or repr(kernel)
-    kernels.cluster_failures[(device, name, what)] = f"{type(exc).__name__}: {exc}"
-
-
 def refuse_cluster_size(kernel, size: int, exc: Exception) -> None:
     """Record that the driver refused a launch of ``kernel`` in clusters of ``size`` blocks on
     the current device (``exc``, kept in ``kernels.cluster_failures``): that size is not planned
     on this device again (``kernels.refused_sizes``)."""
     device = current_device()
-    _failed(device, kernel, "launch", exc)
+    kernels.note_cluster_failure(device, kernel, "launch", exc)
     kernels.refused_sizes.add((device, size))
 
 
@@ -171,7 +103,7 @@ def max_active_clusters(kernel, size: int, threads: int, shared: int):
     try:
         handle = kernel.kernel.ptr
     except Exception as exc:    # noqa: BLE001 (not a loaded function: planned without it)
-        _failed(device, kernel, ("occupancy", threads, shared), exc)
+        kernels.note_cluster_failure(device, kernel, ("occupancy", threads, shared), exc)
         return None
     key = (device, handle, threads, shared)
     found = _occupancy.get(key, _occupancy)
@@ -190,7 +122,7 @@ def max_active_clusters(kernel, size: int, threads: int, shared: int):
                                f"{count.value} clusters")
         found = count.value
     except Exception as exc:    # noqa: BLE001 (any failure leaves the launch as planned)
-        _failed(device, kernel, ("occupancy", threads, shared), exc)
+        kernels.note_cluster_failure(device, kernel, ("occupancy", threads, shared), exc)
         return None
     _occupancy[key] = found
     return found

@@ -1,78 +1,38 @@
 """The element-wise kernels of ``cuda_src/lltm.cu`` (the cell forward and backward, the
-concatenation, the add): their module and launch handles.
+concatenation, the add): their launch handles. The family's record is
+:data:`.kernels.ELEMENTWISE` (a module per (device, dtype) holding both index widths, launched
+through the loaded functions).
 
-``get_kernels`` compiles on first use with ``cupy.RawModule`` (NVRTC) and caches the launch
-handles per (device, dtype); ``launch`` caches, per (device, dtype, size), the grid, the kernels
-of the index width it needs and the size arguments as the kernels' scalar types, so that a
-launch makes no object but its argument tuple: the kernels are called with integer device
-pointers (CuPy passes a Python int as a 64-bit value, what a pointer parameter takes:
-``cupy/cuda/function.pyx``, ``_pointer``; ``cupy/_core/_scalar.pyx``,
-``numpy_dtype_from_pyscalar``, v14.2) and NumPy scalars of the exact C types.
+``launch`` caches, per (device, dtype, size), the grid, the kernels of the index width it needs
+and the size arguments as the kernels' scalar types, so that a launch makes no object but its
+argument tuple: the kernels are called with integer device pointers (CuPy passes a Python int as
+a 64-bit value, what a pointer parameter takes: ``cupy/cuda/function.pyx``, ``_pointer``;
+``cupy/_core/_scalar.pyx``, ``numpy_dtype_from_pyscalar``, v14.2) and NumPy scalars of the
+exact C types.
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from . import kernels
-from .kernels import CUDA_TYPE, current_device
+from .kernels import ELEMENTWISE as FAMILY, Kernels, current_device
 
-__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "Kernels", "INDEX_TYPE", "source", "name_expression",
-           "get_kernels", "Launch", "FLAG", "launch", "launch_config", "needs_wide_index",
-           "compile_offline"]
+__all__ = ["FAMILY", "SOURCE_NAME", "KERNEL_NAMES", "Kernels", "INDEX_TYPE", "source",
+           "name_expression", "get_kernels", "Launch", "FLAG", "launch", "launch_config",
+           "needs_wide_index", "compile_offline"]
 
-SOURCE_NAME = "lltm.cu"
-KERNEL_NAMES = ("lltm_fwd_kernel", "lltm_bwd_kernel", "lltm_concat_kernel", "lltm_add_kernel")
+SOURCE_NAME, KERNEL_NAMES = FAMILY.files[-1], FAMILY.kernels
+#: Index type of the kernels: 32-bit unless an index could pass 2**32 (see ``launch_config``).
+INDEX_TYPE = FAMILY.instances
+#: ``get_kernels(dtype, wide)``: the :class:`~.kernels.Kernels` of that index width (``wide``:
+#: the 64-bit instance) on the current device, compiled once per (device, dtype).
+source, name_expression, get_kernels = FAMILY.source, FAMILY.name_expression, FAMILY.get_kernels
+compile_offline = FAMILY.compile_offline
 #: Threads per block of the element-wise kernels, and blocks per SM at most in the grid-stride.
 THREADS = 256
 BLOCKS_PER_SM = 8
-
-
-class Kernels(NamedTuple):
-    """The compiled kernels of one (device, dtype, index width), in KERNEL_NAMES order."""
-
-    fwd: Any
-    bwd: Any
-    concat: Any
-    add: Any
-
-
-@functools.lru_cache(maxsize=None)
-def source() -> str:
-    return kernels.read_source(SOURCE_NAME)
-
-
-#: Index type of the kernels: 32-bit unless an index could pass 2**32 (see ``launch_config``).
-INDEX_TYPE = {False: "unsigned int", True: "unsigned long long"}
-
-
-def name_expression(kernel: str, dtype, wide: bool = False) -> str:
-    return f"{kernel}<{CUDA_TYPE[np.dtype(dtype)]}, {INDEX_TYPE[wide]}>"
-
-
-def _all_names(dtype):
-    return [name_expression(k, dtype, w) for w in (False, True) for k in KERNEL_NAMES]
-
-
-def get_kernels(dtype, wide: bool = False):
-    """Return the :class:`Kernels` for ``dtype`` on the current device, compiling once: launch
-    handles (``RawKernel.kernel``, CuPy's ``Function``: ``fn(grid, block, args, shared_mem=0)``
-    on CuPy's current stream, without RawKernel's per-call lookup of the device's module).
-
-    wide: the 64-bit index instantiation (``launch_config`` says when it is needed).
-    """
-    import cupy
-
-    def build():
-        fns = [f.kernel for f in kernels.load(source(), names, whole_shared_memory=False)]
-        count = len(KERNEL_NAMES)
-        return {False: Kernels(*fns[:count]), True: Kernels(*fns[count:])}
-
-    dtype = np.dtype(dtype)
-    names = _all_names(dtype)
-    return kernels.cached((cupy.cuda.Device().id, dtype.str), build)[wide]
 
 
 class Launch(NamedTuple):
@@ -120,9 +80,3 @@ def launch_config(n: int) -> tuple:
 
 def needs_wide_index(n: int, threads: int) -> bool:
     return 3 * n + threads >= 2**32
-
-
-def compile_offline(dtype, arch: int, output: str = "cubin") -> bytes:
-    """Compile the kernels for ``dtype`` with NVRTC for ``sm_<arch>``, both index widths; needs
-    no GPU or driver (:func:`.kernels.nvrtc`)."""
-    return kernels.nvrtc(source(), SOURCE_NAME, _all_names(dtype), arch, output)

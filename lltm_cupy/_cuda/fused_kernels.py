@@ -1,22 +1,22 @@
-"""The fused sequence kernels of ``cuda_src/lltm_fused.cu`` (one block per tile of batch rows):
-their module, and the layout facts that every fused variant's planner shares with them (threads
-per block, the arithmetic type's size, the padded row stride of a transposed W_h). The cluster
-and group kernels (:mod:`.cluster_kernels`, :mod:`.group_kernels`) and the tensor-core kernels
-(:mod:`.fused_mma`) are compiled after this file, in the same translation unit."""
+"""The fused sequence kernels of ``cuda_src/lltm_fused.cu`` (one block per tile of batch rows),
+whose record is :data:`.kernels.FUSED`, and the layout facts that every fused variant's planner
+shares with them (threads per block, the arithmetic type's size, the padded row stride of a
+transposed W_h). The cluster and group kernels and the tensor-core kernels are compiled after
+this file, in the same translation unit."""
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 
-from . import elementwise, kernels
-from .kernels import CUDA_TYPE, FusedKernels
+from .kernels import FUSED as FAMILY
 
-__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "THREADS", "acc_size", "wt_stride", "source",
-           "name_expression", "get_kernels", "compile_offline"]
+__all__ = ["FAMILY", "SOURCE_NAME", "KERNEL_NAMES", "THREADS", "acc_size", "wt_stride",
+           "source", "name_expression", "get_kernels", "compile_offline"]
 
-SOURCE_NAME = "lltm_fused.cu"
-KERNEL_NAMES = ("lltm_seq_fwd_kernel", "lltm_seq_bwd_kernel")
+SOURCE_NAME, KERNEL_NAMES = FAMILY.files[-1], FAMILY.kernels
+#: ``get_kernels(dtype)``: the :class:`~.kernels.FusedKernels` on the current device, compiled
+#: once per (device, dtype).
+source, name_expression, get_kernels = FAMILY.source, FAMILY.name_expression, FAMILY.get_kernels
+compile_offline = FAMILY.compile_offline
 #: Threads per block of the fused kernels at most (fewer when the tile has fewer elements).
 THREADS = 256
 
@@ -35,33 +35,3 @@ def wt_stride(state: int, itemsize: int) -> int:
     S = 128)."""
     s3 = 3 * state
     return s3 + (6 - s3 % 4) % 4 if itemsize == 2 else s3 | 1
-
-
-@functools.lru_cache(maxsize=None)
-def source() -> str:
-    """lltm.cu followed by lltm_fused.cu: one translation unit, so that the fused kernels use
-    lltm.cu's scalar types and cell functions."""
-    return kernels.joined(elementwise.source(), SOURCE_NAME)
-
-
-def name_expression(kernel: str, dtype) -> str:
-    return f"{kernel}<{CUDA_TYPE[np.dtype(dtype)]}>"
-
-
-def _names(dtype):
-    return [name_expression(k, dtype) for k in KERNEL_NAMES]
-
-
-def get_kernels(dtype):
-    """The :class:`~.kernels.FusedKernels` for ``dtype`` on the current device, compiled once;
-    each kernel is allowed the device's whole opt-in shared memory per block."""
-    import cupy
-
-    dtype = np.dtype(dtype)
-    return kernels.cached(("fused", cupy.cuda.Device().id, dtype.str),
-                          lambda: FusedKernels(*kernels.load(source(), _names(dtype))))
-
-
-def compile_offline(dtype, arch: int, output: str = "cubin") -> bytes:
-    """The kernels for ``dtype`` compiled by NVRTC for ``sm_<arch>`` (:func:`.kernels.nvrtc`)."""
-    return kernels.nvrtc(source(), SOURCE_NAME, _names(dtype), arch, output)

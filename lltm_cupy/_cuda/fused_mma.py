@@ -12,53 +12,25 @@ device's opt-in limit per block (:func:`shared_bytes`): forward S up to 192 on s
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from . import fused_kernels, kernels
-from .kernels import FusedKernels
+from . import kernels
+from .kernels import FUSED_MMA as FAMILY
 
-__all__ = ["MIN_ARCH", "SOURCE_NAME", "KERNEL_NAMES", "WARPS", "source", "name_expression",
-           "get_kernels", "compile_offline", "shared_bytes", "usable", "geometry"]
+__all__ = ["FAMILY", "MIN_ARCH", "SOURCE_NAME", "KERNEL_NAMES", "WARPS", "source",
+           "name_expression", "get_kernels", "compile_offline", "shared_bytes", "usable",
+           "geometry"]
 
 #: mma.sync.m16n8k16 with f16 / bf16 operands needs sm_80.
 MIN_ARCH = 80
-SOURCE_NAME = "lltm_fused_mma.cu"
-KERNEL_NAMES = ("lltm_seq_fwd_mma_kernel", "lltm_seq_bwd_mma_kernel")
+SOURCE_NAME, KERNEL_NAMES = FAMILY.files[-1], FAMILY.kernels
+#: ``get_kernels(dtype)``: the :class:`~.kernels.FusedKernels` for float16 or bfloat16 on the
+#: current device, compiled once per (device, dtype); ``compile_offline``: sm_80 and newer.
+source, name_expression, get_kernels = FAMILY.source, FAMILY.name_expression, FAMILY.get_kernels
+compile_offline = FAMILY.compile_offline
 #: Warps per block at most (one per s-tile of 16 states and n-tile of 8 rows, round-robin).
 WARPS = 8
 _DTYPES = (np.dtype(np.float16), kernels.BFLOAT16)
-
-
-@functools.lru_cache(maxsize=None)
-def source() -> str:
-    """lltm.cu, lltm_fused.cu, then lltm_fused_mma.cu: one translation unit (the mma kernel uses
-    the first two's scalar types, cell arithmetic and step offsets)."""
-    return kernels.joined(fused_kernels.source(), SOURCE_NAME)
-
-
-def name_expression(kernel: str, dtype) -> str:
-    return f"{kernel}<{kernels.CUDA_TYPE[np.dtype(dtype)]}>"
-
-
-def get_kernels(dtype):
-    """The :class:`~.kernels.FusedKernels` (forward, backward) for ``dtype``
-    (float16 or bfloat16) on the current device, compiled once, each allowed the device's whole
-    opt-in shared memory per block."""
-    import cupy
-
-    dtype = np.dtype(dtype)
-    names = [name_expression(k, dtype) for k in KERNEL_NAMES]
-    return kernels.cached(("fused_mma", cupy.cuda.Device().id, dtype.str),
-                          lambda: FusedKernels(*kernels.load(source(), names)))
-
-
-def compile_offline(dtype, arch: int, output: str = "cubin") -> bytes:
-    """Both mma kernels for ``dtype`` compiled by NVRTC for ``sm_<arch>`` (sm_80 and newer;
-    :func:`.kernels.nvrtc`)."""
-    return kernels.nvrtc(source(), SOURCE_NAME, [name_expression(k, dtype) for k in KERNEL_NAMES],
-                         arch, output)
 
 
 def shared_bytes(state: int, tile: int, backward: bool = False) -> int:

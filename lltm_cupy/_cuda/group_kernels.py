@@ -1,54 +1,30 @@
 """The group kernels of ``cuda_src/lltm_fused_cluster.cu`` (the cluster kernels' split without
 clusters, sm_80 and newer: the blocks of a tile exchange through global memory and meet at a
-barrier on a counter per tile, every block of the grid resident at once): their cooperative
-module, one instantiation per group size, the driver's count of blocks a device holds at once,
-and the launch handle that adds the exchange buffer and counters and runs a grid in launches the
-device holds. What to launch is :mod:`.fused_cluster`'s to plan."""
+barrier on a counter per tile, every block of the grid resident at once), whose record is
+:data:`.kernels.GROUPS` (a cooperative module, one instance per group size): the driver's count
+of blocks a device holds at once, and the launch handle that adds the exchange buffer and
+counters and runs a grid in launches the device holds. What to launch is :mod:`.fused_cluster`'s
+to plan."""
 from __future__ import annotations
 
 import numpy as np
 
 from . import cluster_kernels, kernels
-from .kernels import FusedKernels, current_device
+from .kernels import GROUPS as FAMILY, current_device
 
-__all__ = ["SOURCE_NAME", "KERNEL_NAMES", "SIZES", "name_expression", "get_kernels",
-           "compile_offline", "resident_blocks", "exchange_elements", "group_launch"]
+__all__ = ["FAMILY", "SOURCE_NAME", "KERNEL_NAMES", "SIZES", "source", "name_expression",
+           "get_kernels", "compile_offline", "resident_blocks", "exchange_elements",
+           "group_launch"]
 
-#: One source with the cluster kernels (:func:`.cluster_kernels.source`).
-SOURCE_NAME = cluster_kernels.SOURCE_NAME
-KERNEL_NAMES = ("lltm_seq_fwd_group_kernel", "lltm_seq_bwd_group_kernel")
-#: Blocks per tile of the group kernels (one instantiation each).
-SIZES = (1, 2, 4, 8)
-#: The instantiations are named as the cluster kernels' (``kernel<type, blocks>``).
-name_expression = cluster_kernels.name_expression
-
-
-def _names(dtype):
-    return [name_expression(k, dtype, p) for p in SIZES for k in KERNEL_NAMES]
-
-
-def get_kernels(dtype, size: int):
-    """The :class:`~.kernels.FusedKernels` (forward, backward) of the group kernels for ``dtype``
-    in groups of ``size`` blocks on the current device: every size's kernels compiled at the
-    first call for the dtype, in a module whose launches are cooperative (every block of the grid
-    resident at once: :func:`resident_blocks` says how many may be; CuPy shrinks a larger
-    one-dimensional grid to that with a warning rather than failing, so the launcher never
-    launches one), each allowed the device's whole opt-in shared memory per block."""
-    import cupy
-
-    def build():
-        fns = kernels.load(cluster_kernels.source(), _names(dtype), cooperative=True)
-        count = len(KERNEL_NAMES)
-        return {p: FusedKernels(*fns[i * count:(i + 1) * count]) for i, p in enumerate(SIZES)}
-
-    dtype = np.dtype(dtype)
-    return kernels.cached(("group", cupy.cuda.Device().id, dtype.str), build)[size]
-
-
-def compile_offline(dtype, arch: int, output: str = "cubin") -> bytes:
-    """The group kernels for ``dtype`` at every group size compiled by NVRTC for ``sm_<arch>``
-    (sm_80 and newer; :func:`.kernels.nvrtc`)."""
-    return kernels.nvrtc(cluster_kernels.source(), SOURCE_NAME, _names(dtype), arch, output)
+SOURCE_NAME, KERNEL_NAMES = FAMILY.files[-1], FAMILY.kernels
+#: Blocks per tile of the group kernels (one instance each).
+SIZES = tuple(FAMILY.instances)
+#: ``get_kernels(dtype, size)``: the :class:`~.kernels.FusedKernels` in groups of ``size``
+#: blocks on the current device (every size compiled at the first call per (device, dtype), in
+#: a cooperative module: :func:`resident_blocks` says how many blocks a launch may have);
+#: ``compile_offline``: sm_80 and newer.
+source, name_expression, get_kernels = FAMILY.source, FAMILY.name_expression, FAMILY.get_kernels
+compile_offline = FAMILY.compile_offline
 
 
 _resident: dict = {}

@@ -1,18 +1,22 @@
 """The CUDA backend's lowest layer: CuPy itself (imported on first use, with the GPU check), what
-the launchers ask of the current device, the CUDA sources, their compilation and the kernel
-cache. Every kernel family's module builds on it:
+the launchers ask of the current device, the CUDA sources, their compilation, the kernel cache,
+and the kernel families as data. A :class:`Family` record says what a family is (its cuda_src
+files joined in order into one translation unit, its kernels, the template arguments of each
+instance, how it is loaded and launched); one generic ``source`` / ``names`` / ``get_kernels`` /
+``compile_offline`` serves every record. Each family's module keeps only what is its own:
 
     elementwise    cuda_src/lltm.cu: the cell's kernels, their launch handles
-    fused_kernels  cuda_src/lltm_fused.cu: the one-block fused sequence kernels
-    fused_mma      cuda_src/lltm_fused_mma.cu: the same on tensor cores (16-bit types)
+    fused_kernels  cuda_src/lltm_fused.cu: the one-block fused sequence kernels, layout facts
+    fused_mma      cuda_src/lltm_fused_mma.cu: the same on tensor cores (16-bit types), geometry
     cluster_kernels, group_kernels
                    cuda_src/lltm_fused_cluster.cu: the fused kernels split over the blocks of a
-                   thread-block cluster (sm_90 and newer) or of a cooperative group
+                   thread-block cluster (sm_90 and newer; the occupancy query, the refusal
+                   guard) or of a cooperative group (the group launcher)
 
 Nothing happens at import. A family compiles its module on first use with ``cupy.RawModule``
-(NVRTC), cached per (family, device, dtype) by :func:`cached`; :func:`nvrtc` runs NVRTC
+(NVRTC), cached per (family, device, dtype) by :meth:`Family.get_kernels`; :func:`nvrtc` runs NVRTC
 directly, with no GPU or driver, so the test suite can prove each source compiles for every
-architecture we support (each family's ``compile_offline``).
+architecture we support (:meth:`Family.compile_offline`).
 """
 from __future__ import annotations
 
@@ -27,8 +31,11 @@ import numpy as np
 
 __all__ = ["cupy_module", "current_device", "on_device", "shared_memory_limit",
            "compute_capability", "ensure_context", "cluster_failures", "refused_sizes",
-           "BFLOAT16", "CUDA_TYPE", "ARCHITECTURES", "source_path", "read_source", "joined",
-           "nvrtc", "cached", "load", "FusedKernels"]
+           "note_cluster_failure", "PORTABLE_SIZE", "NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
+           "allow_cluster_size", "BFLOAT16", "CUDA_TYPE", "ARCHITECTURES", "source_path",
+           "read_source", "joined", "nvrtc", "load", "Kernels", "FusedKernels",
+           "PLAIN", "WHOLE_SHARED", "COOPERATIVE", "CLUSTER", "Family", "ELEMENTWISE", "FUSED",
+           "FUSED_MMA", "CLUSTERS", "GROUPS", "FAMILIES"]
 
 #: bfloat16 has no NumPy or CuPy dtype: the GPU backend holds bfloat16 values as their raw bits
 #: in uint16 arrays (what the torch layer hands it), and this dtype means "bfloat16" to it.
@@ -155,7 +162,7 @@ def ensure_context() -> None:
 
 
 #: Why a query, setting or launch for the cluster kernels failed on a device, kept for
-#: inspection (written by :mod:`.cluster_kernels`): ``{(device, kernel name, what): reason}``,
+#: inspection (:func:`note_cluster_failure`): ``{(device, kernel name, what): reason}``,
 #: ``what`` being ("occupancy", threads, shared bytes), "non-portable" or "launch" (the driver
 #: refused a launch of a non-portable cluster size). A failed occupancy query leaves the launch
 #: as planned without it (and is asked again next time).
@@ -163,6 +170,35 @@ cluster_failures: dict = {}
 #: ``{(device, cluster size)}``: the non-portable cluster sizes whose launch the driver refused on
 #: that device; the launcher plans without them from then on (the reason in cluster_failures).
 refused_sizes: set = set()
+#: The portable cluster size: every device of compute capability 9.0 or newer runs clusters of up
+#: to this many blocks (CUDA C++ Programming Guide, "Thread Block Clusters"; cuda.h).
+PORTABLE_SIZE = 8
+#: cuda.h's CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: set to 1 on a function, it may
+#: be launched in clusters larger than the portable size where the device holds them.
+NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+
+
+def note_cluster_failure(device: int, kernel, what, exc: Exception) -> None:
+    """Keep why ``what`` failed for ``kernel`` on ``device`` in :data:`cluster_failures`."""
+    name = getattr(kernel, "__name__", None) or repr(kernel)
+    cluster_failures[(device, name, what)] = f"{type(exc).__name__}: {exc}"
+
+
+def allow_cluster_size(fns, size: int) -> None:
+    """Set the non-portable cluster size attribute (to 1) on the functions ``fns`` (RawKernels)
+    of clusters of ``size`` blocks, where ``size`` is past the portable size: without it a
+    launch (and the occupancy query) refuses the size. A failure is kept in
+    :data:`cluster_failures`; the occupancy query then refuses the size, and the launcher
+    does not use it."""
+    if size <= PORTABLE_SIZE:
+        return
+    import cupy
+
+    for fn in fns:
+        try:
+            cupy.cuda.driver.funcSetAttribute(fn.kernel.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        except Exception as exc:    # noqa: BLE001 (the size is then refused, not the module)
+            note_cluster_failure(current_device(), fn, "non-portable", exc)
 
 
 # ------------------------------------------------------------------ the sources, their compiles
@@ -184,12 +220,16 @@ def read_source(name: str) -> str:
     return source_path(name).read_text(encoding="utf-8")
 
 
-def joined(first: str, name: str) -> str:
-    """One translation unit: the text ``first`` (a source, or sources already joined) followed
-    by ``cuda_src/<name>``, so that the later file uses the earlier ones' types and functions
-    (the textual include NVRTC gets without an include path; the host build of the tests
-    #includes the files the same way); ``#line`` keeps NVRTC's messages at the file's lines."""
-    return first + f'\n#line 1 "{name}"\n' + read_source(name)
+@functools.lru_cache(maxsize=None)
+def joined(files: tuple) -> str:
+    """One translation unit: the cuda_src ``files`` one after the other, so that a later file
+    uses the earlier ones' types and functions (the textual include NVRTC gets without an
+    include path; the host build of the tests #includes the files the same way); ``#line``
+    before each file after the first keeps NVRTC's messages at the file's lines. Made once."""
+    text = read_source(files[0])
+    for name in files[1:]:
+        text += f'\n#line 1 "{name}"\n' + read_source(name)
+    return text
 
 
 def nvrtc(code: str, filename: str, names, arch: int, output: str = "cubin") -> bytes:
@@ -219,18 +259,6 @@ def nvrtc(code: str, filename: str, names, arch: int, output: str = "cubin") -> 
         _nvrtc.destroyProgram(prog)
 
 
-def cached(key, build):
-    """``_cache[key]``, made by ``build()`` under the lock at the first call (each family keys
-    its modules by (family, device, dtype))."""
-    found = _cache.get(key)
-    if found is None:
-        with _lock:
-            found = _cache.get(key)
-            if found is None:
-                found = _cache[key] = build()
-    return found
-
-
 def load(code: str, names, whole_shared_memory: bool = True, cooperative: bool = False) -> list:
     """The functions ``names`` (RawKernels) of a module compiled by NVRTC from ``code`` on the
     current device. ``whole_shared_memory``: each allowed the device's whole opt-in shared
@@ -251,9 +279,116 @@ def load(code: str, names, whole_shared_memory: bool = True, cooperative: bool =
     return fns
 
 
+class Kernels(NamedTuple):
+    """The element-wise kernels of one (device, dtype, index width): launch handles."""
+
+    fwd: Any
+    bwd: Any
+    concat: Any
+    add: Any
+
+
 class FusedKernels(NamedTuple):
     """The compiled whole-sequence kernels (forward, backward) of one variant, (device, dtype)
     and, for the split variants, blocks per tile."""
 
     fwd: Any
     bwd: Any
+
+
+# -------------------------------------------------------------------- the families, as data
+
+#: How a family's kernels are loaded and launched (``Family.launch``). PLAIN: with the default
+#: 48 KB of dynamic shared memory at most, through the loaded functions (``RawKernel.kernel``,
+#: CuPy's ``Function``, called ``fn(grid, block, args)`` on CuPy's current stream without
+#: RawKernel's per-call lookup of the device's module). The others: RawKernels, each allowed the
+#: device's whole opt-in shared memory per block; COOPERATIVE launched with
+#: cuLaunchCooperativeKernel; CLUSTER with the non-portable cluster size attribute on the
+#: instances past the portable size (:func:`allow_cluster_size`).
+PLAIN, WHOLE_SHARED = "plain", "whole shared memory"
+COOPERATIVE, CLUSTER = "cooperative", "non-portable cluster attribute"
+
+
+class Family(NamedTuple):
+    """A kernel family: its cuda_src ``files``, joined in this order (:func:`joined`; the last is
+    its own); its ``kernels``' names, in the order of the fields of ``handles``, the NamedTuple
+    of one instance's kernels; its ``launch`` kind; its ``instances``, ``{key: the template
+    argument after the dtype's C++ type, as text}`` (an index width, a cluster or group size;
+    ``{None: ""}``: one instance, the dtype alone). Every instance is compiled into one module
+    per (device, dtype), kept under (``name``, device, dtype)."""
+
+    name: str
+    files: tuple
+    kernels: tuple
+    handles: type
+    launch: str
+    instances: dict = {None: ""}
+
+    def source(self) -> str:
+        return joined(self.files)
+
+    def name_expression(self, kernel: str, dtype, instance=None) -> str:
+        extra = self.instances[instance]
+        return f"{kernel}<{CUDA_TYPE[np.dtype(dtype)]}{', ' if extra else ''}{extra}>"
+
+    def names(self, dtype) -> list:
+        """Every instance's kernels' name expressions, instance by instance."""
+        return [self.name_expression(k, dtype, i) for i in self.instances for k in self.kernels]
+
+    def get_kernels(self, dtype, instance=None):
+        """The ``handles`` of ``instance`` for ``dtype`` on the current device: the module
+        loaded at the first call per (device, dtype), under the lock, and kept only once all
+        of it is loaded (a failure keeps nothing; the next call loads again)."""
+        import cupy
+
+        dtype = np.dtype(dtype)
+        key = (self.name, cupy.cuda.Device().id, dtype.str)
+        found = _cache.get(key)
+        if found is None:
+            with _lock:
+                found = _cache.get(key)
+                if found is None:
+                    found = _cache[key] = self._load(dtype)
+        return found[instance]
+
+    def _load(self, dtype) -> dict:
+        fns = load(self.source(), self.names(dtype), whole_shared_memory=self.launch != PLAIN,
+                   cooperative=self.launch == COOPERATIVE)
+        if self.launch == PLAIN:
+            fns = [f.kernel for f in fns]
+        count = len(self.kernels)
+        found = {instance: self.handles(*fns[i * count:(i + 1) * count])
+                 for i, instance in enumerate(self.instances)}
+        if self.launch == CLUSTER:
+            for size, pair in found.items():
+                allow_cluster_size(pair, size)
+        return found
+
+    def compile_offline(self, dtype, arch: int, output: str = "cubin") -> bytes:
+        """Every instance for ``dtype`` compiled by NVRTC for ``sm_<arch>`` (:func:`nvrtc`)."""
+        return nvrtc(self.source(), self.files[-1], self.names(dtype), arch, output)
+
+
+_FUSED_FILES = ("lltm.cu", "lltm_fused.cu")
+#: the cell's kernels, in a 32-bit and a 64-bit index instance (``elementwise.launch_config``)
+ELEMENTWISE = Family("elementwise", ("lltm.cu",), ("lltm_fwd_kernel", "lltm_bwd_kernel",
+                     "lltm_concat_kernel", "lltm_add_kernel"), Kernels, PLAIN,
+                     {False: "unsigned int", True: "unsigned long long"})
+#: the one-block fused kernels, after lltm.cu's scalar types and cell functions
+FUSED = Family("fused", _FUSED_FILES, ("lltm_seq_fwd_kernel", "lltm_seq_bwd_kernel"),
+               FusedKernels, WHOLE_SHARED)
+#: the tensor-core kernels, after lltm_fused.cu's cell arithmetic and step offsets
+FUSED_MMA = Family("fused_mma", (*_FUSED_FILES, "lltm_fused_mma.cu"),
+                   ("lltm_seq_fwd_mma_kernel", "lltm_seq_bwd_mma_kernel"), FusedKernels,
+                   WHOLE_SHARED)
+#: the cluster kernels, one instance per cluster size (``__cluster_dims__``), after
+#: lltm_fused.cu's walk over a tile, step offsets, row stride and dot products (the fixed order
+#: of their sums); 16 is past the portable size and runs only where the device holds it
+CLUSTERS = Family("cluster", (*_FUSED_FILES, "lltm_fused_cluster.cu"),
+                  ("lltm_seq_fwd_cluster_kernel", "lltm_seq_bwd_cluster_kernel"), FusedKernels,
+                  CLUSTER, {p: str(p) for p in (1, 2, 4, 8, 16)})
+#: the same file's group kernels, one instance per group size, in a cooperative module
+GROUPS = Family("group", CLUSTERS.files, ("lltm_seq_fwd_group_kernel",
+                "lltm_seq_bwd_group_kernel"), FusedKernels, COOPERATIVE,
+                {p: str(p) for p in (1, 2, 4, 8)})
+FAMILIES = (ELEMENTWISE, FUSED, FUSED_MMA, CLUSTERS, GROUPS)
