@@ -184,7 +184,7 @@ def test_sequence_needed_skips_fields(xp):
 @pytest.mark.parametrize("group", [3, 5, 8])
 def test_factor_groups_change_no_bit(monkeypatch, dtype, group):
     """The NumPy training forward computes the backward's factors for a group of steps in one
-    call each (as many steps as fit ``_numpy.sequence._GROUP_BYTES``, cut at the input projection's
+    call each (as many steps as fit ``_numpy.memory._GROUP_BYTES``, cut at the input projection's
     blocks: here blocks of 8 steps, T = 23, so groups of 3 and 5 straddle nothing and end
     short at every block's end). The grouping changes no bit of the outputs, the saved factors
     or any gradient against computing them step by step (groups of one)."""
@@ -193,10 +193,10 @@ def test_factor_groups_change_no_bit(monkeypatch, dtype, group):
     steps, batch, features, state = 23, 2, 3, 5
     case = make_sequence(steps, batch, features, state, dtype, seed=4)
     monkeypatch.setattr(_numpy.sequence, "_BLOCK_ROWS", 8 * batch)
-    per_step = _numpy.sequence._GROUP_ROWS * batch * state * np.dtype(dtype).itemsize
+    per_step = _numpy.memory._GROUP_ROWS * batch * state * np.dtype(dtype).itemsize
 
     def run(steps_per_group):
-        monkeypatch.setattr(_numpy.sequence, "_GROUP_BYTES", steps_per_group * per_step)
+        monkeypatch.setattr(_numpy.memory, "_GROUP_BYTES", steps_per_group * per_step)
         out, h_n, c_n, saved = lltm_cupy.forward_sequence(*(case[n] for n in SEQ_NAMES))
         grads = lltm_cupy.backward_sequence(case["grad_outputs"], case["grad_h_n"],
                                             case["grad_c_n"], saved)
