@@ -69,7 +69,7 @@ class _Kept(threading.local):
     """What one thread keeps (every thread sees attributes of its own)."""
 
     def __init__(self):
-        #: (batch, state, dtype, group) -> Workspace: the last :data:`_WORKSPACES` made
+        #: (batch, state, dtype) -> Workspace: the last :data:`_WORKSPACES` made
         self.workspaces = {}
         #: dtype -> the scratch buffer
         self.scratch = {}
@@ -92,7 +92,8 @@ def forget() -> None:
 #: a sequence's forward computes the factors of a group of consecutive steps in one call each
 #: (``elementwise.step_factors``), as many steps as keep that call's arguments (_GROUP_ROWS
 #: rows of (batch, state): scratch, z[1:], new_h, new_cell, factors) within _GROUP_BYTES, next
-#: to the weights in a core's L2 cache; at least one: a workspace's forward slots
+#: to the weights in a core's L2 cache; at least one: a workspace's forward slots (read when a
+#: workspace is made: :func:`forget` applies a change)
 _GROUP_BYTES = 1 << 20
 _GROUP_ROWS = 14
 #: workspaces kept per thread (the most recently made shapes)
@@ -120,8 +121,9 @@ class Workspace:
     and :meth:`gate_rows`. Every step writes what it reads of its slot first: nothing here
     outlives a call's use of it."""
 
-    def __init__(self, batch: int, state: int, dtype, group: int):
+    def __init__(self, batch: int, state: int, dtype):
         n = batch * state
+        group = max(1, _GROUP_BYTES // (_GROUP_ROWS * max(n, 1) * dtype.itemsize))
         self.batch, self.state, self.group = batch, state, group
         memory = _mapped((9 * group + 12) * n, dtype)
         at = 9 * group * n
@@ -198,15 +200,13 @@ class Workspace:
 def workspace(batch: int, state: int, dtype) -> Workspace:
     """This thread's :class:`Workspace` for (batch, state, dtype) (``dtype`` a NumPy dtype):
     the last :data:`_WORKSPACES` shapes' are kept (the oldest made is dropped first)."""
-    group = max(1, _GROUP_BYTES // (_GROUP_ROWS * max(batch * state, 1) * dtype.itemsize))
-    key = (batch, state, dtype, group)
     kept = _kept.workspaces
-    found = kept.get(key)
+    found = kept.get((batch, state, dtype))
     if found is None:
-        found = Workspace(batch, state, dtype, group)
+        found = Workspace(batch, state, dtype)
         while len(kept) >= _WORKSPACES:
             del kept[next(iter(kept))]
-        kept[key] = found
+        kept[batch, state, dtype] = found
     return found
 
 
