@@ -96,8 +96,9 @@ def forget() -> None:
 #: workspace is made: :func:`forget` applies a change)
 _GROUP_BYTES = 1 << 20
 _GROUP_ROWS = 14
-#: workspaces kept per thread (the most recently made shapes)
-_WORKSPACES = 4
+#: workspaces kept per thread (the most recently made shapes: the cells' and the sequences'
+#: of a few layers and batch sizes)
+_WORKSPACES = 8
 
 
 class Workspace:
