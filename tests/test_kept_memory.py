@@ -13,25 +13,22 @@ import pytest
 import lltm_cupy
 from lltm_cupy._numpy import memory
 
+from test_sequence import SEQ_NAMES, make_sequence
+
 B, F, S = 16, 8, 64
 
 
 def _case(seed, steps=5):
-    rng = np.random.default_rng(seed)
-    k = S + F
-    return dict(x=rng.standard_normal((steps, B, F)).astype(np.float32),
-                w=(rng.uniform(-1, 1, (3 * S, k)) / np.sqrt(k)).astype(np.float32),
-                b=rng.uniform(-1, 1, 3 * S).astype(np.float32),
-                h=rng.uniform(-1, 1, (B, S)).astype(np.float32),
-                c=rng.standard_normal((B, S)).astype(np.float32))
+    return make_sequence(steps, B, F, S, np.float32, seed)
 
 
 def _run(a):
     """A cell step and a sequence each way through the array API: every result's bytes."""
-    h, c, saved = lltm_cupy.forward(a["x"][0], a["w"], a["b"], a["h"], a["c"])
-    cell = lltm_cupy.backward(np.ones_like(h), np.ones_like(c), saved)
-    out, h_n, c_n, saved = lltm_cupy.forward_sequence(a["x"], a["w"], a["b"], a["h"], a["c"])
-    grads = lltm_cupy.backward_sequence(np.ones_like(out), None, np.ones_like(c_n), saved)
+    x, w, b, h0, c0 = (a[n] for n in SEQ_NAMES)
+    h, c, saved = lltm_cupy.forward(x[0], w, b, h0, c0)
+    cell = lltm_cupy.backward(a["grad_h_n"], a["grad_c_n"], saved)
+    out, h_n, c_n, saved = lltm_cupy.forward_sequence(x, w, b, h0, c0)
+    grads = lltm_cupy.backward_sequence(a["grad_outputs"], None, a["grad_c_n"], saved)
     return [r.tobytes() for r in (h, c, *cell, out, h_n, c_n, *grads)]
 
 
@@ -66,7 +63,8 @@ def test_the_one_step_forward_is_made_once_and_maps_nothing_again(monkeypatch):
     sequence's backward) makes neither the step nor a mapping for it again."""
     a = _case(0, steps=40)
     memory.forget()
-    step = lambda: lltm_cupy.forward(a["x"][0], a["w"], a["b"], a["h"], a["c"])   # noqa: E731
+    x, w, b, h0, c0 = (a[n] for n in SEQ_NAMES)
+    step = lambda: lltm_cupy.forward(x[0], w, b, h0, c0)     # noqa: E731
     step()
     made, mapped = [], []
     real_step, real_mmap = memory.forward_step, mmap.mmap
@@ -74,7 +72,7 @@ def test_the_one_step_forward_is_made_once_and_maps_nothing_again(monkeypatch):
                         lambda *args: made.append(args) or real_step(*args))
     monkeypatch.setattr(mmap, "mmap", lambda *args, **kw: mapped.append(args) or
                         real_mmap(*args, **kw))
-    out, _, _, saved = lltm_cupy.forward_sequence(a["x"], a["w"], a["b"], a["h"], a["c"])
+    out, _, _, saved = lltm_cupy.forward_sequence(x, w, b, h0, c0)
     lltm_cupy.backward_sequence(np.ones_like(out), None, None, saved)   # grows the scratch
     made.clear()
     mapped.clear()
@@ -92,8 +90,7 @@ def test_forget_drops_everything_the_thread_keeps(monkeypatch):
 
     monkeypatch.setattr(memory, "RECYCLE_BYTES", 0)        # every array recycled
     memory.forget()
-    a = _case(0)
-    out, _, _, saved = lltm_cupy.forward_sequence(a["x"], a["w"], a["b"], a["h"], a["c"])
+    out, _, _, saved = lltm_cupy.forward_sequence(*(_case(0)[n] for n in SEQ_NAMES))
     lltm_cupy.backward_sequence(np.ones_like(out), None, None, saved)
     torch.manual_seed(0)
     out, (h, c) = LLTM(F, S)(torch.randn(5, B, F))
