@@ -27,8 +27,9 @@ class LLTMSaved:
     backend's backward reads: on the GPU the three pre-activations with the bias added, (batch,
     3 * state) as the GEMM wrote them (the kernel recomputes every activation and derivative from
     them): X plus 4 * batch * state values in all; on the CPU the four products the backward
-    multiplies by, gate-major (4, batch, state) (see ``lltm_cupy._numpy.step._step_factors``; four cheap
-    contiguous NumPy passes in the backward instead of sixteen): X plus 5 * batch * state values.
+    multiplies by, gate-major (4, batch, state) (see
+    ``lltm_cupy._numpy.elementwise.step_factors``; four cheap contiguous NumPy passes in the
+    backward instead of sixteen): X plus 5 * batch * state values.
     It also keeps a reference to ``weights`` (not a copy): do not modify the weights in place
     between forward and backward.
     """

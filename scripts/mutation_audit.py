@@ -171,11 +171,11 @@ MUTANTS = [
            FUSED_TESTS, "fused sequence backward: a thread with no element at step t does not "
            "load its element of step t - 1 (rows that end at different steps)"),
     # --------------------------------------------------------------- NumPy backend
-    Mutant("numpy-drop-grad-cell", "lltm_cupy/_numpy/step.py",
+    Mutant("numpy-drop-grad-cell", "lltm_cupy/_numpy/elementwise.py",
            "        add(part, d_cell, d_cell)           # d_new_cell\n",
            "        copyto(d_cell, part)\n",
            NUMPY_TESTS, "NumPy backward: grad_cell dropped from d_new_cell"),
-    Mutant("numpy-sigmoid-wrong-gate", "lltm_cupy/_numpy/step.py",
+    Mutant("numpy-sigmoid-wrong-gate", "lltm_cupy/_numpy/elementwise.py",
            "np.multiply(new_h, scratch[..., 1, :, :], factors[..., 1, :, :])",
            "np.multiply(new_h, scratch[..., 0, :, :], factors[..., 1, :, :])",
            NUMPY_TESTS, "NumPy: the output gate's sigmoid' uses sigmoid(-z_i)"),

@@ -10,9 +10,9 @@ whose steps made 2 library calls forward and 5 NumPy calls backward, and whose v
 steps 40 NumPy calls):
 
 - forward: one GEMM (torch's ``bmm``, or NumPy's ``matmul``), the projection's add and the
-  twelve element-wise calls of ``lltm_cupy._numpy.step._forward_step``: :data:`FORWARD`;
+  twelve element-wise calls of ``lltm_cupy._numpy.elementwise.forward_step``: :data:`FORWARD`;
 - backward: one GEMM (torch's ``addmm_``, or NumPy's ``matmul`` and ``add``) and four
-  element-wise calls (``_backward_step``): :data:`BACKWARD`;
+  element-wise calls (``backward_step``): :data:`BACKWARD`;
 - no array method (no view made) and at most one library call (the step function) per step,
   beside the NumPy engine's GEMM functions;
 

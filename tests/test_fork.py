@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import lltm_cupy
-from lltm_cupy._numpy import memory, sequence as numpy_sequence
+from lltm_cupy._numpy import memory
 from lltm_cupy.torch import LLTM, LLTMCell, lltm_sequence
 from helpers.forking import in_child, in_parent_and_child, same
 from helpers import fork_work
@@ -84,19 +84,19 @@ def test_a_forked_child_writes_its_own_copy_of_the_kept_memory():
     dtype = np.dtype(np.float64)
     scratch = memory.scratch(1000, dtype)
     scratch[:] = 1.0
-    space = numpy_sequence._workspace(4, 8, dtype)
+    space = memory.workspace(4, 8, dtype)
     space.d_c[...] = 2.0
 
     def child():
         mine = memory.scratch(1000, dtype)
         assert mine.ctypes.data == scratch.ctypes.data     # the same (inherited) buffer
         mine[:] = -1.0
-        numpy_sequence._workspace(4, 8, dtype).d_c[...] = -2.0
+        memory.workspace(4, 8, dtype).d_c[...] = -2.0
         raise SystemExit(0)
 
     assert in_child(child) == ("SystemExit", "0")
     assert (memory.scratch(1000, dtype) == 1.0).all(), "the child wrote the parent's scratch"
-    assert (numpy_sequence._workspace(4, 8, dtype).d_c == 2.0).all(), \
+    assert (memory.workspace(4, 8, dtype).d_c == 2.0).all(), \
         "the child wrote the parent's sequence workspace"
 
 

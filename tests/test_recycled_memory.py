@@ -15,10 +15,15 @@ from lltm_cupy._numpy import memory
 @pytest.fixture
 def recycle_all(monkeypatch):
     """Every array recycled, from an empty memory of earlier arrays (restored afterwards)."""
-    monkeypatch.setattr(memory, "_RECYCLE_BYTES", 0)
-    memory.forget_recycled()
+    monkeypatch.setattr(memory, "RECYCLE_BYTES", 0)
+    memory.forget()
     yield
-    memory.forget_recycled()
+    memory.forget()
+
+
+def _kept() -> list:
+    """The large arrays this thread remembers."""
+    return memory._kept.recycled.get("numpy", [])
 
 
 def _address(a) -> int:
@@ -37,26 +42,26 @@ def test_memory_is_handed_out_again_only_when_nothing_refers_to_it(recycle_all):
     assert not np.shares_memory(d, c)
     freed = {first, _address(c)}
     del view, c
-    remembered = len(memory._local.recycled)
+    remembered = len(_kept())
     e, = memory.recycled(np.float32, (16, 16))          # nothing refers to a's or c's: reused
     assert e.shape == (16, 16) and e.flags.c_contiguous and _address(e) in freed
     f, = memory.recycled(np.float32, (256,))            # the other one
     assert _address(f) in freed - {_address(e)}
-    assert len(memory._local.recycled) == remembered
+    assert len(_kept()) == remembered
     g, = memory.recycled(np.float64, (128,))            # another dtype: new memory
-    assert _address(g) not in freed and len(memory._local.recycled) == remembered + 1
+    assert _address(g) not in freed and len(_kept()) == remembered + 1
 
 
 def test_small_arrays_are_new_by_default():
-    kept = list(getattr(memory._local, "recycled", []))
+    kept = list(_kept())
     a, b = memory.recycled(np.float32, (16,), (1 << 20,))
-    assert [*getattr(memory._local, "recycled", [])] == kept     # not remembered
+    assert [*_kept()] == kept     # not remembered
     assert a.shape == (16,) and b.shape == (1 << 20,)
 
 
 def test_the_thread_remembers_a_bounded_number(recycle_all):
-    held = [memory.recycled(np.float32, (n + 1,))[0] for n in range(3 * memory._RECYCLE_COUNT)]
-    assert len(memory._local.recycled) == memory._RECYCLE_COUNT
+    held = [memory.recycled(np.float32, (n + 1,))[0] for n in range(3 * memory.RECYCLE_COUNT)]
+    assert len(_kept()) == memory.RECYCLE_COUNT
     del held
 
 

@@ -184,20 +184,24 @@ def test_sequence_needed_skips_fields(xp):
 @pytest.mark.parametrize("group", [3, 5, 8])
 def test_factor_groups_change_no_bit(monkeypatch, dtype, group):
     """The NumPy training forward computes the backward's factors for a group of steps in one
-    call each (as many steps as fit ``_numpy.sequence._GROUP_BYTES``, cut at the input projection's
+    call each (as many steps as fit ``_numpy.memory._GROUP_BYTES``, cut at the input projection's
     blocks: here blocks of 8 steps, T = 23, so groups of 3 and 5 straddle nothing and end
     short at every block's end). The grouping changes no bit of the outputs, the saved factors
-    or any gradient against computing them step by step (groups of one)."""
+    or any gradient against computing them step by step (groups of one). (A workspace reads
+    the group size when made: ``memory.forget`` before each run.)"""
     from lltm_cupy import _numpy
 
     steps, batch, features, state = 23, 2, 3, 5
     case = make_sequence(steps, batch, features, state, dtype, seed=4)
     monkeypatch.setattr(_numpy.sequence, "_BLOCK_ROWS", 8 * batch)
-    per_step = _numpy.sequence._GROUP_ROWS * batch * state * np.dtype(dtype).itemsize
+    per_step = _numpy.memory._GROUP_ROWS * batch * state * np.dtype(dtype).itemsize
 
     def run(steps_per_group):
-        monkeypatch.setattr(_numpy.sequence, "_GROUP_BYTES", steps_per_group * per_step)
+        monkeypatch.setattr(_numpy.memory, "_GROUP_BYTES", steps_per_group * per_step)
+        _numpy.memory.forget()
         out, h_n, c_n, saved = lltm_cupy.forward_sequence(*(case[n] for n in SEQ_NAMES))
+        space = _numpy.memory.workspace(batch, state, np.dtype(dtype))
+        assert space.group == steps_per_group, (space.group, steps_per_group)
         grads = lltm_cupy.backward_sequence(case["grad_outputs"], case["grad_h_n"],
                                             case["grad_c_n"], saved)
         return (out, h_n, c_n, saved.gates, saved.cells) + tuple(grads)
@@ -206,3 +210,4 @@ def test_factor_groups_change_no_bit(monkeypatch, dtype, group):
              "d_h0", "d_c0")
     for name, a, b in zip(names, run(1), run(group)):
         assert np.array_equal(a, b), f"{name} differs with groups of {group} steps"
+    _numpy.memory.forget()

@@ -156,7 +156,7 @@ def test_one_thread_and_two_agree(monkeypatch, recycle):
     from lltm_cupy.verify import TOLERANCE, normalised_error
 
     if recycle:
-        monkeypatch.setattr(memory, "_RECYCLE_BYTES", 0)
+        monkeypatch.setattr(memory, "RECYCLE_BYTES", 0)
     before = torch.get_num_threads()
     torch.manual_seed(5)
     model = lt.LLTM(32, 96)
@@ -176,7 +176,7 @@ def test_one_thread_and_two_agree(monkeypatch, recycle):
                                 *(p.grad.clone() for p in model.parameters())]
     finally:
         torch.set_num_threads(before)
-        memory.forget_recycled()
+        memory.forget()
     bound = TOLERANCE[np.dtype(np.float32)]
     for i, (a, b) in enumerate(zip(results[1], results[2])):
         error = normalised_error(a.numpy(), b.numpy())

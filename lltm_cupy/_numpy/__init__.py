@@ -3,16 +3,19 @@
 The arithmetic runs in the input dtype (float32 stays float32). Arguments were checked by
 ``lltm_cupy._checks``. At the sizes recurrent cells run at, the cost on the CPU is the number of
 NumPy calls rather than arithmetic, so this backend is written for few, cheap passes on
-contiguous memory, in forms that keep relative accuracy for every finite input (``step``).
+contiguous memory, in forms that keep relative accuracy for every finite input
+(``elementwise``).
 
 One file per job, importing one way (``__init__`` -> ``packed`` -> ``sequence`` -> ``step`` ->
-``memory``, ``gemm``):
+``gemm`` -> ``memory`` -> ``elementwise``):
 
-- ``step``: one step each way into buffers the caller gives (what the torch layer calls), the
-  element-wise cell alone, and the element-wise forms the loops share;
+- ``step``: one step each way into buffers the caller gives (what the torch layer calls), and
+  the element-wise cell alone;
 - ``sequence``: the fixed-length sequence loops; ``packed``: variable lengths;
-- ``memory``: the thread's scratch memory and NumPy's floating-point error state;
-- ``gemm``: the GEMMs, by NumPy's BLAS or (passed as ``mm``) another engine's.
+- ``gemm``: the GEMMs, by NumPy's BLAS or (passed as ``mm``) another engine's;
+- ``memory``: everything the backend keeps per thread (its workspaces, with the element-wise
+  steps over them; scratch; recycled arrays), the fork rule, NumPy's floating-point error state;
+- ``elementwise``: the element-wise forms every step runs.
 
 The GEMMs go through ``mm``, an object with the interface of :mod:`lltm_cupy._numpy.gemm`
 (default: NumPy's BLAS): the torch layer passes torch's (one BLAS thread pool per process, not

@@ -4,10 +4,10 @@ same loops run variable lengths for ``packed``).
 
 A step costs its arithmetic: its GEMM (through ``mm``, an object with the interface of
 :mod:`lltm_cupy._numpy.gemm`) and the fewest element-wise NumPy calls that keep the relatively
-accurate forms (``step``: twelve forward, four backward), with no array, view or Python object
-made per step. Everything a step reads or writes is a view made once per call (as lists, one
+accurate forms (``elementwise``: twelve forward, four backward), with no array, view or Python
+object made per step. Everything a step reads or writes is a view made once per call (as lists, one
 call each where the engine allows), the element-wise steps' own views once per thread and shape
-(:class:`_Workspace`, with their buffers, reused call after call), and the backward's factors
+(``memory.Workspace``, with their buffers, reused call after call), and the backward's factors
 for a group of steps in one call each. The GEMMs run gate-major, so that the products land in
 the element-wise step's layout: no pass transposes them (the step's input projection, bias
 included, is added to its recurrent product by one NumPy call).
@@ -18,7 +18,6 @@ sequence is the case where every step runs the whole batch.
 """
 from __future__ import annotations
 
-import threading
 from itertools import chain
 from operator import getitem
 
@@ -27,8 +26,8 @@ import numpy as np
 from .. import _packing
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 from .gemm import copy, row_blocks
-from .memory import _mapped, recycled, scratch, zeros
-from .step import _backward_step, _forward_step, _step_factors
+from .elementwise import step_factors
+from .memory import recycled, scratch, workspace
 
 __all__ = ["forward_sequence", "backward_sequence"]
 
@@ -38,82 +37,6 @@ __all__ = ["forward_sequence", "backward_sequence"]
 #: (256, 512), (512, 1024)); at 4096-8192 rows the product leaves the caches and a row costs
 #: 1.2-7x more.
 _BLOCK_ROWS = 512
-
-#: keep: a group of steps' factors in one _step_factors call each, as many steps as keep its
-#: arguments (_GROUP_ROWS rows of (B, S): scratch, z[1:], new_h, new_cell, factors) within
-#: _GROUP_BYTES, next to the weights in a core's L2 cache; at least one step.
-_GROUP_BYTES = 1 << 20
-_GROUP_ROWS = 14
-
-#: workspaces kept per thread (the most recently used shapes)
-_WORKSPACES = 4
-
-_local = threading.local()
-
-
-class _Workspace:
-    """This thread's buffers for the sequence loops at one (batch, state, dtype), and the
-    element-wise steps on them (``step._forward_step`` / ``_backward_step``, which make their
-    views once), made at first use and reused call after call: a forward step's z (3, n, S) and
-    scratch (6, n, S) for each of ``group`` steps, a backward step's scratch (5, n, S) and the
-    cell gradient (batch, S), for every row count n <= batch that a call runs. Nothing kept
-    here outlives a call's use of it."""
-
-    def __init__(self, batch: int, state: int, dtype, group: int):
-        n = batch * state
-        self.state, self.group = state, group
-        self.z = _mapped(group * 3 * n, dtype).reshape(group, 3 * n)
-        self.s = _mapped(group * 6 * n, dtype).reshape(group, 6 * n)
-        self.d = _mapped(5 * n, dtype)
-        self.d_c = _mapped(n, dtype).reshape(batch, state)
-        self.zero = zeros(3 * n, dtype)
-        self.made = {}
-
-    def forward(self, i: int, rows: int, derivatives: bool, mm):
-        """Slot ``i``'s forward step on ``rows`` rows, its z as ``mm``'s operand and z (kept in
-        :attr:`made` under ``((i, rows), (derivatives, mm))``)."""
-        key = ((i, rows), (derivatives, mm))
-        found = self.made.get(key)
-        if found is None:
-            k = 3 * rows * self.state
-            z = self.z[i, :k].reshape(3, rows, self.state)
-            step = _forward_step(z, self.s[i, : 2 * k].reshape(6, rows, self.state),
-                                 self.zero[:k].reshape(3, rows, self.state), derivatives)
-            found = self.made[key] = (step, mm.operand(z), z)
-        return found
-
-    def group_views(self, count: int, rows: int) -> tuple:
-        """z[1:] and scratch of slots [0, count) on ``rows`` rows: (count, 2, rows, S) and
-        (count, 6, rows, S), the arguments of one ``_step_factors`` call for them."""
-        k = 3 * rows * self.state
-        z = self.z[:count, :k].reshape(count, 3, rows, self.state)
-        return z[:, 1:], self.s[:count, : 2 * k].reshape(count, 6, rows, self.state)
-
-    def backward(self, rows: int):
-        """The backward step on ``rows`` rows and its view of the cell gradient."""
-        found = self.made.get(rows)
-        if found is None:
-            d = self.d[: 5 * rows * self.state].reshape(5, rows, self.state)
-            found = self.made[rows] = (_backward_step(d), self.d_c[:rows])
-        return found
-
-
-def _workspace(batch: int, state: int, dtype) -> _Workspace:
-    """This thread's workspace for (batch, state, dtype) (and the factor groups' steps): the
-    last :data:`_WORKSPACES` shapes' are kept (the oldest made is dropped first)."""
-    kept = getattr(_local, "workspaces", None)
-    if kept is None:
-        kept = _local.workspaces = {}
-    group = max(1, _GROUP_BYTES // (_GROUP_ROWS * max(batch * state, 1) * dtype.itemsize))
-    key = (batch, state, dtype, group)
-    found = kept.get(key)
-    if found is None:
-        found = _Workspace(batch, state, dtype, group)
-        while len(kept) >= _WORKSPACES:
-            del kept[next(iter(kept))]
-        kept[key] = found
-    return found
-
 
 def _blocks(sizes, offsets):
     """The input projection's blocks of steps, ``(a, b)`` for steps a to b - 1, as
@@ -142,11 +65,6 @@ def _runs(sizes, a: int, b: int) -> list:
             runs.append((t0, t, sizes[t0]))
             t0 = t
     return runs
-
-
-def forget_workspaces() -> None:
-    """Drop this thread's workspaces (they are made again at the next call)."""
-    _local.workspaces = {}
 
 
 # --------------------------------------------------------------------------------- forward
@@ -209,7 +127,7 @@ def _forward_loop(x, weights, bias, mm, sizes, offsets, h, first, cells, c0, fac
     state = h.shape[1]
     dtype = h.dtype
     keep = cells is not None
-    space = _workspace(sizes if one else max(sizes), state, dtype)
+    space = workspace(sizes if one else max(sizes), state, dtype)
     # the GEMMs' weights gate-major, (3, K, S) (a copy each: see lltm_cupy._numpy.gemm)
     w_x = mm.gate_weights(weights[:, state:])
     w_h = mm.gate_weights(weights[:, :state])
@@ -239,7 +157,7 @@ def _forward_loop(x, weights, bias, mm, sizes, offsets, h, first, cells, c0, fac
         steps, max(1, _BLOCK_ROWS // max(sizes, 1))) * sizes
     projection = scratch(3 * rows * state, dtype).reshape(3, rows, state)
     projection_op = mm.operand(projection)
-    project, bmm, add, factor_step = mm.project_gates, mm.bmm, np.add, _step_factors
+    project, bmm, add, factor_step = mm.project_gates, mm.bmm, np.add, step_factors
     made = space.made
     for a, b in blocks:
         k = offsets[b] - offsets[a]
@@ -351,7 +269,7 @@ def _backward_loop(grad_h, grad_c, factors, flat, w_h, mm, sizes, offsets):
         sizes = sizes[0]
     one = isinstance(sizes, int)
     batch, state = sizes if one else sizes[0], grad_h.shape[1]
-    space = _workspace(batch, state, grad_h.dtype)
+    space = workspace(batch, state, grad_h.dtype)
     d_c = space.d_c
     if grad_c is None:
         d_c[...] = 0

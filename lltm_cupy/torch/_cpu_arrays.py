@@ -13,7 +13,6 @@ address that holds the tensor (its ``tensor``), so the tensor lives as long as t
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import numpy as np
 import torch
@@ -76,14 +75,15 @@ def view(t: Tensor) -> np.ndarray:
 
 def empty(shape, dtype) -> np.ndarray:
     """A NumPy array over a new tensor (which :func:`to_tensor` gives back): ``torch.empty``'s,
-    or for a large one (``lltm_cupy._numpy.memory.recycled``'s rule) the memory of a tensor
-    this thread handed out before that nothing refers to any more."""
+    or for a large one the memory of a tensor this thread handed out before that nothing refers
+    to any more (``lltm_cupy._numpy.memory.reuse``, the rule and limits of the backend's own
+    large arrays)."""
     torch_dtype = TORCH_DTYPE[dtype]
     count = 1
     for n in shape:
         count *= n
-    if count * dtype.itemsize >= _memory._RECYCLE_BYTES and _use_count is not None:
-        t = _recycled(count, torch_dtype).view(shape)
+    if count * dtype.itemsize >= _memory.RECYCLE_BYTES and _use_count is not None:
+        t = _memory.reuse("torch", count, torch_dtype, _unreferenced, _flat).view(shape)
     else:
         t = torch.empty(shape, dtype=torch_dtype)
     nbytes = t.nbytes
@@ -102,32 +102,17 @@ def empty(shape, dtype) -> np.ndarray:
 
 #: a storage's reference count (torch's private call; None in a torch without it: no reuse)
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
-_local = threading.local()
 
 
-def _recycled(count: int, dtype) -> Tensor:
-    """A flat tensor of ``count`` elements: one this thread made before whose memory nothing
-    refers to any more (no tensor, view or array: its storage's reference count is that of the
-    remembered tensor and of the storage object the check makes), else a new one, remembered
-    (the last ``memory._RECYCLE_COUNT``), as ``memory.recycled`` does for NumPy's arrays."""
-    kept = getattr(_local, "recycled", None)
-    if kept is None:
-        kept = _local.recycled = []
-    for i, t in enumerate(kept):
-        if t.numel() == count and t.dtype == dtype and \
-                _use_count(t.untyped_storage()._cdata) == 2:
-            kept.append(kept.pop(i))            # the most recently used last
-            return t
-    t = torch.empty(count, dtype=dtype)
-    kept.append(t)
-    if len(kept) > _memory._RECYCLE_COUNT:
-        del kept[0]
-    return t
+def _unreferenced(t: Tensor) -> bool:
+    """Whether nothing refers to the memory of ``t`` (a tensor of ``memory.reuse``) but ``t``:
+    no tensor, view or array (its storage's reference count is that of ``t`` and of the storage
+    object this check makes)."""
+    return _use_count(t.untyped_storage()._cdata) == 2
 
 
-def forget_recycled() -> None:
-    """Forget this thread's remembered tensors (freed with the last reference to each)."""
-    _local.recycled = []
+def _flat(count: int, dtype) -> Tensor:
+    return torch.empty(count, dtype=dtype)
 
 
 def to_tensor(a: np.ndarray) -> Tensor:

@@ -145,12 +145,11 @@ def _owner_module(fn) -> str:
 
 
 def _forget_cached_steps() -> None:
-    """Drop what the backend caches per thread that binds NumPy's callables (its step
-    functions), where this version of it has such a cache."""
-    for name, module in list(sys.modules.items()):
-        forget = getattr(module, "forget_workspaces", None) if name.startswith("lltm_cupy") else None
-        if callable(forget):
-            forget()
+    """Drop what the CPU backend keeps per thread (lltm_cupy._numpy.memory.forget), its step
+    functions among it, which bind NumPy's callables when made."""
+    memory = sys.modules.get("lltm_cupy._numpy.memory")
+    if memory is not None:
+        memory.forget()
 
 
 def counted_numpy(fn, *args, **kwargs):

@@ -553,26 +553,28 @@ class Cpu(Bench):
             self.native.restore(handler)
 
     def cold(self, state=None):
-        from lltm_cupy._numpy import memory, sequence
+        from lltm_cupy._numpy import memory
 
-        memory._local.__dict__.clear()
-        sequence._local.__dict__.clear()
+        memory.forget()
         _packing.clear_caches()
         self._real_stand_in.cache_clear()
         self.stand_ins.clear()
 
-    def caches(self) -> dict:
-        from lltm_cupy._numpy import memory, sequence
+    #: the named views of a CPU workspace (lltm_cupy._numpy.memory.Workspace)
+    FIELDS = ("z", "s", "product", "d", "d_c", "zero")
 
-        local = memory._local.__dict__
-        workspaces = getattr(sequence._local, "workspaces", {})
+    def caches(self) -> dict:
+        from lltm_cupy._numpy import memory
+
+        kept = memory._kept
+        workspaces = kept.workspaces
         return {
-            "scratch": {dtype: "mapping" for dtype in local.get("buffers", {})},
-            "zeros": {dtype: "mapping" for dtype in local.get("zeros", {})},
-            "steps": {key[1:]: signature(value) for key, value in local.get("steps", {}).items()},
+            "scratch": {dtype: "mapping" for dtype in kept.scratch},
             "workspaces": {key: tuple(getattr(getattr(w, n, None), "shape", "missing")
-                                      for n in ("z", "s", "d", "d_c", "zero"))
+                                      for n in self.FIELDS)
                            for key, w in workspaces.items()},
+            "workspace cells": {key: signature(getattr(w, "cells", "missing"))
+                                for key, w in workspaces.items()},
             "workspace steps": {(key, made_key): signature(value) for key, w in workspaces.items()
                                 for made_key, value in getattr(w, "made", {}).items()},
             "plans": {(p.lengths.tobytes(), p.steps, p.reverse, p.packed_io): True
@@ -590,16 +592,12 @@ class Cpu(Bench):
 
     def _owned(self):
         """The mappings and NumPy buffers the backend's caches hold (data pointers)."""
-        from lltm_cupy._numpy import memory, sequence
+        from lltm_cupy._numpy import memory
 
-        arrays = []
-        local = memory._local.__dict__
-        arrays += [*local.get("buffers", {}).values(), *local.get("zeros", {}).values()]
-        for kept in local.get("steps", {}).values():
-            if isinstance(kept, tuple):
-                arrays.append(kept[0])
-        for w in getattr(sequence._local, "workspaces", {}).values():
-            arrays += [getattr(w, n) for n in ("z", "s", "d", "d_c", "zero") if hasattr(w, n)]
+        kept = memory._kept
+        arrays = [*kept.scratch.values()]
+        for w in kept.workspaces.values():
+            arrays += [getattr(w, n) for n in self.FIELDS if hasattr(w, n)]
         mappings = set()
         for a in arrays:
             while isinstance(a, np.ndarray):

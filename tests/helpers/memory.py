@@ -22,11 +22,11 @@ _profiler_started = []
 
 
 def _forget_recycled():
-    """Forget the CPU backend's earlier arrays that it would reuse (lltm_cupy._numpy.memory),
-    in this thread."""
+    """Forget what the CPU backend keeps in this thread (lltm_cupy._numpy.memory.forget), its
+    earlier arrays that it would reuse among it."""
     from lltm_cupy._numpy import memory
 
-    memory.forget_recycled()
+    memory.forget()
 
 
 def held_bytes(call):
