@@ -19,8 +19,8 @@ __all__ = ["forward_step", "step_factors", "backward_step"]
 
 def forward_step(z, scratch, zero, derivatives):
     """The element-wise forward of one step as a function ``step(old_cell, new_h, new_cell)``
-    of its state, on the buffers given here, whose views it makes once (a dozen views cost
-    about 2 us, a step at B * S = 2k about 20): no array, view or Python object made per step.
+    of its state, on the buffers given here, whose views it makes once (at small sizes a dozen
+    views cost a tenth of a step): no array, view or Python object made per step.
 
     z (3, B, S): the gate pre-activations, used as scratch (z[1:] holds p + q below afterwards;
     the caller writes the next step's z into it). ``zero``: zeros shaped like z (read-only).
@@ -41,8 +41,8 @@ def forward_step(z, scratch, zero, derivatives):
     one unit in the last place of 1, which is no relative accuracy at all once a gate saturates).
     Twelve NumPy calls: values multiplied by the same factor sit side by side, so that one call
     does two gates; min / max against a zeros array (NumPy's loop for a scalar operand is not
-    vectorised); outputs passed positionally (0.3 us less per call than ``out=``), except to
-    minimum/maximum, where NumPy deprecates that.
+    vectorised); outputs passed positionally (cheaper than ``out=``: docs/performance.md, "The
+    accurate forms' cost"), except to minimum/maximum, where NumPy deprecates that.
     """
     minimum, maximum, negative, expm1, exp, add, divide, multiply, tanh = (
         np.minimum, np.maximum, np.negative, np.expm1, np.exp, np.add, np.divide, np.multiply,

@@ -25,14 +25,10 @@ array ``a @ b``), the sequence loops use:
   functions, so that a step's GEMM is one call into torch and no Python call of this library.
 
 Gate-major GEMMs (three (B, S) products against per-gate weights (3, K, S), one batched call)
-write the layout the element-wise step reads, so that no pass transposes the products. With
-torch's BLAS (MKL, one thread, float32, on the 2-core Intel Xeon VM of docs/performance.md) the
-step's recurrent product ``torch.bmm`` took 8.1 / 55 / 461 us at (B, S) = (16, 128) / (32, 256)
-/ (64, 512), and with the projection added by NumPy (one pass) 8.7 / 57 / 469 us, against 10.2
-/ 61 / 489 us for ``torch.baddbmm`` (which copies the projection into the output before the
-product) and 11.2-12.0 / 92-96 / 652-672 us for NumPy's ``matmul`` (OpenBLAS). An earlier
-measurement (AMD EPYC host): ``torch.baddbmm`` 12.3 / 76 / 685 us against 15.6 / 88 / 703 us
-for one (B, 3S) product and the pass that adds it into gate-major order.
+write the layout the element-wise step reads, so that no pass transposes the products; the
+step's recurrent product is ``torch.bmm`` and one NumPy add of its projection, not
+``torch.baddbmm`` (which copies the projection into the output first) nor NumPy's ``matmul``:
+the times are in docs/performance.md, "The sequence loops' step".
 """
 from __future__ import annotations
 

@@ -240,8 +240,7 @@ def recycled(dtype, *shapes) -> list:
     what a call returns or keeps for a backward; each large one (:data:`RECYCLE_BYTES`) by
     :func:`reuse`: fresh memory of a training call's size costs a page fault per 4 KiB or 2 MiB
     touched, and on a virtual machine a fault that finds memory the host took back costs much
-    more and varies (at (T, B, F, S) = (32, 256, 512, 1024) 20-300 ms of system time per call,
-    against none reused)."""
+    more and varies (docs/performance.md, "Steady at large sizes")."""
     dtype = np.dtype(dtype)
     out = []
     for shape in shapes:

@@ -32,10 +32,9 @@ from .memory import recycled, scratch, workspace
 __all__ = ["forward_sequence", "backward_sequence"]
 
 #: Rows of one block of the sequences' input projection: one GEMM per block of steps into a
-#: buffer reused block after block. At 256-2048 rows torch's and NumPy's single-threaded GEMMs
-#: run at their best rows per second (measured at F, S = (16, 512), (32, 128), (128, 256),
-#: (256, 512), (512, 1024)); at 4096-8192 rows the product leaves the caches and a row costs
-#: 1.2-7x more.
+#: buffer reused block after block, in the range of rows where torch's and NumPy's
+#: single-threaded GEMMs run at their best rows per second (past it the product leaves the
+#: caches: docs/performance.md, "How the sequence loops are laid out").
 _BLOCK_ROWS = 512
 
 def _blocks(sizes, offsets):

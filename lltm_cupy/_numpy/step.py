@@ -33,11 +33,11 @@ def _project(x, w, bias, mm, steps, batch, out=None, product=None):
     gate-major array (steps, 3, batch, state) (``out``, or a new one); the bias add writes the
     layout.
 
-    For up to 128 rows the product is taken as ``w @ x.T`` (OpenBLAS runs it up to 2x faster than
-    ``x @ w.T`` at small batch) and the bias add transposes it; for more rows ``x @ w.T``, whose
+    For up to 128 rows the product is taken as ``w @ x.T`` (OpenBLAS's faster orientation at
+    small batch) and the bias add transposes it; for more rows ``x @ w.T``, whose
     (batch, 3, state) rows the bias add moves whole (transposing a large product costs more than
-    the GEMM: 43 ms against 20 ms at 4096 x 1536). ``product``: a scratch for the GEMM's result
-    (3 * state * steps * batch elements; the engine's ``into`` writes it), or None.
+    the GEMM): docs/performance.md, "GEMM orientation". ``product``: a scratch for the GEMM's
+    result (3 * state * steps * batch elements; the engine's ``into`` writes it), or None.
     """
     state = w.shape[0] // 3
     out = np.empty((steps, 3, batch, state), x.dtype) if out is None else out
