@@ -178,6 +178,23 @@ def _no_compile_state_between_tests():
         dynamo.reset()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _host_build_cache(tmp_path_factory):
+    """The run's cache of host builds (tests/helpers/host_build.py): one folder for the whole
+    run, under pytest's base temporary folder, which pytest-xdist's workers share (a worker's
+    own base folder is ``popen-gwN`` inside the run's)."""
+    import os
+
+    from helpers import host_build
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    host_build.configure(base / "host-builds")
+    yield
+    host_build.configure(None)
+
+
 @pytest.fixture(scope="session")
 def host_lib(tmp_path_factory):
     """The kernels of cuda_src/lltm.cu compiled as host C++ (ctypes library)."""
