@@ -10,6 +10,7 @@ import pytest
 from lltm_cupy import reference, verify
 from helpers import host_kernels
 from helpers import skip_gate
+from helpers.workers import pytest_configure  # noqa: F401 (a hook)
 from helpers.skip_gate import (GPU_PHRASE, pytest_collectreport,  # noqa: F401
                                pytest_runtest_logreport, pytest_sessionfinish,
                                pytest_terminal_summary)
