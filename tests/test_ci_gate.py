@@ -45,7 +45,8 @@ def _run(tmp_path, modules, *options):
 
 #: the README's command runs the suite on pytest-xdist's workers: the gate must see every skip
 #: of every worker (xdist hands the workers' reports to the controlling process's hooks)
-WORKERS = [pytest.param((), id="one-process"), pytest.param(("-n", "2"), id="xdist-workers")]
+WORKERS = [pytest.param((), id="one-process"),
+           pytest.param(("-n", "2"), id="xdist-workers", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("workers", WORKERS)

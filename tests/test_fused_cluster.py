@@ -458,6 +458,7 @@ def test_the_kernels_have_the_barriers_the_mutation_test_deletes():
 
 
 @pytest.mark.parametrize("which", range(len(mutants.statements("cluster"))))
+@pytest.mark.slow
 def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatch,
                                       one_block_lib):
     """Each barrier of lltm_fused_cluster.cu deleted in turn (a mutation of the source, all of
@@ -496,7 +497,8 @@ def _mutation_runs(xp, lib, monkeypatch, sm_count=None):
                                               for name, g, w in zip(OUT, got, want)}
 
 
-@pytest.mark.parametrize("build", ["source", "mutants-none-deleted"])
+@pytest.mark.parametrize("build", ["source", pytest.param("mutants-none-deleted",
+                                                    marks=pytest.mark.slow)])
 def test_unmutated_source_passes_the_mutation_check(cluster_cupy, cluster_lib, one_block_lib,
                                                     monkeypatch, build, tmp_path):
     """The control of the test above: the same runs with every barrier in place are exact, in
@@ -539,6 +541,7 @@ CLUSTER_REGISTERS_16 = {
 
 @pytest.mark.parametrize("arch", [90, 100])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.slow
 def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
     """Every cluster size, header-free inline PTX (mapa, st.shared::cluster, barrier.cluster's
     .aligned forms);
@@ -569,6 +572,7 @@ def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
         assert 0 < r["registers"] <= ceiling, f"sm_{arch} {name}: {r['registers']} > {ceiling}"
 
 
+@pytest.mark.slow
 def test_ptxas_reports_no_spill_for_the_cluster_kernels():
     """Every cluster kernel for sm_90: no spill or stack frame, registers for 256 threads, no
     static shared memory."""

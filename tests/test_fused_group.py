@@ -268,6 +268,7 @@ def test_the_group_kernels_have_the_barriers_the_mutation_test_deletes():
 
 
 @pytest.mark.parametrize("which", range(len(mutants.statements("group"))))
+@pytest.mark.slow
 def test_deleting_a_barrier_of_the_group_kernels_is_caught(which, tmp_path, emulated_cupy,
                                                            monkeypatch, one_block_lib80):
     """Each barrier of the group kernels deleted in turn (a mutation of the source, all of them
@@ -290,7 +291,8 @@ def _mutation_runs(xp, lib, monkeypatch):
     return _cluster_mutation_runs(xp, lib, monkeypatch, sm_count=lambda size: 2 * size)
 
 
-@pytest.mark.parametrize("build", ["source", "mutants-none-deleted"])
+@pytest.mark.parametrize("build", ["source", pytest.param("mutants-none-deleted",
+                                                    marks=pytest.mark.slow)])
 def test_unmutated_source_passes_the_group_mutation_check(group_cupy, group_lib, one_block_lib80,
                                                           monkeypatch, build, tmp_path):
     """The control of the test above, in the build of the source as it is and in the mutants'
@@ -317,6 +319,7 @@ GROUP_REGISTERS = {(80, "fwd"): (48, 48, 48, 72), (80, "bwd"): (48, 48, 48, 72)}
 
 @pytest.mark.parametrize("arch", [80, 90, 100])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.slow
 def test_nvrtc_compiles_the_group_kernels(dtype, arch):
     """Every group size, header-free inline PTX (fence.acq_rel.gpu, the counter's relaxed
     atomics at GPU scope, the exchange's st.cg / ld.cg), no cluster anywhere (a cooperative
@@ -342,6 +345,7 @@ def test_nvrtc_compiles_the_group_kernels(dtype, arch):
             assert r["registers"] <= ceiling, f"sm_80 {name}: {r['registers']} > {ceiling}"
 
 
+@pytest.mark.slow
 def test_ptxas_reports_no_spill_for_the_group_kernels():
     """Every group kernel for sm_80: no spill or stack frame, registers for 256 threads, no
     static shared memory."""

@@ -321,6 +321,7 @@ def test_launcher_shared_memory_is_the_kernels(fused_lib):
                 _mma.shared_bytes(state, tile, True)
 
 
+@pytest.mark.slow
 def test_the_fragments_kept_in_registers_change_no_bit(mma_cupy, monkeypatch, tmp_path):
     """S = 128 on one row per block (eight jobs, eight warps: each warp keeps its first
     k-tiles' fragments in registers) gives the bits of the same source with nothing kept in
@@ -351,6 +352,7 @@ _MMA_TEXT = _kernels.source_path(_mma.SOURCE_NAME).read_text()
 
 
 @pytest.mark.parametrize("which", range(len(mutants.statements("mma"))))
+@pytest.mark.slow
 def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatch):
     """Each __syncthreads() of lltm_fused_mma.cu deleted in turn (all of them in one build:
     tests/helpers/mutants.py): the host run gives results off the reference (the control:
@@ -375,6 +377,7 @@ def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatc
         f"barrier {which} deleted, yet every result is near the reference: {errors}"
 
 
+@pytest.mark.slow
 def test_the_mutants_build_with_none_deleted_gives_the_sources_bits(tmp_path, emulated_cupy,
                                                                    fused_lib, monkeypatch):
     """The control of the test above on its build (every barrier of lltm_fused_mma.cu and
@@ -422,6 +425,7 @@ def _ceiling(arch, name, compiler="nvrtc"):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
+@pytest.mark.slow
 def test_nvrtc_compiles_the_mma_kernels(dtype, arch):
     """NVRTC builds both kernels for sm_80, sm_90 and sm_100 with the tensor-core instruction of
     the dtype in the PTX (header-free inline PTX), no local memory, registers within the pins."""
@@ -443,6 +447,7 @@ def test_nvrtc_compiles_the_mma_kernels(dtype, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.slow
 def test_ptxas_reports_no_spill_for_the_mma_kernels(arch):
     """ptxas -v (nvcc) on both kernels in both dtypes: no spill or stack frame, the registers NVRTC's
     cubin records (the pins above), no static shared memory."""

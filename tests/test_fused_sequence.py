@@ -322,6 +322,7 @@ def test_the_kernels_have_the_barriers_the_mutation_test_deletes():
 
 
 @pytest.mark.parametrize("which", range(len(mutants.statements("fused"))))
+@pytest.mark.slow
 def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatch):
     """Each __syncthreads() of lltm_fused.cu deleted in turn (a mutation of the source, all of
     them in one build: tests/helpers/mutants.py): the host run with block semantics gives wrong
@@ -343,7 +344,8 @@ def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatc
         f"barrier {which} deleted, yet every result matches the reference: {errors}"
 
 
-@pytest.mark.parametrize("build", ["source", "mutants-none-deleted"])
+@pytest.mark.parametrize("build", ["source", pytest.param("mutants-none-deleted",
+                                                    marks=pytest.mark.slow)])
 def test_unmutated_source_passes_the_mutation_check(emulated_cupy, fused_lib, monkeypatch, build,
                                                     tmp_path):
     """The control of the test above: the same run with every barrier in place is exact, in the
@@ -362,6 +364,7 @@ def test_unmutated_source_passes_the_mutation_check(emulated_cupy, fused_lib, mo
         assert max_error(g, w) <= 1e-12, name
 
 
+@pytest.mark.slow
 def test_a_divergent_barrier_is_reported(tmp_path, emulated_cupy, monkeypatch):
     """A __syncthreads() that only some threads reach stops the host launch with an error."""
     text = _FUSED_TEXT.replace("      if (r >= active) {             // finished:",
@@ -417,6 +420,7 @@ def _register_ceiling(arch: int, symbol: str, compiler: str = "nvrtc") -> int:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.slow
 def test_nvrtc_compiles_the_fused_kernels(dtype, arch):
     """NVRTC (what CuPy compiles with at run time) builds both kernels of the dtype for the
     architecture; the cubin records no local memory (no spill) and registers within the pins."""
@@ -450,6 +454,7 @@ def _store_conflicts(state: int, itemsize: int, stride: int) -> int:
 
 
 @pytest.mark.parametrize("itemsize", [2, 4, 8])
+@pytest.mark.slow
 def test_forward_weights_load_meets_no_bank_conflict(itemsize):
     """The forward kernel's transposed W_h rows are padded (lltm_cupy/_cuda/fused.wt_stride) so
     that its load's stores meet no bank conflict where a warp stores into one gate's column (S a
@@ -548,6 +553,7 @@ def _run_ptxas(nvcc, arch, source=None, names=None):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.slow
 def test_ptxas_reports_no_spill_and_shared_memory_within_the_limit(arch):
     """ptxas -v (nvcc) on every variant: no spill, registers within the pins (REGISTERS) and no
     static shared memory, and every size the selection accepts within the architecture's

@@ -220,6 +220,7 @@ def _missing_part_runs(lib):
 
 
 @pytest.mark.parametrize("mutant", mutants.GROUP_SYNC_PARTS, ids=list(mutants.GROUP_SYNC_PARTS))
+@pytest.mark.slow
 def test_a_barrier_missing_a_part_is_caught(mutant, tmp_path):
     """lltm_group_sync with one of its statements deleted (a mutation of
     cuda_src/lltm_fused_cluster.cu, all of them in one build: tests/helpers/mutants.py): under
@@ -230,7 +231,8 @@ def test_a_barrier_missing_a_part_is_caught(mutant, tmp_path):
     assert _missing_part_runs(mutant_lib), f"{mutant} deleted: every run right"
 
 
-@pytest.mark.parametrize("build", ["source", "mutants-none-deleted"])
+@pytest.mark.parametrize("build", ["source", pytest.param("mutants-none-deleted",
+                                                    marks=pytest.mark.slow)])
 def test_no_part_missing_passes_the_check(lib, build, tmp_path):
     """The control of the test above: with every statement of the barrier in place every run is
     right, in the build of the source as it is and in the mutants' build with none deleted."""

@@ -41,9 +41,10 @@ def _threads(tmp_path, options, env):
 
 
 @pytest.mark.parametrize("options,env,want", [
-    (("-n", "2"), {}, ["1", "1", "1"]),
-    (("-n", "2"), {"OMP_NUM_THREADS": "3"}, ["3", "1", "1"]),
-    ((), {}, ["-", "-", "-"]),
-], ids=["workers", "workers-pool-set", "no-workers"])
+    pytest.param(("-n", "2"), {}, ["1", "1", "1"], id="workers", marks=pytest.mark.slow),
+    pytest.param(("-n", "2"), {"OMP_NUM_THREADS": "3"}, ["3", "1", "1"], id="workers-pool-set",
+                 marks=pytest.mark.slow),
+    pytest.param((), {}, ["-", "-", "-"], id="no-workers"),
+])
 def test_workers_run_one_thread_per_library(tmp_path, options, env, want):
     assert _threads(tmp_path, options, env) == want
