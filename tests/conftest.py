@@ -180,16 +180,14 @@ def _no_compile_state_between_tests():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _host_build_cache(tmp_path_factory):
+def _host_build_cache(tmp_path_factory, request):
     """The run's cache of host builds (tests/helpers/host_build.py): one folder for the whole
     run, under pytest's base temporary folder, which pytest-xdist's workers share (a worker's
     own base folder is ``popen-gwN`` inside the run's)."""
-    import os
-
     from helpers import host_build
 
     base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if hasattr(request.config, "workerinput"):      # a pytest-xdist worker
         base = base.parent
     host_build.configure(base / "host-builds")
     yield

@@ -497,8 +497,8 @@ def _mutation_runs(xp, lib, monkeypatch, sm_count=None):
                                               for name, g, w in zip(OUT, got, want)}
 
 
-@pytest.mark.parametrize("build", ["source", pytest.param("mutants-none-deleted",
-                                                    marks=pytest.mark.slow)])
+@pytest.mark.parametrize("build", [
+    "source", pytest.param("mutants-none-deleted", marks=pytest.mark.slow)])
 def test_unmutated_source_passes_the_mutation_check(cluster_cupy, cluster_lib, one_block_lib,
                                                     monkeypatch, build, tmp_path):
     """The control of the test above: the same runs with every barrier in place are exact, in

@@ -291,8 +291,8 @@ def _mutation_runs(xp, lib, monkeypatch):
     return _cluster_mutation_runs(xp, lib, monkeypatch, sm_count=lambda size: 2 * size)
 
 
-@pytest.mark.parametrize("build", ["source", pytest.param("mutants-none-deleted",
-                                                    marks=pytest.mark.slow)])
+@pytest.mark.parametrize("build", [
+    "source", pytest.param("mutants-none-deleted", marks=pytest.mark.slow)])
 def test_unmutated_source_passes_the_group_mutation_check(group_cupy, group_lib, one_block_lib80,
                                                           monkeypatch, build, tmp_path):
     """The control of the test above, in the build of the source as it is and in the mutants'

@@ -344,8 +344,8 @@ def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatc
         f"barrier {which} deleted, yet every result matches the reference: {errors}"
 
 
-@pytest.mark.parametrize("build", ["source", pytest.param("mutants-none-deleted",
-                                                    marks=pytest.mark.slow)])
+@pytest.mark.parametrize("build", [
+    "source", pytest.param("mutants-none-deleted", marks=pytest.mark.slow)])
 def test_unmutated_source_passes_the_mutation_check(emulated_cupy, fused_lib, monkeypatch, build,
                                                     tmp_path):
     """The control of the test above: the same run with every barrier in place is exact, in the

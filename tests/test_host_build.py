@@ -84,12 +84,10 @@ def test_each_load_is_an_instance_of_its_own(tmp_path, host_lib):
     assert ctypes.c_int.in_dll(host_lib, mutants.SWITCH).value == -1
 
 
-def test_the_run_shares_one_cache(tmp_path_factory):
+def test_the_run_shares_one_cache(tmp_path_factory, request):
     """Every process of the run (each pytest-xdist worker) uses the same folder: the one under
     the run's base temporary folder."""
-    import os
-
     folder = host_build.cache_folder()
     assert folder is not None and folder.name == "host-builds"
     base = tmp_path_factory.getbasetemp()
-    assert folder.parent == (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
+    assert folder.parent == (base.parent if hasattr(request.config, "workerinput") else base)

@@ -231,8 +231,8 @@ def test_a_barrier_missing_a_part_is_caught(mutant, tmp_path):
     assert _missing_part_runs(mutant_lib), f"{mutant} deleted: every run right"
 
 
-@pytest.mark.parametrize("build", ["source", pytest.param("mutants-none-deleted",
-                                                    marks=pytest.mark.slow)])
+@pytest.mark.parametrize("build", [
+    "source", pytest.param("mutants-none-deleted", marks=pytest.mark.slow)])
 def test_no_part_missing_passes_the_check(lib, build, tmp_path):
     """The control of the test above: with every statement of the barrier in place every run is
     right, in the build of the source as it is and in the mutants' build with none deleted."""
