@@ -3,7 +3,7 @@ pre-activations the caller computed (what the GPU kernels do between the GEMMs),
 built another way: another projection, attention, a GEMM of the caller's own."""
 from __future__ import annotations
 
-from . import _backend
+from ._dispatch import _backend
 from ._aliasing import private_cell
 from ._checks import check_cell_backward, check_cell_forward
 

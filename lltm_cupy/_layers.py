@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _backend, _flag, _forward_sequence, sequence_plan
+from ._dispatch import _backend, _flag, _forward_sequence, sequence_plan
 from ._aliasing import private_sequence
 from ._checks import check_backward_layers, check_forward_layers
 from ._parameters import array_module, read_structure

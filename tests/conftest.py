@@ -10,6 +10,7 @@ import pytest
 from lltm_cupy import reference, verify
 from helpers import host_kernels
 from helpers import skip_gate
+from helpers.workers import pytest_configure  # noqa: F401 (a hook)
 from helpers.skip_gate import (GPU_PHRASE, pytest_collectreport,  # noqa: F401
                                pytest_runtest_logreport, pytest_sessionfinish,
                                pytest_terminal_summary)
@@ -176,6 +177,21 @@ def _no_compile_state_between_tests():
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.reset()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _host_build_cache(tmp_path_factory, request):
+    """The run's cache of host builds (tests/helpers/host_build.py): one folder for the whole
+    run, under pytest's base temporary folder, which pytest-xdist's workers share (a worker's
+    own base folder is ``popen-gwN`` inside the run's)."""
+    from helpers import host_build
+
+    base = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):      # a pytest-xdist worker
+        base = base.parent
+    host_build.configure(base / "host-builds")
+    yield
+    host_build.configure(None)
 
 
 @pytest.fixture(scope="session")

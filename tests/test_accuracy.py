@@ -136,6 +136,7 @@ def _property(test):
 
 @_property
 @example(data=_Pinned(_largest_gradient_near_a_zero_cell))
+@pytest.mark.slow
 def test_elementwise_ulps_over_the_whole_float_range(host_lib, backend, dtype, data):
     """Pre-activations anywhere in the finite range; old_cell and the gradients too, as long as
     no exact result leaves the dtype's range (those elements are skipped by max_errors)."""
@@ -146,6 +147,7 @@ def test_elementwise_ulps_over_the_whole_float_range(host_lib, backend, dtype, d
 
 
 @_property
+@pytest.mark.slow
 def test_elementwise_ulps_with_moderate_state(host_lib, backend, dtype, data):
     """Pre-activations over the whole range with old_cell and gradients within +-100, where
     most elements have every output in range (the search above skips many)."""

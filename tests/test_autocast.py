@@ -100,6 +100,7 @@ def _compare_once(device, sequence, compiled, autocast, expect_cell_dtype, rtol)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("sequence", [False, True], ids=["cell", "sequence"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.slow
 def test_cpu_autocast_computes_the_cell_in_float32(compiled, sequence, dtype):
     # the Linear layers run in the autocast dtype; the cell in float32
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3

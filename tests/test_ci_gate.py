@@ -43,8 +43,15 @@ def _run(tmp_path, modules, *options):
                           capture_output=True, text=True)
 
 
-def test_gate_fails_naming_each_module_skipped_for_another_reason(tmp_path):
-    proc = _run(tmp_path, MODULES, "--gpu-skips-only")
+#: the README's command runs the suite on pytest-xdist's workers: the gate must see every skip
+#: of every worker (xdist hands the workers' reports to the controlling process's hooks)
+WORKERS = [pytest.param((), id="one-process"),
+           pytest.param(("-n", "2"), id="xdist-workers", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_gate_fails_naming_each_module_skipped_for_another_reason(tmp_path, workers):
+    proc = _run(tmp_path, MODULES, "--gpu-skips-only", *workers)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "SKIP REFUSED: module test_needs_torch.py (module test_needs_torch.py): torch is " \
@@ -54,25 +61,28 @@ def test_gate_fails_naming_each_module_skipped_for_another_reason(tmp_path):
     assert "test_gpu.py" not in "".join(l for l in out.splitlines() if "REFUSED" in l), out
 
 
-def test_gate_fails_a_run_that_only_skipped(tmp_path):
+@pytest.mark.parametrize("workers", WORKERS)
+def test_gate_fails_a_run_that_only_skipped(tmp_path, workers):
     proc = _run(tmp_path, {"test_needs_torch.py": MODULES["test_needs_torch.py"]},
-                "--gpu-skips-only")
+                "--gpu-skips-only", *workers)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "SKIP REFUSED: module test_needs_torch.py" in proc.stdout, proc.stdout
 
 
-def test_gate_passes_gpu_skips_and_is_off_without_the_option(tmp_path):
+@pytest.mark.parametrize("workers", WORKERS)
+def test_gate_passes_gpu_skips_and_is_off_without_the_option(tmp_path, workers):
     gpu_only = {"test_gpu.py": MODULES["test_gpu.py"]}
-    proc = _run(tmp_path, gpu_only, "--gpu-skips-only")
+    proc = _run(tmp_path, gpu_only, "--gpu-skips-only", *workers)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 skipped" in proc.stdout and "REFUSED" not in proc.stdout, proc.stdout
-    proc = _run(tmp_path, MODULES)
+    proc = _run(tmp_path, MODULES, *workers)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_gate_keeps_a_failure_a_failure(tmp_path):
+@pytest.mark.parametrize("workers", WORKERS)
+def test_gate_keeps_a_failure_a_failure(tmp_path, workers):
     proc = _run(tmp_path, {"test_fails.py": "def test_f():\n    assert False\n"},
-                "--gpu-skips-only")
+                "--gpu-skips-only", *workers)
     assert proc.returncode == 1, proc.stdout
 
 
@@ -108,13 +118,15 @@ def test_every_skip_for_want_of_a_gpu_uses_the_phrase():
     assert not offenders, offenders
 
 
-def test_skips_allowed_refuses_every_skip_not_on_its_list(tmp_path):
+@pytest.mark.parametrize("workers", WORKERS)
+def test_skips_allowed_refuses_every_skip_not_on_its_list(tmp_path, workers):
     """gpu_check.sh's gate on the GPU machine: a GPU test skipped there (even for want of a GPU)
     fails the run unless its reason contains an allowed text."""
     two = {"test_two.py": 'import pytest\n'
                           'def test_two_gpus():\n'
                           '    pytest.skip("GPU test: needs two CUDA devices")\n'}
-    proc = _run(tmp_path, {**MODULES, **two}, "--skips-allowed", "needs two CUDA devices")
+    proc = _run(tmp_path, {**MODULES, **two}, "--skips-allowed", "needs two CUDA devices",
+                *workers)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     refused = "\n".join(line for line in out.splitlines() if "SKIP REFUSED" in line)
@@ -124,5 +136,5 @@ def test_skips_allowed_refuses_every_skip_not_on_its_list(tmp_path):
     assert "test_two" not in refused, out
     alone = tmp_path / "alone"
     alone.mkdir()
-    proc = _run(alone, two, "--skips-allowed", "needs two CUDA devices")
+    proc = _run(alone, two, "--skips-allowed", "needs two CUDA devices", *workers)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -2,8 +2,8 @@
 equal those of one process on the same global batch."""
 from __future__ import annotations
 
+import datetime
 import os
-import socket
 
 import pytest
 
@@ -34,8 +34,9 @@ def loss_fn(model, xs, target):
 
 
 def worker(rank, port, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False,
+                          timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     try:
         model, xs, target = make_model_and_data()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -52,15 +53,16 @@ def worker(rank, port, out_dir):
     os._exit(0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_gradients_equal_single_process(tmp_path):
-    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True,
+    # The rendezvous store is served from this process on a port the system picks when it
+    # binds it (port 0) and holds from then on: no other process (another pytest-xdist worker,
+    # another run on the machine) can take it between its choice and its use, as it could
+    # when a port found free was closed and bound again by rank 0.
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    mp.start_processes(worker, args=(store.port, str(tmp_path)), nprocs=WORLD, join=True,
                        start_method="spawn")
+    del store
     model, xs, target = make_model_and_data()
     loss_fn(model, xs, target).backward()
     for rank in range(WORLD):

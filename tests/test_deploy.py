@@ -235,6 +235,7 @@ def test_compile_is_not_taken_for_export_where_dynamo_folds_is_exporting(monkeyp
 # ----------------------------------------------------------------------------- torch.export
 
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+@pytest.mark.slow
 def test_export_holds_torch_operators_only(strict):
     """torch.export (dynamic batch and steps, grad mode on) records torch operators only: no
     lltm_cupy operator before or after run_decompositions; the program equals the eager layer
@@ -265,6 +266,7 @@ def test_export_holds_torch_operators_only(strict):
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+@pytest.mark.slow
 def test_scan_gradients_refused_where_torch_gets_them_wrong(monkeypatch, tmp_path, strict):
     """On a torch whose scan differentiates the LLTM wrongly (2.11: 5.4 normalised, forward
     right), a differentiable export that records a scan is refused; under no_grad, a static
@@ -328,6 +330,7 @@ ONNX_CASES = ([(False, name, grad) for name in CONFIGS for grad in (True, False)
 @pytest.mark.parametrize("dynamo, name, grad", ONNX_CASES,
                          ids=[f"{'dynamo' if d else 'torchscript'}-{n}-{'grad' if g else 'no_grad'}"
                               for d, n, g in ONNX_CASES])
+@pytest.mark.slow
 def test_onnx_export_runs_in_onnxruntime(onnxruntime, tmp_path, dynamo, name, grad):
     """torch.onnx.export, no user code: onnxruntime's results equal the eager layer's at other
     batch sizes and lengths (both dynamic)."""
@@ -373,6 +376,7 @@ _NO_LIBRARY = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_aot_inductor_package_runs_without_the_library(tmp_path):
     """An inference model exported (no_grad), decomposed, compiled by AOTInductor into a package
     (static steps, dynamic batch) and saved by torch.export.save (dynamic steps and batch): both
@@ -455,6 +459,7 @@ class _Output(torch.nn.Module):
 
 # ------------------------------------------------------------ nn.LSTM beside it (docs/deploy.md)
 
+@pytest.mark.slow
 def test_nn_lstm_beside_it(onnxruntime, tmp_path):
     """What docs/deploy.md says nn.LSTM does, run beside the LLTM (torch 2.13, onnxruntime
     1.32): jit.trace replays it at other sizes and round-trips jit.save/load; the TorchScript

@@ -54,6 +54,7 @@ def test_short_run_learns_without_torch(tmp_path):
     assert png.stat().st_size > 0 and "wrote" in proc.stdout
 
 
+@pytest.mark.slow
 def test_next_to_the_torch_lltm_from_the_same_parameters(tmp_path):
     """Two layers, bidirectional: exit 0 means that at every step the torch LLTM given the
     array model's parameters computed the same loss and gradients within
@@ -70,6 +71,7 @@ def test_next_to_the_torch_lltm_from_the_same_parameters(tmp_path):
     assert "array API vs torch LLTM from the same parameters at every step" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_same_parameters_check_sees_one_gradient_off_by_1e_3(monkeypatch):
     """The judged gap is not amplified by training, so a small real difference shows at its
     own size: one parameter's gradient 1e-3 too large on the array side gives a gap of about

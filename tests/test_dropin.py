@@ -695,6 +695,7 @@ def test_carried_state_equals_one_long_sequence():
         third.sum().backward()
 
 
+@pytest.mark.slow
 def test_language_model_trains_saves_whole_and_resumes_identically(tmp_path):
     """Training lowers the loss; torch.save(model) and torch.load(weights_only=True) with the
     classes allowlisted, flatten_parameters() after loading (as main.py does), the tied weight
@@ -771,6 +772,7 @@ def _lbfgs(cell, steps=3):
     return losses, pred
 
 
+@pytest.mark.slow
 def test_float64_cells_trained_with_lbfgs():
     """The LBFGS closure pattern in float64 (many closure calls per step) lowers the loss as
     nn.LSTMCell's run does, and the free-running prediction runs."""

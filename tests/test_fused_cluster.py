@@ -23,7 +23,7 @@ from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, fused as _fused
 from lltm_cupy._cuda import fused_cluster as _cluster, fused_kernels as _fused_kernels
 from lltm_cupy._cuda import group_kernels as _group_kernels, kernels as _kernels
 from conftest import gpu_unavailable_reason, max_error
-from helpers import cubin as _cubin, host_cluster, host_fused
+from helpers import cubin as _cubin, host_cluster, host_fused, mutants
 from test_fused_sequence import DTYPES, LIMIT, OUT, _run_ptxas, compare, make, run
 from test_lengths import _reference
 
@@ -447,36 +447,26 @@ def test_a_run_planned_by_the_query(cluster_cupy, monkeypatch):
 # ------------------------------------------------------------------------ a missing barrier
 
 _CLUSTER_TEXT = _kernels.source_path(_cluster_kernels.SOURCE_NAME).read_text()
-_BARRIER = re.compile(r"(lltm_cluster_sync|__syncthreads)\(\);")
-
-
-def _barriers(text: str) -> list:
-    """The barriers the cluster kernels pass (not those of the group variant's exchange,
-    tests/test_fused_group.py, nor those inside its barrier lltm_group_sync,
-    tests/test_host_cluster.py)."""
-    skip = [(text.index(head), text.index(close, text.index(head))) for head, close in
-            (("void lltm_group_sync(", "\n}\n"), ("struct lltm_group_exchange {", "\n};\n"))]
-    return [(m.start(), m.end()) for m in _BARRIER.finditer(text)
-            if not any(a <= m.start() < b for a, b in skip)]
 
 
 def test_the_kernels_have_the_barriers_the_mutation_test_deletes():
     """The cluster exchange's barriers (one at the start and one per step each way), then one
     block barrier per backward step: four in all."""
-    found = [_CLUSTER_TEXT[a:b].rstrip("();") for a, b in _barriers(_CLUSTER_TEXT)]
+    found = [_CLUSTER_TEXT[a:b].rstrip("();")
+             for a, b in mutants.cluster_barriers(_CLUSTER_TEXT)]
     assert found == ["lltm_cluster_sync"] * 3 + ["__syncthreads"], found
 
 
-@pytest.mark.parametrize("which", range(len(_barriers(_CLUSTER_TEXT))))
+@pytest.mark.parametrize("which", range(len(mutants.statements("cluster"))))
+@pytest.mark.slow
 def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatch,
                                       one_block_lib):
-    """Each barrier of lltm_fused_cluster.cu deleted in turn (a mutation of the source): the host
-    run with cluster semantics gives wrong numbers or stops with an error, at 2 and 4 blocks per
-    cluster, in the ascending and the descending order."""
-    start, end = _barriers(_CLUSTER_TEXT)[which]
-    (tmp_path / _cluster_kernels.SOURCE_NAME).write_text(_CLUSTER_TEXT[:start]
-                                                         + _CLUSTER_TEXT[end:])
-    lib = host_cluster.build(tmp_path, source_dir=tmp_path)
+    """Each barrier of lltm_fused_cluster.cu deleted in turn (a mutation of the source, all of
+    them in one build: tests/helpers/mutants.py): the host run with cluster semantics gives
+    wrong numbers or stops with an error, at 2 and 4 blocks per cluster, in the ascending and
+    the descending order."""
+    lib = host_cluster.build(tmp_path, sources=mutants.sources("harness_cluster.cpp"))
+    mutants.delete(lib, "cluster", which)
     _use(monkeypatch, lib, one_block_lib)
     for label, got, errors in _mutation_runs(emulated_cupy, lib, monkeypatch):
         if got is None:
@@ -507,9 +497,18 @@ def _mutation_runs(xp, lib, monkeypatch, sm_count=None):
                                               for name, g, w in zip(OUT, got, want)}
 
 
-def test_unmutated_source_passes_the_mutation_check(cluster_cupy, cluster_lib, monkeypatch):
-    """The control of the test above: the same runs with every barrier in place are exact."""
-    for label, got, errors in _mutation_runs(cluster_cupy, cluster_lib, monkeypatch):
+@pytest.mark.parametrize("build", [
+    "source", pytest.param("mutants-none-deleted", marks=pytest.mark.slow)])
+def test_unmutated_source_passes_the_mutation_check(cluster_cupy, cluster_lib, one_block_lib,
+                                                    monkeypatch, build, tmp_path):
+    """The control of the test above: the same runs with every barrier in place are exact, in
+    the build of the source as it is and in the mutants' build with no statement deleted."""
+    lib = cluster_lib
+    if build != "source":
+        lib = host_cluster.build(tmp_path, sources=mutants.sources("harness_cluster.cpp"))
+        mutants.delete(lib, None)
+        _use(monkeypatch, lib, one_block_lib)
+    for label, got, errors in _mutation_runs(cluster_cupy, lib, monkeypatch):
         assert got is not None, f"{label}: {errors}"
         assert max(errors.values()) <= 1e-12, (label, errors)
 
@@ -542,6 +541,7 @@ CLUSTER_REGISTERS_16 = {
 
 @pytest.mark.parametrize("arch", [90, 100])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.slow
 def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
     """Every cluster size, header-free inline PTX (mapa, st.shared::cluster, barrier.cluster's
     .aligned forms);
@@ -572,6 +572,7 @@ def test_nvrtc_compiles_the_cluster_kernels(dtype, arch):
         assert 0 < r["registers"] <= ceiling, f"sm_{arch} {name}: {r['registers']} > {ceiling}"
 
 
+@pytest.mark.slow
 def test_ptxas_reports_no_spill_for_the_cluster_kernels():
     """Every cluster kernel for sm_90: no spill or stack frame, registers for 256 threads, no
     static shared memory."""

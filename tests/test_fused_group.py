@@ -23,7 +23,7 @@ import pytest
 from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, fused as _fused
 from lltm_cupy._cuda import fused_cluster as _cluster, fused_kernels as _fused_kernels
 from lltm_cupy._cuda import group_kernels as _group_kernels, kernels as _kernels
-from helpers import cubin as _cubin, host_cluster, host_fused
+from helpers import cubin as _cubin, host_cluster, host_fused, mutants
 from test_fused_sequence import DTYPES, OUT, _run_ptxas, compare, make, run
 from test_fused_cluster import (_mutation_runs as _cluster_mutation_runs, _use as _use_cluster,
                                 _want)
@@ -259,44 +259,24 @@ def test_the_split_needs_sm_80(group_cupy, monkeypatch):
 # ------------------------------------------------------------------------ a missing barrier
 
 _TEXT = _kernels.source_path(_cluster_kernels.SOURCE_NAME).read_text()
-_STATEMENT = re.compile(r"(lltm_group_sync\([^;]*\)|__syncthreads\(\));")
-
-
-def _span(text: str, head: str, close: str = "\n};\n") -> tuple:
-    start = text.index(head)
-    return start, text.index(close, start)
-
-
-def group_barriers(text: str) -> list:
-    """(start, end) of every barrier the group kernels pass: those of lltm_group_exchange and the
-    block barriers of the kernels' bodies (not those of lltm_cluster_exchange, nor those inside
-    lltm_group_sync, which tests/test_host_cluster.py deletes on its own)."""
-    cluster = _span(text, "struct lltm_cluster_exchange {")
-    sync = _span(text, "void lltm_group_sync(", "\n}\n")
-    body = text.index("struct lltm_cluster_exchange {")
-    return [(m.start(), m.end()) for m in _STATEMENT.finditer(text)
-            if m.start() > body and not cluster[0] <= m.start() < cluster[1]
-            and not sync[0] <= m.start() < sync[1]]
-
-
 def test_the_group_kernels_have_the_barriers_the_mutation_test_deletes():
     """The exchange's: a block barrier at the start, forward the group barrier and a block
     barrier after the copy of h, backward the group barrier; the backward body's block barrier."""
-    found = [_TEXT[a:b].split("(")[0] for a, b in group_barriers(_TEXT)]
+    found = [_TEXT[a:b].split("(")[0] for a, b in mutants.group_barriers(_TEXT)]
     assert found == ["__syncthreads", "lltm_group_sync", "__syncthreads", "lltm_group_sync",
                      "__syncthreads"], found
 
 
-@pytest.mark.parametrize("which", range(len(group_barriers(_TEXT))))
+@pytest.mark.parametrize("which", range(len(mutants.statements("group"))))
+@pytest.mark.slow
 def test_deleting_a_barrier_of_the_group_kernels_is_caught(which, tmp_path, emulated_cupy,
                                                            monkeypatch, one_block_lib80):
-    """Each barrier of the group kernels deleted in turn (a mutation of the source): the host
-    run with group semantics gives wrong numbers or stops with an error (a deadlock, a NaN of
-    the exchange buffer read before it was written), at 2 and 4 blocks per tile, in the
-    ascending and the descending order."""
-    start, end = group_barriers(_TEXT)[which]
-    (tmp_path / _cluster_kernels.SOURCE_NAME).write_text(_TEXT[:start] + _TEXT[end:])
-    lib = host_cluster.build(tmp_path, source_dir=tmp_path)
+    """Each barrier of the group kernels deleted in turn (a mutation of the source, all of them
+    in one build: tests/helpers/mutants.py): the host run with group semantics gives wrong
+    numbers or stops with an error (a deadlock, a NaN of the exchange buffer read before it was
+    written), at 2 and 4 blocks per tile, in the ascending and the descending order."""
+    lib = host_cluster.build(tmp_path, sources=mutants.sources("harness_cluster.cpp"))
+    mutants.delete(lib, "group", which)
     _use(monkeypatch, lib, one_block_lib80)
     for label, got, errors in _mutation_runs(emulated_cupy, lib, monkeypatch):
         if got is None:
@@ -311,8 +291,18 @@ def _mutation_runs(xp, lib, monkeypatch):
     return _cluster_mutation_runs(xp, lib, monkeypatch, sm_count=lambda size: 2 * size)
 
 
-def test_unmutated_source_passes_the_group_mutation_check(group_cupy, group_lib, monkeypatch):
-    for label, got, errors in _mutation_runs(group_cupy, group_lib, monkeypatch):
+@pytest.mark.parametrize("build", [
+    "source", pytest.param("mutants-none-deleted", marks=pytest.mark.slow)])
+def test_unmutated_source_passes_the_group_mutation_check(group_cupy, group_lib, one_block_lib80,
+                                                          monkeypatch, build, tmp_path):
+    """The control of the test above, in the build of the source as it is and in the mutants'
+    build with no statement deleted."""
+    lib = group_lib
+    if build != "source":
+        lib = host_cluster.build(tmp_path, sources=mutants.sources("harness_cluster.cpp"))
+        mutants.delete(lib, None)
+        _use(monkeypatch, lib, one_block_lib80)
+    for label, got, errors in _mutation_runs(group_cupy, lib, monkeypatch):
         assert got is not None, f"{label}: {errors}"
         assert max(errors.values()) <= 1e-12, (label, errors)
 
@@ -329,6 +319,7 @@ GROUP_REGISTERS = {(80, "fwd"): (48, 48, 48, 72), (80, "bwd"): (48, 48, 48, 72)}
 
 @pytest.mark.parametrize("arch", [80, 90, 100])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.slow
 def test_nvrtc_compiles_the_group_kernels(dtype, arch):
     """Every group size, header-free inline PTX (fence.acq_rel.gpu, the counter's relaxed
     atomics at GPU scope, the exchange's st.cg / ld.cg), no cluster anywhere (a cooperative
@@ -354,6 +345,7 @@ def test_nvrtc_compiles_the_group_kernels(dtype, arch):
             assert r["registers"] <= ceiling, f"sm_80 {name}: {r['registers']} > {ceiling}"
 
 
+@pytest.mark.slow
 def test_ptxas_reports_no_spill_for_the_group_kernels():
     """Every group kernel for sm_80: no spill or stack frame, registers for 256 threads, no
     static shared memory."""

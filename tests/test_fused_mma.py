@@ -12,7 +12,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from helpers import host_fused
+from helpers import host_fused, mutants
 from helpers.host_kernels import ptr
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed (pip install .[test])")
@@ -321,6 +321,7 @@ def test_launcher_shared_memory_is_the_kernels(fused_lib):
                 _mma.shared_bytes(state, tile, True)
 
 
+@pytest.mark.slow
 def test_the_fragments_kept_in_registers_change_no_bit(mma_cupy, monkeypatch, tmp_path):
     """S = 128 on one row per block (eight jobs, eight warps: each warp keeps its first
     k-tiles' fragments in registers) gives the bits of the same source with nothing kept in
@@ -350,20 +351,15 @@ def test_the_fragments_kept_in_registers_change_no_bit(mma_cupy, monkeypatch, tm
 _MMA_TEXT = _kernels.source_path(_mma.SOURCE_NAME).read_text()
 
 
-def _barriers(text):
-    import re
-    return [m.start() for m in re.finditer(r"__syncthreads\(\);", text)]
-
-
-@pytest.mark.parametrize("which", range(len(_barriers(_MMA_TEXT))))
+@pytest.mark.parametrize("which", range(len(mutants.statements("mma"))))
+@pytest.mark.slow
 def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatch):
-    """Each __syncthreads() of lltm_fused_mma.cu deleted in turn: the host run gives results off
-    the reference (the control: test_mma_kernels_equal_stepped_and_reference)."""
-    assert len(_barriers(_MMA_TEXT)) == 5
-    at = _barriers(_MMA_TEXT)[which]
-    (tmp_path / _mma.SOURCE_NAME).write_text(
-        _MMA_TEXT[:at] + _MMA_TEXT[at + len("__syncthreads();"):])
-    lib = host_fused.build(tmp_path, source_dir=tmp_path)
+    """Each __syncthreads() of lltm_fused_mma.cu deleted in turn (all of them in one build:
+    tests/helpers/mutants.py): the host run gives results off the reference (the control:
+    test_mma_kernels_equal_stepped_and_reference, and below on the mutants' build)."""
+    assert len(mutants.statements("mma")) == _MMA_TEXT.count("__syncthreads();") == 5
+    lib = host_fused.build(tmp_path, sources=mutants.sources("harness_fused.cpp"))
+    mutants.delete(lib, "mma", which)
     monkeypatch.setattr(_fused_kernels, "get_kernels", host_fused.host_get_fused_kernels(lib, LIMIT))
     monkeypatch.setattr(_mma, "get_kernels", host_fused.host_get_mma_kernels(lib, LIMIT))
     monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 90)
@@ -379,6 +375,27 @@ def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatc
     errors = {name: max_error(g, w) for name, g, w in zip(OUT, got, want)}
     assert max(e if np.isfinite(e) else np.inf for e in errors.values()) > 0.1, \
         f"barrier {which} deleted, yet every result is near the reference: {errors}"
+
+
+@pytest.mark.slow
+def test_the_mutants_build_with_none_deleted_gives_the_sources_bits(tmp_path, emulated_cupy,
+                                                                   fused_lib, monkeypatch):
+    """The control of the test above on its build (every barrier of lltm_fused_mma.cu and
+    lltm_fused.cu behind the mutants' switch, none deleted): the run it makes gives the bits of
+    the build of the source as it is."""
+    monkeypatch.setattr(_kernels, "compute_capability", lambda device_id: 90)
+    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
+    stored, _ = make(4, 3, 3, 40, np.dtype(np.float16), seed=1)
+    gated = host_fused.build(tmp_path, sources=mutants.sources("harness_fused.cpp"))
+    mutants.delete(gated, None)
+    results = []
+    for lib in (fused_lib, gated):
+        with monkeypatch.context() as m:
+            m.setattr(_fused_kernels, "get_kernels", host_fused.host_get_fused_kernels(lib, LIMIT))
+            m.setattr(_mma, "get_kernels", host_fused.host_get_mma_kernels(lib, LIMIT))
+            results.append(run(emulated_cupy, stored, None, False, True))
+    for name, a, b in zip(OUT, *results):
+        assert np.array_equal(a, b), name
 
 
 # -------------------------------------------------------------------------------- compilers
@@ -408,6 +425,7 @@ def _ceiling(arch, name, compiler="nvrtc"):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES16.values(), ids=DTYPES16.keys())
+@pytest.mark.slow
 def test_nvrtc_compiles_the_mma_kernels(dtype, arch):
     """NVRTC builds both kernels for sm_80, sm_90 and sm_100 with the tensor-core instruction of
     the dtype in the PTX (header-free inline PTX), no local memory, registers within the pins."""
@@ -429,6 +447,7 @@ def test_nvrtc_compiles_the_mma_kernels(dtype, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.slow
 def test_ptxas_reports_no_spill_for_the_mma_kernels(arch):
     """ptxas -v (nvcc) on both kernels in both dtypes: no spill or stack frame, the registers NVRTC's
     cubin records (the pins above), no static shared memory."""

@@ -22,7 +22,7 @@ from lltm_cupy._cuda import fused as _fused, fused_kernels as _fused_kernels, ke
 from lltm_cupy._cuda import group_kernels as _group_kernels
 from conftest import (TOLERANCE, assert_engines_agree, gpu_unavailable_reason, max_error,
                       to_numpy)
-from helpers import cubin as _cubin, host_fused
+from helpers import cubin as _cubin, host_fused, mutants
 from test_lengths import _reference
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed (pip install .[test])")
@@ -313,21 +313,22 @@ def test_forward_only_runs_blocks_of_steps_with_the_same_bits(fused_cupy, monkey
 
 # ------------------------------------------------------------------------ a missing barrier
 
-def _barriers(text: str) -> list:
-    return [m.start() for m in re.finditer(r"__syncthreads\(\);", text)]
-
-
 _FUSED_TEXT = _kernels.source_path(_fused_kernels.SOURCE_NAME).read_text()
 
 
-@pytest.mark.parametrize("which", range(len(_barriers(_FUSED_TEXT))))
+def test_the_kernels_have_the_barriers_the_mutation_test_deletes():
+    """The mutation test below deletes every __syncthreads() of lltm_fused.cu: four."""
+    assert len(mutants.statements("fused")) == _FUSED_TEXT.count("__syncthreads();") == 4
+
+
+@pytest.mark.parametrize("which", range(len(mutants.statements("fused"))))
+@pytest.mark.slow
 def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatch):
-    """Each __syncthreads() of lltm_fused.cu deleted in turn (a mutation of the source): the host
-    run with block semantics gives wrong numbers (or reports a divergent barrier)."""
-    at = _barriers(_FUSED_TEXT)[which]
-    (tmp_path / _fused_kernels.SOURCE_NAME).write_text(
-        _FUSED_TEXT[:at] + _FUSED_TEXT[at + len("__syncthreads();"):])
-    lib = host_fused.build(tmp_path, source_dir=tmp_path)
+    """Each __syncthreads() of lltm_fused.cu deleted in turn (a mutation of the source, all of
+    them in one build: tests/helpers/mutants.py): the host run with block semantics gives wrong
+    numbers (or reports a divergent barrier)."""
+    lib = host_fused.build(tmp_path, sources=mutants.sources("harness_fused.cpp"))
+    mutants.delete(lib, "fused", which)
     monkeypatch.setattr(_fused_kernels, "get_kernels", host_fused.host_get_fused_kernels(lib, LIMIT))
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
     stored, case = make(4, 3, 3, 8, np.dtype(np.float64), seed=1)
@@ -343,10 +344,17 @@ def test_deleting_a_barrier_is_caught(which, tmp_path, emulated_cupy, monkeypatc
         f"barrier {which} deleted, yet every result matches the reference: {errors}"
 
 
-def test_unmutated_source_passes_the_mutation_check(emulated_cupy, fused_lib, monkeypatch):
-    """The control of the test above: the same run with every barrier in place is exact."""
-    monkeypatch.setattr(_fused_kernels, "get_kernels",
-                        host_fused.host_get_fused_kernels(fused_lib, LIMIT))
+@pytest.mark.parametrize("build", [
+    "source", pytest.param("mutants-none-deleted", marks=pytest.mark.slow)])
+def test_unmutated_source_passes_the_mutation_check(emulated_cupy, fused_lib, monkeypatch, build,
+                                                    tmp_path):
+    """The control of the test above: the same run with every barrier in place is exact, in the
+    build of the source as it is and in the mutants' build with none deleted."""
+    lib = fused_lib
+    if build != "source":
+        lib = host_fused.build(tmp_path, sources=mutants.sources("harness_fused.cpp"))
+        mutants.delete(lib, None)
+    monkeypatch.setattr(_fused_kernels, "get_kernels", host_fused.host_get_fused_kernels(lib, LIMIT))
     monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
     stored, case = make(4, 3, 3, 8, np.dtype(np.float64), seed=1)
     want = _reference(case, [4, 4, 4], False, (case["grad_outputs"], case["grad_h_n"],
@@ -356,6 +364,7 @@ def test_unmutated_source_passes_the_mutation_check(emulated_cupy, fused_lib, mo
         assert max_error(g, w) <= 1e-12, name
 
 
+@pytest.mark.slow
 def test_a_divergent_barrier_is_reported(tmp_path, emulated_cupy, monkeypatch):
     """A __syncthreads() that only some threads reach stops the host launch with an error."""
     text = _FUSED_TEXT.replace("      if (r >= active) {             // finished:",
@@ -411,6 +420,7 @@ def _register_ceiling(arch: int, symbol: str, compiler: str = "nvrtc") -> int:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.slow
 def test_nvrtc_compiles_the_fused_kernels(dtype, arch):
     """NVRTC (what CuPy compiles with at run time) builds both kernels of the dtype for the
     architecture; the cubin records no local memory (no spill) and registers within the pins."""
@@ -444,6 +454,7 @@ def _store_conflicts(state: int, itemsize: int, stride: int) -> int:
 
 
 @pytest.mark.parametrize("itemsize", [2, 4, 8])
+@pytest.mark.slow
 def test_forward_weights_load_meets_no_bank_conflict(itemsize):
     """The forward kernel's transposed W_h rows are padded (lltm_cupy/_cuda/fused.wt_stride) so
     that its load's stores meet no bank conflict where a warp stores into one gate's column (S a
@@ -542,6 +553,7 @@ def _run_ptxas(nvcc, arch, source=None, names=None):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.slow
 def test_ptxas_reports_no_spill_and_shared_memory_within_the_limit(arch):
     """ptxas -v (nvcc) on every variant: no spill, registers within the pins (REGISTERS) and no
     static shared memory, and every size the selection accepts within the architecture's

@@ -117,6 +117,7 @@ def test_results_are_not_written_into_out(tmp_path):
     assert not any(out.iterdir())
 
 
+@pytest.mark.slow
 def test_without_a_gpu_it_names_what_is_missing_and_fails(tmp_path):
     from conftest import gpu_unavailable_reason
 

@@ -19,12 +19,11 @@ deleted in turn caught."""
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import host_cluster
+from helpers import host_cluster, mutants
 from helpers.host_fused import SCHEDULES
 
 BEFORE, AFTER, BLOCK_BARRIER, DIVERGENT, MISMATCHED, OUTSIDE, SPLIT_WARP = 1, 2, 4, 8, 16, 32, 64
@@ -134,7 +133,6 @@ def test_every_schedule_is_known():
 
 # ------------------------------------------------------- groups: the barrier in global memory
 
-_SOURCE = Path(__file__).resolve().parents[1] / "cuda_src" / "lltm_fused_cluster.cu"
 NO_BARRIER, GRID_WIDE = 1, 2
 
 
@@ -208,42 +206,37 @@ def test_cluster_primitives_are_refused_in_a_group_launch(lib):
     assert "outside shim_launch_cluster" in host_cluster.last_error(lib)
 
 
-def _group_sync_body(text: str) -> tuple:
-    start = text.index("void lltm_group_sync(")
-    end = text.index("\n}\n", start)
-    return start, end
-
-
-_SYNC_MUTANTS = {
-    "first block barrier": "__syncthreads();",
-    "release fence": "lltm_group_fence();",
-    "arrival": "lltm_group_arrive(counter);",
-    "acquire fence": "lltm_group_fence();#2",
-    "second block barrier": "__syncthreads();#2",
-}
-
-
-@pytest.mark.parametrize("mutant", _SYNC_MUTANTS, ids=list(_SYNC_MUTANTS))
-def test_a_barrier_missing_a_part_is_caught(mutant, tmp_path):
-    """lltm_group_sync with one of its statements deleted (a mutation of
-    cuda_src/lltm_fused_cluster.cu): under some order of the threads the self-test reads a
-    wrong word or the shim reports the launch (a deadlock without the arrival)."""
-    text = _SOURCE.read_text()
-    start, end = _group_sync_body(text)
-    body = text[start:end]
-    statement, _, nth = _SYNC_MUTANTS[mutant].partition("#")
-    at = -1
-    for _ in range(int(nth or 1)):
-        at = body.index(statement, at + 1)
-    mutated = body[:at] + body[at + len(statement):]
-    (tmp_path / _SOURCE.name).write_text(text[:start] + mutated + text[end:])
-    mutant_lib = host_cluster.build(tmp_path, source_dir=tmp_path)
-    caught = []
+def _missing_part_runs(lib):
+    """(size, schedule, seed, error) of every run of the check below that went wrong: 2 and 4
+    blocks per group, every order of GROUP_RUNS."""
+    wrong = []
     for size in (2, 4):
         want = group_expected(2 * size, 3, size, 3)
         for schedule, seed in GROUP_RUNS:
-            out, error, _, _ = group_exchange(mutant_lib, 2 * size, 3, size, 3, 0, schedule,
-                                              seed)
+            out, error, _, _ = group_exchange(lib, 2 * size, 3, size, 3, 0, schedule, seed)
             if error is not None or not np.array_equal(out, want):
-                caught.append((size, schedule, seed, error))
-    assert caught, f"{mutant} deleted: every run right"
+                wrong.append((size, schedule, seed, error))
+    return wrong
+
+
+@pytest.mark.parametrize("mutant", mutants.GROUP_SYNC_PARTS, ids=list(mutants.GROUP_SYNC_PARTS))
+@pytest.mark.slow
+def test_a_barrier_missing_a_part_is_caught(mutant, tmp_path):
+    """lltm_group_sync with one of its statements deleted (a mutation of
+    cuda_src/lltm_fused_cluster.cu, all of them in one build: tests/helpers/mutants.py): under
+    some order of the threads the self-test reads a wrong word or the shim reports the launch (a
+    deadlock without the arrival)."""
+    mutant_lib = host_cluster.build(tmp_path, sources=mutants.sources("harness_cluster.cpp"))
+    mutants.delete(mutant_lib, "group sync", list(mutants.GROUP_SYNC_PARTS).index(mutant))
+    assert _missing_part_runs(mutant_lib), f"{mutant} deleted: every run right"
+
+
+@pytest.mark.parametrize("build", [
+    "source", pytest.param("mutants-none-deleted", marks=pytest.mark.slow)])
+def test_no_part_missing_passes_the_check(lib, build, tmp_path):
+    """The control of the test above: with every statement of the barrier in place every run is
+    right, in the build of the source as it is and in the mutants' build with none deleted."""
+    if build != "source":
+        lib = host_cluster.build(tmp_path, sources=mutants.sources("harness_cluster.cpp"))
+        mutants.delete(lib, None)
+    assert not _missing_part_runs(lib)

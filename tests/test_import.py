@@ -119,3 +119,40 @@ def test_the_layout_states_the_torch_layers_import_order():
     entry = _layout_entry("lltm_cupy/torch/")
     order = re.findall(r"^        (\w+)\.py\s", entry, re.M)
     _assert_one_direction(ROOT / "lltm_cupy" / "torch", order)
+
+
+def test_no_module_imports_from_the_package_face():
+    """``lltm_cupy/__init__.py`` only hands names on: no module of the package takes a name from
+    it (``from . import name`` or ``from .. import name`` of anything but a submodule, or ``from
+    lltm_cupy import name``), and no module that importing the package loads imports the package
+    itself: every arrow runs down from the face."""
+    import ast
+
+    package = ROOT / "lltm_cupy"
+    loaded = run_python("""
+        import sys, lltm_cupy
+        print(" ".join(sorted(m for m in sys.modules if m.startswith("lltm_cupy."))))
+    """)
+    assert loaded.returncode == 0, loaded.stderr
+    below_the_face = set(loaded.stdout.split())
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent == package:
+            continue
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if path.name == "__init__.py" else parts)
+        depth = len(parts) - 1      # the relative-import level that names the package
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                face = (node.level == depth and node.module is None) or \
+                    (node.level == 0 and node.module == "lltm_cupy")
+                if face:
+                    names = [a.name for a in node.names
+                             if not (package / a.name).is_dir()
+                             and not (package / f"{a.name}.py").is_file()]
+                    if names:
+                        offenders.append(f"{name}: from the face: {names}")
+            elif isinstance(node, ast.Import) and name in below_the_face:
+                if any(a.name == "lltm_cupy" for a in node.names):
+                    offenders.append(f"{name}: import lltm_cupy (loaded by the face)")
+    assert not offenders, offenders

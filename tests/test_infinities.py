@@ -110,6 +110,7 @@ def _values(dtype):
 @settings(max_examples=120, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
+@pytest.mark.slow
 def test_elementwise_property_over_special_and_arbitrary_values(host_lib, backend, dtype, data):
     n = 8
     values = {k: np.array(data.draw(st.lists(_values(dtype), min_size=n, max_size=n), label=k))

@@ -39,6 +39,7 @@ def test_pointers_run_the_kernel_as_arrays_do(fwd):
     assert float(abs(np.asarray(by_pointer[0])).max()) > 0
 
 
+@pytest.mark.slow
 def test_a_pointer_into_freed_memory_is_refused(fwd, emulated_cupy):
     run, arrays = fwd
     gone = emulated_cupy.zeros((4, 5), np.float32)

@@ -45,7 +45,10 @@ def _gpu_reason(code):
     return reason
 
 
-CPU_CASES = [pytest.param(p, id=p.name) for p in PAGES if any(not g for g, _ in blocks(p))]
+#: the deploy page's blocks export, compile and quantize models (tens of seconds): left out of
+#: the quick loop (docs/testing.md), as the deploy tests are
+CPU_CASES = [pytest.param(p, id=p.name, marks=[pytest.mark.slow] if p.name == "deploy.md" else [])
+             for p in PAGES if any(not g for g, _ in blocks(p))]
 GPU_CASES = [pytest.param(p, i, id=f"{p.name}-block{i + 1}")
              for p in PAGES for i, (g, _) in enumerate(blocks(p)) if g]
 

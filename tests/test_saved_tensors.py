@@ -68,6 +68,7 @@ MEMORY_MODELS = {
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("kind", MEMORY_MODELS)
+@pytest.mark.slow
 def test_checkpoint_frees_what_the_layer_keeps(kind, reentrant):
     """The memory held after the forward under torch.utils.checkpoint is about nn.LSTM's under
     the same checkpoint (little beyond the output), far below the unchecked forward's; the

@@ -23,12 +23,14 @@ def test_grad_check_passes_and_prints_a_table():
     assert "all gradients match" in proc.stdout
 
 
+@pytest.mark.slow
 def test_grad_check_fails_with_an_impossible_tolerance():
     proc = script("grad_check.py", "--tol", "0")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout
 
 
+@pytest.mark.slow
 def test_check_compares_every_backend_against_the_torch_reference():
     proc = script("check.py", "-b", "5", "-f", "7", "-s", "9")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -38,11 +40,13 @@ def test_check_compares_every_backend_against_the_torch_reference():
     assert "all backends match the torch reference" in proc.stdout
 
 
+@pytest.mark.slow
 def test_grad_check_includes_torch_gradcheck():
     proc = script("grad_check.py")
     assert "torch cpu float64     gradcheck passed  ok" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 def test_benchmark_runs_and_writes_json(tmp_path):
     import json
 
@@ -103,6 +107,7 @@ def test_benchmark_rejects_unknown_implementations():
     assert proc.returncode == 2 and "unknown --impl nope" in proc.stderr
 
 
+@pytest.mark.slow
 def test_profile_step_prints_a_profile_of_our_functions():
     for extra in ((), ("--sequence", "-t", "3")):
         proc = script("profile_step.py", "-b", "4", "-f", "3", "-s", "5", "-r", "3", *extra)
@@ -111,6 +116,7 @@ def test_profile_step_prints_a_profile_of_our_functions():
         assert "lltm_cupy/_numpy/" in proc.stdout, proc.stdout  # our backend is in the profile
 
 
+@pytest.mark.slow
 def test_profile_step_emulated_prints_the_host_counts_per_step():
     proc = script("profile_step.py", "--emulated", "-b", "4", "-f", "3", "-s", "5", "-t", "7",
                   "-r", "20", "--repeats", "1")
@@ -146,6 +152,7 @@ def test_a_failing_gradcheck_is_reported_as_a_failure():
     assert all("Jacobian mismatch" in message for _, _, message in results), results
 
 
+@pytest.mark.slow
 def test_benchmark_in_bfloat16(tmp_path):
     """--bf16: the torch implementations in bfloat16."""
     import json
@@ -164,6 +171,7 @@ def test_benchmark_in_bfloat16(tmp_path):
     (["--all-grads"], "cell-floor", "parameter-gradient case only"),
     ([], "cell-graph", "needs CUDA"),
 ])
+@pytest.mark.slow
 def test_benchmark_fails_when_a_named_implementation_cannot_run(flags, impl, words):
     proc = script("benchmark.py", *flags, "-b", "4", "-f", "3", "-s", "5", "-r", "2",
                   "--warmup", "1", "--impl", f"reference,{impl}", "--quiet")
@@ -217,6 +225,7 @@ def _png_size(path):
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.slow
 def test_train_digits_one_short_epoch(tmp_path):
     pytest.importorskip("sklearn", reason="the examples extra is not installed")
     pytest.importorskip("matplotlib", reason="the examples extra is not installed")
@@ -240,6 +249,7 @@ def test_train_digits_one_short_epoch(tmp_path):
     assert (width, height) == (900, 360)
 
 
+@pytest.mark.slow
 def test_train_digits_without_the_extra_says_which_to_install():
     """scikit-learn hidden from the script: exit status 2 and the extra's name."""
     code = f"""
@@ -257,6 +267,7 @@ runpy.run_path({str(ROOT / "scripts" / "train_digits.py")!r}, run_name="__main__
     assert "pip install '.[examples]'" in proc.stderr and "sklearn" in proc.stderr
 
 
+@pytest.mark.slow
 def test_benchmark_plot(tmp_path):
     pytest.importorskip("matplotlib", reason="the examples extra is not installed")
     png = tmp_path / "speedups.png"
@@ -278,6 +289,7 @@ def _git_revision_available(rev: str) -> bool:
 @pytest.mark.skipif(not _git_revision_available("HEAD"),
                     reason="ab_backend.py reads the earlier backend from git: no git checkout here")
 @pytest.mark.parametrize("extra", [(), ("--cell", "-d")], ids=["array", "cell-float64"])
+@pytest.mark.slow
 def test_ab_backend_times_both_backends(extra):
     proc = script("ab_backend.py", "--base", "HEAD", "--seconds", "0.3", "-b", "3", "-f", "4",
                   "-s", "5", *extra)
@@ -313,6 +325,7 @@ def test_ab_backend_names_a_revision_it_cannot_read():
     assert "cannot read lltm_cupy/_numpy at 'no-such-revision'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_benchmark_sequence_pairs(tmp_path):
     """The layered and ragged rows run, and their ratios to what they replace are printed."""
     import json
@@ -329,6 +342,7 @@ def test_benchmark_sequence_pairs(tmp_path):
     assert record["pairs"] == {"lltm-2x-bidir": "cells-2x-bidir", "ragged": "ragged-padded"}
 
 
+@pytest.mark.slow
 def test_grad_check_prints_no_warning_that_contradicts_its_verdict():
     pytest.importorskip("torch")
     proc = script("grad_check.py")
@@ -337,6 +351,7 @@ def test_grad_check_prints_no_warning_that_contradicts_its_verdict():
     assert "atol=rtol=0.01" in proc.stdout   # the float32 check's own tolerances are stated
 
 
+@pytest.mark.slow
 def test_check_says_which_column_is_judged():
     pytest.importorskip("torch")
     proc = script("check.py", "-b", "3", "-f", "4", "-s", "5")
@@ -344,6 +359,7 @@ def test_check_says_which_column_is_judged():
     assert "not judged" in proc.stdout and "tol" in proc.stdout
 
 
+@pytest.mark.slow
 def test_python_m_lltm_cupy_self_check():
     proc = subprocess.run([sys.executable, "-m", "lltm_cupy"], capture_output=True, text=True,
                           cwd=ROOT)
@@ -403,6 +419,7 @@ def test_mutation_table_of_the_docs_lists_every_mutant():
     assert all(verdict == "killed" for *_, verdict in rows), rows
 
 
+@pytest.mark.slow
 def test_inference_benchmark_measures_both_in_fresh_processes():
     """--inference's library: peak added RSS per implementation (each in a fresh process) and
     interleaved CPU times, at tiny sizes; the script's --inference flag is wired to them."""
@@ -431,6 +448,7 @@ def test_inference_benchmark_measures_both_in_fresh_processes():
     assert proc.returncode == 2 and "CPU" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_inference_picture_is_a_png(tmp_path):
     """--inference --plot's picture, at tiny sizes: a PNG of both panels (training above
     no_grad), the title given; a column per thread count."""
@@ -531,6 +549,7 @@ def test_every_scripts_help_says_what_it_does_in_whole_sentences():
         assert description.rstrip().endswith((".", ")")), f"{path}: {description!r}"
 
 
+@pytest.mark.slow
 def test_profile_step_calls_prints_the_budgets_figures():
     proc = script("profile_step.py", "--calls", "-b", "4", "-f", "3", "-s", "5", "--top", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -186,6 +186,7 @@ def test_inference_ops_pass_opcheck():
                           (torch.tensor(rng.standard_normal((T, B, F))), w, b, h, c))
 
 
+@pytest.mark.slow
 def test_cpu_memory_beyond_the_output_does_not_grow_with_steps(monkeypatch):
     """With the NumPy backend's arrays NumPy's, tracemalloc sees all it makes:
     under no_grad the peak beyond the output is the same at 50 and 200 steps; with grad the

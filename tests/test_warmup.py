@@ -61,6 +61,7 @@ def _every_call(cupy, dtype, batch=16, features=32, state=128, steps=5):
 
 
 @pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.slow
 def test_after_warmup_no_call_compiles_anything(emulated_cupy, name):
     emu = emulated_cupy.emulator
     lltm_cupy.warmup(name)

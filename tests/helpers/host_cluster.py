@@ -15,11 +15,13 @@ from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, kernels as _ker
 from .host_fused import SCHEDULES, build_harness
 
 
-def build(out_dir: Path, source_dir: Path | None = None) -> ctypes.CDLL:
-    """Compile tests/host_shim/harness_cluster.cpp into out_dir and load it. ``source_dir``: a
-    folder whose CUDA sources replace cuda_src's (mutation tests)."""
+def build(out_dir: Path, source_dir: Path | None = None, sources: dict | None = None
+          ) -> ctypes.CDLL:
+    """tests/host_shim/harness_cluster.cpp built (or found in the run's cache) and loaded from a
+    copy in out_dir. ``source_dir``: a folder whose CUDA sources replace cuda_src's (mutation
+    tests); ``sources``: {file name: text}, the same."""
     lib = build_harness("harness_cluster.cpp", Path(out_dir) / "lltm_cluster_host.so",
-                        source_dir)
+                        source_dir, sources)
     lib.lltm_host_cluster_barriers.restype = ctypes.c_longlong
     lib.lltm_host_group_fences.restype = ctypes.c_longlong
     lib.lltm_host_group_spins.restype = ctypes.c_longlong

@@ -6,37 +6,33 @@ lltm_cupy._cuda.fused_kernels.get_kernels that launches it from the emulated CuP
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
 from lltm_cupy._cuda import kernels as _kernels
-from .host_kernels import SHIM, SUFFIX
+from . import host_build
+from .host_kernels import SUFFIX
 
 #: scheduling orders of the shim: threads ascending, descending, a random permutation per barrier
 SCHEDULES = {"ascending": 0, "descending": 1, "random": 2}
 
 
-def build(out_dir: Path, source_dir: Path | None = None) -> ctypes.CDLL:
-    """Compile tests/host_shim/harness_fused.cpp into out_dir and load it. ``source_dir``: a
-    folder whose lltm_fused.cu (and lltm.cu, if present) replace cuda_src's (mutation tests)."""
-    return build_harness("harness_fused.cpp", Path(out_dir) / "lltm_fused_host.so", source_dir)
+def build(out_dir: Path, source_dir: Path | None = None, sources: dict | None = None
+          ) -> ctypes.CDLL:
+    """tests/host_shim/harness_fused.cpp built (or found in the run's cache) and loaded from a
+    copy in out_dir. ``source_dir``: a folder whose lltm_fused.cu (and lltm.cu, if present)
+    replace cuda_src's (mutation tests); ``sources``: {file name: text}, the same."""
+    return build_harness("harness_fused.cpp", Path(out_dir) / "lltm_fused_host.so", source_dir,
+                         sources)
 
 
-def build_harness(harness: str, out: Path, source_dir: Path | None = None) -> ctypes.CDLL:
-    """Compile tests/host_shim/``harness`` (with cuda_src on the include path, ``source_dir``'s
-    sources first) into the shared library ``out`` and load it."""
-    cxx = shutil.which("g++")
-    assert cxx, "g++ is required to run the CUDA source on the CPU (apt-get install g++)"
-    includes = ([f"-I{source_dir}"] if source_dir else []) + [
-        f"-I{_kernels.source_path().parent}", f"-I{SHIM}"]
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror",
-           *includes, str(SHIM / harness), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, f"host build failed: {' '.join(cmd)}\n{proc.stderr}"
-    lib = ctypes.CDLL(str(out))
+def build_harness(harness: str, out: Path, source_dir: Path | None = None,
+                  sources: dict | None = None) -> ctypes.CDLL:
+    """tests/host_shim/``harness`` (with cuda_src on the include path, ``source_dir``'s sources
+    or ``sources`` first) built, or found in the run's cache (tests/helpers/host_build.py), and
+    loaded from a copy at ``out``."""
+    lib = host_build.build(harness, Path(out).parent, Path(out).name, source_dir, sources)
     lib.lltm_host_last_error.restype = ctypes.c_char_p
     lib.lltm_host_barriers.restype = ctypes.c_longlong
     return lib

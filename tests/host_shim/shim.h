@@ -133,6 +133,12 @@ static int shim_schedule = 0;
 static unsigned long long shim_seed = 1;
 //: Set when a launch goes wrong (the message), cleared at the start of every launch.
 static const char* shim_error = nullptr;
+//: The mutation tests' switch (tests/helpers/mutants.py): in a build of sources whose statements
+//: under test each read `{ if (lltm_host_mutant != K) statement; }`, statement K runs as if
+//: deleted from the source; -1 (as loaded): none. The sources as they are never read it.
+extern "C" {
+int lltm_host_mutant = -1;
+}
 //: Barriers passed in the last launch, over all blocks (one per __syncthreads() round).
 static long long shim_barriers = 0;
 //: The block's dynamic shared memory (the kernel's extern __shared__ array) and its size.
