@@ -136,6 +136,8 @@ class _State:
         self.compiles = []
         self.compiled = set()
         self.math_mode = 0
+        #: the product of ``gemmEx``'s operands in its compute type (tests may fix its order)
+        self.product = np.matmul
         self.transfers = []
         self.syncs = 0
         self.torch_blas_threads = set()
@@ -795,7 +797,7 @@ def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ld
     alpha_v = _host_view(alpha, 1, scalar)[0]
     beta_v = _host_view(beta, 1, scalar)[0]
     with np.errstate(all="ignore"):     # IEEE results, as on the GPU; no NumPy warnings
-        result = alpha_v * (op_a @ op_b)
+        result = alpha_v * _state.product(op_a, op_b)
         if beta_v != 0:  # cuBLAS does not read C when beta == 0 (it may hold NaN)
             result = result + beta_v * _to_compute(c, dtype, scalar)
         c[...] = _from_compute(result, dtype)
