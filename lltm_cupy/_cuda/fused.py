@@ -95,9 +95,10 @@ def cluster_size(state: int, dtype):
     return fused_cluster.chosen_size(state, dtype)
 
 
-def variant(batch: int, state: int, dtype, backward: bool, size=None):
+def variant(batch: int, state: int, dtype, backward: bool, size=None, buffers=None):
     """(kernel, blocks, threads, tile, shared bytes) of the variant that runs ``state`` (``size``:
-    that many blocks per tile instead of the launcher's choice). A cluster launch of a
+    that many blocks per tile instead of the launcher's choice; ``buffers``: what makes the group
+    variant's exchange buffer and counters, ``group_kernels.group_launch``'s). A cluster launch of a
     non-portable size raises cluster_kernels.LaunchRefused where the driver refuses it; so
     does this call where no variant runs ``state`` now: past one block's shared memory with no
     cluster (or group) size chosen, as after a non-portable size was refused since the forward
@@ -130,7 +131,8 @@ def variant(batch: int, state: int, dtype, backward: bool, size=None):
         fn = fns.bwd if backward else fns.fwd
         shape = fused_cluster.geometry(batch, state, dtype, backward, size)
         group_kernels.resident_blocks(fn, shape[1], shape[3])   # asked now, not at the launch
-        return (group_kernels.group_launch(fn, size, dtype, state, backward), *shape)
+        return (group_kernels.group_launch(fn, size, dtype, state, backward, buffers),
+                *shape)
     return (fns.bwd if backward else fns.fwd, *geometry)
 
 
