@@ -72,7 +72,7 @@ class Steps:
     The handle is CuPy's of the calling thread and the current device, looked up once per
     thread and device. CuPy's binding sets the handle's stream to CuPy's current stream on
     every call (``cupy_backends/cuda/libs/cublas.pyx``, ``gemmEx`` -> ``_setStream``), and
-    raises while that stream is being captured (the torch layer passes torch's GEMM, always).
+    raises while that stream is being captured (the torch layer runs torch's GEMMs instead).
     """
 
     __slots__ = ("_gemm_ex", "_args", "_a", "_a_step", "_c", "_c_step", "_mode", "_restore",
@@ -163,28 +163,19 @@ class ViewRows(ViewSteps):
 def row_steps(engine, a, b, out, accumulate=False):
     """The per-step GEMMs ``out[j:j + rows] (+)= a[i:i + rows] @ b`` of a packed sequence's
     rows, a (R, k) and out (R', n) C-contiguous, by ``engine``: ``run(i, j, rows)``, on pointers
-    for this module's GEMM (:class:`Steps`), the engine's own runner where it has one (its
-    ``row_steps(a, b, out, accumulate)``, as the torch layer's), else on views
-    (:class:`ViewRows`). Use it in a ``with`` block."""
+    for this module's GEMM (:class:`Steps`), else on views (:class:`ViewRows`). Use it in a
+    ``with`` block."""
     if engine is gemm:
         return Steps(a, b, out, accumulate, a.strides[0], out.strides[0])
-    own = getattr(engine, "row_steps", None)
-    if own is not None:
-        return own(a, b, out, accumulate)
     return ViewRows(engine, a, b, out, accumulate)
 
 
 def steps(engine, a, b, out, accumulate=False):
     """The per-step GEMMs ``out[j] (+)= a[i] @ b`` of a sequence's stacks a (T, m, k) and
     out (T', m, n), m, n, k >= 1, by ``engine`` (a ``gemm`` function): :class:`Steps` on
-    pointers for this module's, the engine's own runner where it has one (its ``steps(a, b, out,
-    accumulate)``, as the torch layer's), else :class:`ViewSteps`. Use it in a ``with``
-    block."""
+    pointers for this module's, else :class:`ViewSteps`. Use it in a ``with`` block."""
     if engine is gemm:
         return Steps(a[0], b, out[0], accumulate, a.strides[0], out.strides[0])
-    own = getattr(engine, "steps", None)
-    if own is not None:
-        return own(a, b, out, accumulate)
     return ViewSteps(engine, a, b, out, accumulate)
 
 

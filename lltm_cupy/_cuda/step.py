@@ -17,9 +17,9 @@ bfloat16 has no CuPy dtype: it arrives as uint16 arrays of its bits (``kernels.B
 which the kernels, ``gemm`` and the bias gradient read as bfloat16.
 
 Every GEMM goes through ``gemm``: by default :func:`lltm_cupy._cuda.gemm.gemm` (cuBLAS
-``gemmEx`` through CuPy's binding, on any row-major view, without copies); the torch layer
-passes torch's GEMM (``lltm_cupy.torch._torch_gemm.TORCH_CUDA_GEMM``), eagerly and under
-CUDA-graph capture, where CuPy refuses to call cuBLAS.
+``gemmEx`` through CuPy's binding, on any row-major view, without copies). The torch layer
+launches the kernels here (``launch_concat``, ``launch_forward``, ``launch_backward``) on its
+tensors' pointers, with torch's GEMMs.
 """
 from __future__ import annotations
 
