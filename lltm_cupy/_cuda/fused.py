@@ -45,7 +45,7 @@ import numpy as np
 
 from . import cluster_kernels, fused_cluster, fused_kernels, fused_mma, group_kernels, kernels
 from .fused_kernels import THREADS, acc_size, wt_stride
-from .gemm import parameter_grads
+from .gemm import gemm, parameter_grads
 from .kernels import cupy_module, on_device
 from .packed import _index, hidden_inputs
 from .._packing import block_steps, pack_rows, unpack_rows
@@ -148,8 +148,7 @@ def _geometry(cupy, batch: int, state: int, dtype, backward: bool):
     return -(-batch // tile), threads, tile, base + tile * per_row
 
 
-def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_rows=2048,
-                  size=None):
+def forward_fused(inputs, weights, bias, h0, c0, plan, keep=True, block_rows=2048, size=None):
     """The fused forward of one layer and direction. ``keep``: everything the backward reads is
     kept (one input-projection GEMM and one launch); forward only (``keep=False``): the steps
     run in blocks of the stepped path's size, one GEMM and one launch per block, into one reused
@@ -231,7 +230,7 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
     return outputs, h_n, c_n, saved
 
 
-def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm, size=None):
+def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, size=None):
     """The fused backward of one layer and direction (``size`` as in :func:`forward_fused`);
     raises cluster_kernels.LaunchRefused as it does, before any launch where no variant runs
     the state size now (the saved values are the stepped path's: the caller runs the stepped
@@ -282,7 +281,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm, size=N
             d_c0[perm] = d_c0s
         need_x, need_w, need_b, need_h0, need_c0 = needed
         d_inputs, d_weights, d_bias = parameter_grads(cupy, d_gates, h_in, x, weights,
-                                                           saved.bias_shape, needed, gemm)
+                                                      saved.bias_shape, needed)
         if need_x:
             d_inputs = (d_inputs.reshape(steps, batch, x.shape[1]) if plan is None
                         else unpack_rows(d_inputs, plan, cupy, *index))

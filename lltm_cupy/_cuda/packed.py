@@ -16,7 +16,7 @@ copy of the inputs: each step's hidden state is written where the outputs want i
 them where its rows are contiguous there, else into a buffer of a few steps' rows that one
 scatter puts into the outputs when it is full.
 
-The caller (:mod:`.sequence`) passes the CuPy module, the GEMM and its block size. The loops on
+The caller (:mod:`.sequence`) passes the CuPy module and its block size. The loops on
 pointers (:func:`forward_rows`, :func:`backward_rows`), and the helpers that only allocate and
 index (``xp``: anything with CuPy's ``empty(shape, dtype)`` and ``zeros(shape, dtype)``), serve
 the torch layer too (torch tensors, torch's GEMMs: ``lltm_cupy.torch._cuda_packed``).
@@ -24,7 +24,7 @@ the torch layer too (torch tensors, torch's GEMMs: ``lltm_cupy.torch._cuda_packe
 from __future__ import annotations
 
 from .elementwise import FLAG, launch
-from .gemm import d_bias as bias_gradient, row_steps
+from .gemm import d_bias as bias_gradient, gemm, row_steps
 from .kernels import cupy_module, on_device
 from .._packing import incoming_cell_grad, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
@@ -105,7 +105,7 @@ def forward_only_outputs(xp, plan, d, state, dtype):
     return outputs, hs, h_rows, scatter, after
 
 
-def _forward_only_steps(cupy, plan, d, blocks, x, w_x_t, w_h_t, bias, h0s, c0s, gemm):
+def _forward_only_steps(cupy, plan, d, blocks, x, w_x_t, w_h_t, bias, h0s, c0s):
     """The steps of a packed forward only: (outputs, h_sorted, c_sorted), the latter two each
     sorted sequence's state after its last step (h0s, c0s for length 0), by
     :func:`forward_rows` into one block's gate pre-activations, the hidden states where
@@ -124,21 +124,20 @@ def _forward_only_steps(cupy, plan, d, blocks, x, w_x_t, w_h_t, bias, h0s, c0s, 
     def project(r0, r1):        # a block's input projection, into the first rows of gates
         gemm(x[r0:r1], w_x_t, gates[: r1 - r0])
 
-    with row_steps(gemm, hs, w_h_t, gates, accumulate=True) as recurrent:
-        forward_rows(plan, blocks, project, _first(gemm, h0s, w_h_t, gates), recurrent,
+    with row_steps(hs, w_h_t, gates, accumulate=True) as recurrent:
+        forward_rows(plan, blocks, project, _first(h0s, w_h_t, gates), recurrent,
                      (gates.data.ptr, gates.strides[0]), (hs.data.ptr, hs.strides[0]),
                      cells.data.ptr, bias.data.ptr, c0_c.data.ptr, dtype, state, h_rows,
                      (h_sorted.data.ptr, c_sorted.data.ptr), after, scatter)
     return outputs, h_sorted, c_sorted
 
 
-def _first(gemm, h0s, w_h_t, gates):
+def _first(h0s, w_h_t, gates):
     """Step 0's recurrent GEMM, ``first(n)``: gates[:n] += h0s[:n] @ W_h.T."""
     return lambda n: gemm(h0s[:n], w_h_t, gates[:n], accumulate=True)
 
 
-def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
-                   block_rows=2048):
+def forward_packed(cupy, inputs, weights, bias, h0, c0, plan, keep=True, block_rows=2048):
     from .._packing import step_blocks
 
     state = h0.shape[1]
@@ -155,7 +154,7 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
         bias_c = cupy.ascontiguousarray(bias.reshape(-1))
         if not keep:
             outputs, h_sorted, c_sorted = _forward_only_steps(
-                cupy, plan, d, blocks, x, w_x_t, w_h_t, bias_c, h0s, c0s, gemm)
+                cupy, plan, d, blocks, x, w_x_t, w_h_t, bias_c, h0s, c0s)
         else:
             # every packed row's gate pre-activations, hidden state and cell (the backward reads
             # them)
@@ -167,8 +166,8 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
             def project(r0, r1):    # a block's input projection
                 gemm(x[r0:r1], w_x_t, gates[r0:r1])
 
-            with row_steps(gemm, out, w_h_t, gates, accumulate=True) as recurrent:
-                forward_rows(plan, blocks, project, _first(gemm, h0s, w_h_t, gates), recurrent,
+            with row_steps(out, w_h_t, gates, accumulate=True) as recurrent:
+                forward_rows(plan, blocks, project, _first(h0s, w_h_t, gates), recurrent,
                              (gates.data.ptr, gates.strides[0]), (out.data.ptr, out.strides[0]),
                              cells.data.ptr, bias_c.data.ptr, c0_c.data.ptr, dtype, state)
             outputs = unpack_rows(out, plan, cupy, *index)
@@ -193,7 +192,7 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
     return outputs, h_n, c_n, saved
 
 
-def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
+def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed):
     plan, x, gates, cells, out, weights = (saved.plan, saved.inputs, saved.gates, saved.cells,
                                            saved.hs, saved.weights)
     rows, state = out.shape
@@ -229,7 +228,7 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
                                           gcn, n, nxt, state, dtype)
                 return None if held is None else (held.data.ptr, held)
 
-            with row_steps(gemm, flat, w_h, grad_h, accumulate=True) as recurrent:
+            with row_steps(flat, w_h, grad_h, accumulate=True) as recurrent:
                 last = backward_rows(plan, recurrent, incoming,
                                      (grad_h.data.ptr, grad_h.strides[0]), cells.data.ptr,
                                      (gates.data.ptr, gates.strides[0]), flat.data.ptr,
@@ -256,7 +255,7 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
             gemm(flat.T, h_in, d_weights[:, :state])
             gemm(flat.T, x, d_weights[:, state:])
         if need_b:
-            d_bias = bias_gradient(cupy, flat, saved.bias_shape, gemm)
+            d_bias = bias_gradient(cupy, flat, saved.bias_shape)
         if need_x:
             d_inputs = unpack_rows(gemm(flat, weights[:, state:],
                                         cupy.empty((rows, features), dtype)), plan, cupy, *index)
