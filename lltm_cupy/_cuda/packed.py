@@ -51,6 +51,20 @@ def hidden_inputs(xp, plan, d, h0s, out):
     return h_in
 
 
+def final_states(plan, d, out, cells, h0s, c0s, copy):
+    """Each sorted sequence's final (h, c), from every packed row's hidden state ``out`` and
+    cell ``cells`` (rows, S): the rows of its last step (one gather each), or for length 0 the
+    sorted initial state ``h0s``, ``c0s`` (``copy``: the arrays' copy function)."""
+    ended = plan.ended      # the sequences with a last step: a prefix of the sorted order
+    if plan.rows and ended == len(plan.perm):
+        return out[d.last], cells[d.last]
+    h_sorted, c_sorted = copy(h0s), copy(c0s)
+    if plan.rows:
+        h_sorted[:ended] = out[d.last]
+        c_sorted[:ended] = cells[d.last]
+    return h_sorted, c_sorted
+
+
 def _permuted(a, perm):
     return a if perm is None or a is None else a[perm]
 
@@ -143,7 +157,6 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, plan, keep=True, block_r
     state = h0.shape[1]
     dtype = inputs.dtype
     rows = plan.rows
-    batch = len(plan.perm)
     with on_device(inputs.data.device_id):
         d = _index(cupy, plan, inputs.device.id)
         index = (d.t_index, d.b_index, d.data_index)
@@ -171,14 +184,7 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, plan, keep=True, block_r
                              (gates.data.ptr, gates.strides[0]), (out.data.ptr, out.strides[0]),
                              cells.data.ptr, bias_c.data.ptr, c0_c.data.ptr, dtype, state)
             outputs = unpack_rows(out, plan, cupy, *index)
-            ended = plan.ended  # the sequences with a last step: a prefix of the sorted order
-            if rows and ended == batch:
-                h_sorted, c_sorted = out[d.last], cells[d.last]
-            else:
-                h_sorted, c_sorted = h0s.copy(), c0s.copy()
-                if rows:
-                    h_sorted[:ended] = out[d.last]
-                    c_sorted[:ended] = cells[d.last]
+            h_sorted, c_sorted = final_states(plan, d, out, cells, h0s, c0s, cupy.ndarray.copy)
         if d.perm is None:
             h_n, c_n = h_sorted, c_sorted
         else:

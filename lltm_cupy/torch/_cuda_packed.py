@@ -66,15 +66,8 @@ def forward(x, weights, bias, h0s, c0s, plan, d, xp, keep):
     if not keep:
         return outputs, None, None, None, h_sorted, c_sorted
     outputs = unpack_rows(hs, plan, xp, d.t_index, d.b_index, d.data_index)
-    ended = plan.ended      # the sequences with a last step: a prefix of the sorted order
-    if rows and ended == batch:
-        h_sorted, c_sorted = hs[d.last], cells[d.last]
-    else:
-        h_sorted, c_sorted = h0s.clone(), c0s.clone()
-        if rows:
-            h_sorted[:ended] = hs[d.last]
-            c_sorted[:ended] = cells[d.last]
-    return outputs, hs, gates, cells, h_sorted, c_sorted
+    return (outputs, hs, gates, cells,
+            *_packed.final_states(plan, d, hs, cells, h0s, c0s, torch.Tensor.clone))
 
 
 def backward(grad_outputs, grad_h_n, grad_c_n, out, gates, cells, weights, plan, d, xp):
