@@ -15,13 +15,9 @@ from .._cuda import packed as _packed, sequence as _sequence
 from .._cuda.elementwise import launch
 from .._packing import incoming_cell_grad, pack_rows, step_blocks, unpack_rows
 from . import _interop, _torch_gemm
+from ._interop import rows as _rows
 
 __all__ = ["forward", "backward"]
-
-
-def _rows(t):
-    """(device pointer, bytes a row) of a contiguous tensor."""
-    return t.data_ptr(), t.stride(0) * t.element_size()
 
 
 def forward(x, weights, bias, h0s, c0s, plan, d, xp, keep):

@@ -27,13 +27,9 @@ from .._cuda.elementwise import launch
 from .._cuda.packed import hidden_inputs
 from .._packing import block_steps, pack_rows, unpack_rows
 from . import _cuda_packed, _interop, _torch_gemm
+from ._interop import rows as _rows
 
 __all__ = ["forward", "backward", "fused_runs"]
-
-
-def _pointer_step(t):
-    """(device pointer, stride of the first dimension in bytes) of a contiguous tensor."""
-    return t.data_ptr(), t.stride(0) * t.element_size()
 
 
 def _permuted(t, perm):
@@ -63,7 +59,8 @@ def forward(inputs, weights, bias, h0, c0, plan=None, keep=True, fused=False):
     the backward). With ``keep`` False (no backward to follow) ``(outputs, h_n, c_n)``, the
     same bits. ``fused``: the fused kernels where they run the state size, else the stepped
     path."""
-    d = h0s = c0s = xp = None
+    d = xp = None
+    h0s, c0s = h0, c0           # (with a plan: in the sorted order)
     with _interop.launching(inputs.device):
         if plan is None:
             x = inputs.contiguous()
@@ -72,8 +69,7 @@ def forward(inputs, weights, bias, h0, c0, plan=None, keep=True, fused=False):
             xp = _interop.TorchArrays(inputs.device)
             x = pack_rows(inputs, plan, d.t_index, d.b_index, d.data_index).contiguous()
             h0s, c0s = _permuted(h0, d.perm), _permuted(c0, d.perm)
-        found = fused and _fused_forward(x, weights, bias, h0 if plan is None else h0s,
-                                         c0 if plan is None else c0s, keep, plan, d, xp)
+        found = fused and _fused_forward(x, weights, bias, h0s, c0s, keep, plan, d, xp)
         ran = found is not False
         if not ran:
             found = (_stepped_forward(x, weights, bias, h0, c0, keep) if plan is None else
@@ -127,7 +123,7 @@ def _stepped_forward(inputs, weights, bias, h0, c0, keep):
 
         _sequence.forward_steps(
             launch(_interop.KERNEL_DTYPE[inputs.dtype], n, state), steps, block, keep, project,
-            recurrent, _pointer_step(gates), _pointer_step(hs), _pointer_step(cells),
+            recurrent, _rows(gates), _rows(hs), _rows(cells),
             b.data_ptr(), c.data_ptr())
     h_n = hs[steps].clone()
     c_n = c0.clone() if not steps else cells[(steps - 1) if keep else (steps - 1) % 2].clone()
@@ -275,8 +271,8 @@ def _stepped_backward(grad_outputs, grad_h_n, grad_c_n, gates, cells, weights):
 
         _sequence.backward_steps(
             launch(_interop.KERNEL_DTYPE[cells.dtype], batch * state, state), steps, recurrent,
-            _pointer_step(grad_h), _pointer_step(cells), _pointer_step(gates),
-            _pointer_step(d_gates), _pointer_step(buffers), None if gc is None else gc.data_ptr())
+            _rows(grad_h), _rows(cells), _rows(gates),
+            _rows(d_gates), _rows(buffers), None if gc is None else gc.data_ptr())
         return (d_gates, _torch_gemm._mm(d_gates[0], w_h, out=new((batch, state))),
                 buffers[(steps - 1) % 2].clone())
     if steps:                   # no batch

@@ -44,8 +44,8 @@ from .. import _numpy
 from . import _cpu_arrays, _torch_gemm
 from ._torch_gemm import TORCH_GEMM
 
-__all__ = ["CPU_CALL", "cuda_backend", "without_autocast", "launching", "mm", "DTYPES",
-           "KERNEL_DTYPE", "EMULATED_CUDA", "use_plans", "plan_arrays", "TorchArrays",
+__all__ = ["CPU_CALL", "cuda_backend", "without_autocast", "launching", "mm", "rows", "DTYPES",
+           "KERNEL_DTYPE", "EMULATED_CUDA", "use_plans", "upload", "plan_arrays", "TorchArrays",
            "group_buffers", "prepare_capture"]
 
 #: What each backend computes in. bfloat16 CPU tensors are computed in float32 by the layer above
@@ -315,6 +315,12 @@ def mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     stream, under torch's matmul settings; ``_torch_gemm._mm``, which the tests' emulated CUDA
     path wraps)."""
     return _torch_gemm._mm(a, b, out=out)
+
+
+def rows(t: Tensor) -> tuple:
+    """(device pointer, bytes a row) of a contiguous tensor: what the backend's pointer loops
+    take for a stack of steps or rows."""
+    return t.data_ptr(), t.stride(0) * t.element_size()
 
 
 def upload(a: np.ndarray, device: torch.device) -> Tensor:
