@@ -26,8 +26,8 @@ Device copies. The GPU backend needs some of a plan's index arrays on the device
 plan. Plans are cached (:func:`cached_plan`, :func:`packed_plan`: the last 64 of each, by their
 lengths or batch_sizes), so a loop over batches of recurring lengths uploads nothing in steady
 state; the torch layer's plans apart from the array API's (``pool="torch"``): the torch layer
-uploads its plans' arrays into torch's allocator, the array API into CuPy's pool, and neither
-reads the other's (``lltm_cupy.warmup`` caches none). While a CUDA graph is being captured no
+uploads its plans' arrays as torch tensors, the array API as CuPy arrays in CuPy's pool, and
+neither reads the other's (``lltm_cupy.warmup`` caches none). While a CUDA graph is being captured no
 upload is allowed (it would stage through host memory and be invalid, or frozen, in the graph):
 a plan must be on the device already (an eager call with the same lengths first), else
 :class:`CaptureError`. A plan used under capture is
@@ -132,15 +132,17 @@ class Plan:
         seen.add(stream)
         return found
 
-    def device_arrays(self, xp, device_id: int, capturing: bool = False):
-        """The index arrays the GPU backend reads, on device ``device_id`` (``xp``: CuPy, its
-        current device that one): ``t_index``, ``b_index`` (None for a PackedSequence plan),
-        ``data_index`` (None unless reverse over PackedSequence data), ``perm`` (None for the
-        identity), ``last`` (the packed row of each ended sequence's last step), ``prev``
-        (:attr:`prev_row`; None where empty) and ``offsets`` (:attr:`offsets`, int64: the fused
-        kernels' step boundaries). Uploaded on
-        the first call for that device, then reused; ``capturing``: a CUDA graph is being
-        captured, where an upload is refused (:class:`CaptureError`) before any work."""
+    def device_arrays(self, upload, device_id: int, stream: int, capturing: bool = False):
+        """The index arrays the GPU paths read, on device ``device_id``, each made by
+        ``upload`` (a host array -> its copy on that device, the current one: a CuPy array for
+        the array API, a torch tensor for the torch layer) on the stream with handle
+        ``stream``: ``t_index``, ``b_index`` (None for a PackedSequence plan), ``data_index``
+        (None unless reverse over PackedSequence data), ``perm`` (None for the identity),
+        ``order`` (perm even where it is the identity), ``last`` (the packed row of each ended
+        sequence's last step), ``prev`` (:attr:`prev_row`; None where empty) and ``offsets``
+        (:attr:`offsets`, int64: the fused kernels' step boundaries). Uploaded on the first call
+        for that device, then reused; ``capturing``: a CUDA graph is being captured, where an
+        upload is refused (:class:`CaptureError`) before any work."""
         found = self._device.get(device_id)
         if found is not None:
             if capturing:
@@ -148,18 +150,21 @@ class Plan:
             return found
         if capturing:
             raise capture_error()
-        upload = (lambda a: None if a is None else xp.asarray(a))
+
+        def up(a):
+            return None if a is None else upload(a)
+
         found = types.SimpleNamespace(
-            t_index=None if self.packed_io else upload(self.t_index),
-            b_index=None if self.packed_io else upload(self.b_index),
-            data_index=upload(self.data_index),
-            perm=None if self.identity_perm else upload(self.perm),
-            order=upload(self.perm),      # perm even where it is the identity (fused path)
-            last=upload(self.last_row[: self.ended]) if self.rows else None,
-            prev=upload(self.prev_row) if len(self.prev_row) else None,
-            offsets=upload(np.asarray(self.offsets, np.int64)))
+            t_index=None if self.packed_io else up(self.t_index),
+            b_index=None if self.packed_io else up(self.b_index),
+            data_index=up(self.data_index),
+            perm=None if self.identity_perm else up(self.perm),
+            order=up(self.perm),
+            last=up(self.last_row[: self.ended]) if self.rows else None,
+            prev=up(self.prev_row) if len(self.prev_row) else None,
+            offsets=up(np.asarray(self.offsets, np.int64)))
         self._device[device_id] = found
-        self._streams[device_id] = {xp.cuda.get_current_stream().ptr}
+        self._streams[device_id] = {stream}
         return found
 
     def step(self, tau: int) -> slice:

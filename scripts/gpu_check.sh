@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One command for whoever is lent a GPU for a few minutes: its prerequisites, the GPU tests (the
-# torch layer's CUDA path first: test_torch*.py and test_gpu_training.py; then the fused kernels':
+# torch layer's CUDA path first, and in it first the tests only a GPU can run of its pointer
+# launches for variable lengths and the fused group variant: test_torch_pointer_path.py,
+# test_gpu_variable_length.py, then test_torch*.py and test_gpu_training.py; then the fused kernels':
 # the one-block, tensor-core and cluster kernels, warmup(fused=True) and the 16-block clusters;
 # then the rest; then the torch.compile ones), then the timing rows the open
 # goals need: the fused kernels' own time per step (one block, and clusters past one block's
@@ -38,15 +40,17 @@
 # each, about 30) and torch/CUDA start-up (~5 s a process):
 #   step                     cap  expected
 #   prerequisites             15   5   torch, CuPy and the GPU seen
-#   tests (torch CUDA path)   55  40   46 tests of test_torch*.py and test_gpu_training.py (the
-#                                      rewritten torch CUDA path, never run on a GPU yet): first,
-#                                      so that no overrun of another step leaves them unrun;
-#                                      lltm.cu and CuPy's own kernels compiled cold
+#   tests (torch CUDA path)   85  62   62 tests of test_torch_pointer_path.py (variable lengths on
+#                                      side streams, the group variant: never run on a GPU yet),
+#                                      test_gpu_variable_length.py (capture, sync debug, two fresh
+#                                      processes of ~10 s each), test_torch*.py and
+#                                      test_gpu_training.py: first, so that no overrun of another
+#                                      step leaves them unrun; lltm.cu, the group module (float32)
+#                                      and CuPy's own kernels compiled cold
 #   tests (fused kernels)     67  50   47 tests of test_fused_*.py: the modules of every fused
 #                                      variant compiled cold (cluster: float32 and bfloat16)
-#   tests (the rest)          90  65   217 tests, the variable-length ones among them (capture,
-#                                      sync debug, two fresh processes of ~10 s each) [the rest
-#                                      and the torch tests together: 38 s for 130 tests then]
+#   tests (the rest)          60  43   the other tests [the rest and the torch tests together:
+#                                      38 s for 130 tests then]
 #   tests (compiled)          60  42   [42 s] 12 tests; torch.compile's Inductor compiles
 #                                      dominate, and vary: 18 s of margin on a cold machine
 #   fused kernel time         15  10   4 size-dtype pairs x (check + 2 + 5 timed calls)
@@ -187,18 +191,20 @@ fi
 publish
 
 # The tests first: nothing of the present CUDA path has run on a GPU. The torch layer's CUDA path
-# (rewritten: torch.empty buffers, pointer launches, torch's GEMMs) first, then the fused
-# kernels' tests (the code furthest from anything a GPU ran), then the rest; each module in one
-# step only.
-torch_tests=(tests/test_torch*.py tests/test_gpu_training.py)
+# (rewritten: torch.empty buffers, pointer launches, torch's GEMMs) first, and in it first what
+# only a GPU can check of its newest part (variable lengths and the group variant on pointer
+# launches; pytest runs a file named twice once), then the fused kernels' tests (the code
+# furthest from anything a GPU ran), then the rest; each module in one step only.
+torch_tests=(tests/test_torch_pointer_path.py tests/test_gpu_variable_length.py
+             tests/test_torch*.py tests/test_gpu_training.py)
 fused_tests=(tests/test_fused_cluster.py tests/test_fused_mma.py tests/test_fused_sequence.py)
 ignored=()
 for f in "${torch_tests[@]}" "${fused_tests[@]}"; do ignored+=(--ignore "$f"); done
-step "tests (torch CUDA path)" 55 "$dir/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
+step "tests (torch CUDA path)" 85 "$dir/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
     -k "not compile" -p no:cacheprovider "${skip_args[@]}" "${torch_tests[@]}"
 step "tests (fused kernels)" 67 "$dir/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
     -p no:cacheprovider "${skip_args[@]}" "${fused_tests[@]}"
-step "tests (the rest)" 90 "$dir/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
+step "tests (the rest)" 60 "$dir/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \
     -k "not compile" -p no:cacheprovider "${skip_args[@]}" "${ignored[@]}" tests
 # (the torch.compile tests of every module but the fused kernels', the torch layer's among them)
 step "tests (compiled)" 60 "$dir/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \

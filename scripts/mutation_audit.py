@@ -73,6 +73,9 @@ LAYER_TESTS = ("tests/test_lltm_layers.py", "tests/test_torch_sequence.py",
 INFERENCE_TESTS = ("tests/test_inference.py", "tests/test_torch_inference.py")
 #: the array API's whole models (forward_layers / backward_layers)
 ARRAY_LAYER_TESTS = ("tests/test_layers.py", "tests/test_layers_torch.py")
+#: the torch layer's pointer path for variable lengths and the group variant
+POINTER_TESTS = ("tests/test_torch_pointer_path.py", "tests/test_torch_cuda_path.py",
+                 "tests/test_lltm_layers.py")
 #: the torch LLTM module (state dicts, batch_first, PackedSequence)
 MODULE_TESTS = ("tests/test_lltm_layers.py", "tests/test_dropin.py", "tests/test_torch_sequence.py",
                 "tests/test_layers_torch.py")
@@ -222,18 +225,32 @@ MUTANTS = [
            "    return _cupy_stream(index, 0)",
            ("tests/test_torch_cuda_path.py", "tests/test_lltm_layers.py"),
            "CuPy work on the null stream, not torch's current stream"),
-    Mutant("imported-view-offset-dropped", "lltm_cupy/torch/_cuda_arrays.py",
-           "t.storage_offset() + (data.ptr - t.data_ptr()) // item)",
-           "t.storage_offset())",
-           ("tests/test_torch_cuda_path.py", "tests/test_lltm_layers.py"),
-           "a view of an imported tensor (weights[:, S:]) given back at the tensor's start"),
-    Mutant("torch-rows-read-at-out-offset", "lltm_cupy/torch/_torch_gemm.py",
-           "a, out = self._a.narrow(0, i, rows), self._out.narrow(0, j, rows)",
-           "a, out = self._a.narrow(0, j, rows), self._out.narrow(0, j, rows)",
-           ("tests/test_torch_cuda_path.py", "tests/test_lltm_layers.py",
-            "tests/test_gpu_variable_length.py"),
+    Mutant("torch-packed-h0-not-sorted", "lltm_cupy/torch/_cuda_sequence.py",
+           "h0s, c0s = _permuted(h0, d.perm), _permuted(c0, d.perm)",
+           "h0s, c0s = h0.contiguous(), c0.contiguous()",
+           POINTER_TESTS, "torch layer, variable lengths: h0, c0 read in the caller's order, "
+           "not the sorted one"),
+    Mutant("torch-rows-read-at-out-offset", "lltm_cupy/torch/_cuda_packed.py",
+           "addmm_(gates.narrow(0, j, n), hs.narrow(0, i, n), w_h_t)",
+           "addmm_(gates.narrow(0, j, n), hs.narrow(0, j, n), w_h_t)",
+           POINTER_TESTS + ("tests/test_gpu_variable_length.py",),
            "a packed step's recurrent GEMM by torch reads the rows it writes, not the previous "
            "step's"),
+    Mutant("torch-packed-grad-h-n-dropped", "lltm_cupy/torch/_cuda_packed.py",
+           "    if grad_h_n is not None and ended and rows:",
+           "    if False:", POINTER_TESTS,
+           "torch layer, variable lengths backward: the final hidden state's gradient dropped"),
+    Mutant("torch-packed-outputs-copied", "lltm_cupy/torch/_cuda_packed.py",
+           "outputs = unpack_rows(hs, plan, xp,", "outputs = unpack_rows(hs.clone(), plan, xp,",
+           POINTER_TESTS, "torch layer, PackedSequence: the outputs a copy of the hidden states "
+           "the backward reads (an in-place change of them goes unseen)"),
+    Mutant("torch-plan-stream-not-recorded", "lltm_cupy/torch/_interop.py",
+           "                    record_stream(a, index, stream)\n",
+           "                    pass\n", POINTER_TESTS,
+           "a plan's index tensors read on a side stream without record_stream"),
+    Mutant("torch-group-exchange-half", "lltm_cupy/torch/_interop.py",
+           "exchange = like.new_empty(elements,", "exchange = like.new_empty(elements // 2,",
+           POINTER_TESTS, "the group variant's exchange buffer (a torch tensor) half its size"),
     Mutant("stream-cached", "lltm_cupy/torch/_interop.py",
            "    return _cupy_stream(index, current_raw_stream(index))",
            "    return _cupy_stream(index, _torch_stream.__dict__.setdefault("

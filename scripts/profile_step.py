@@ -25,8 +25,9 @@ Examples:
 
 With ``--calls`` it counts, with ``sys.setprofile``, the calls of functions defined in lltm_cupy/
 and the calls lltm_cupy code makes into CuPy (tests/helpers/calls.py), per LLTMCell forward +
-backward and per LLTM call and step, on the CPU and on the emulated CUDA path: deterministic,
-no clock, what tests/test_call_budget.py holds to its budgets.
+backward and per LLTM call and step (padded, and on a PackedSequence of unsorted lengths), on
+the CPU and on the emulated CUDA path: deterministic, no clock, what tests/test_call_budget.py
+holds to its budgets.
 """
 from __future__ import annotations
 
@@ -132,6 +133,7 @@ def calls(args) -> int:
     sys.path.insert(0, str(root / "tests"))
     from helpers import emulated_cupy as emu, emulated_torch
     from helpers.calls import counted
+    from torch.nn.utils.rnn import pack_padded_sequence
 
     from lltm_cupy.torch import LLTM, LLTMCell
 
@@ -144,12 +146,17 @@ def calls(args) -> int:
         cell = LLTMCell(F, S)
         return lambda: torch.autograd.backward(cell(x, (h, c)), (ones, ones))
 
-    def lltm_call(steps):
+    def lltm_call(steps, packed=False):
+        """An LLTM call, forward + backward; ``packed``: on a PackedSequence of unsorted lengths
+        (the last sequence a step shorter)."""
         model = LLTM(F, S)
         xs = torch.randn(steps, B, F)
 
         def call():
-            out, (_, c_n) = model(xs, (h[None], c[None]))
+            x = pack_padded_sequence(xs, [steps] * (B - 1) + [steps - 1],
+                                     enforce_sorted=False) if packed else xs
+            out, (_, c_n) = model(x, (h[None], c[None]))
+            out = out.data if packed else out
             torch.autograd.backward((out, c_n), (torch.ones_like(out), torch.ones_like(c_n)))
         return call
 
@@ -165,6 +172,10 @@ def calls(args) -> int:
         print(f"{where}: LLTMCell forward + backward {cell.library} library + {cell.cupy} "
               f"CuPy calls; LLTM call beyond its steps {short.total - 4 * step:g}, a step "
               f"{step:g} (library + CuPy; T = 4 and 8)")
+        short, long = count(lltm_call(4, True)), count(lltm_call(8, True))
+        step = (long.total - short.total) / 4
+        print(f"{where}: LLTM call on a PackedSequence beyond its steps "
+              f"{short.total - 4 * step:g}, a step {step:g}")
         if args.top:
             top = sorted(cell.names.items(), key=lambda kv: -kv[1])[:args.top]
             print("  LLTMCell's: " + ", ".join(f"{n} x{k}" for n, k in top))

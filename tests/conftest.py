@@ -76,8 +76,8 @@ def emulated_cupy(monkeypatch, host_lib):
 
 @pytest.fixture
 def emulated_cuda_torch(emulated_cupy, monkeypatch):
-    """lltm_cupy.torch's CUDA path run on CPU tensors: DLPack in, the torch allocator, torch
-    views out and the CuPy backend, on the emulated CuPy. ``emulator.capturing = True`` makes
+    """lltm_cupy.torch's CUDA path run on CPU tensors: the kernels launched on the tensors'
+    pointers into torch's buffers, with torch's GEMMs, on the emulated CuPy. ``emulator.capturing = True`` makes
     the stream report a CUDA-graph capture (and cuBLAS refuse, as CuPy does).
 
     torch's streams are emulated too: ``torch.cuda.current_stream()`` (handle 0, the default

@@ -222,8 +222,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 
 def test_torch_cuda_path_in_bfloat16_on_the_emulator(emulated_cuda_torch):
-    """bfloat16 tensors through the torch layer's CUDA path (int16 views through DLPack, uint16
-    in the backend, bfloat16 tensors out over torch's own allocations)."""
+    """bfloat16 tensors through the torch layer's CUDA path (the kernels' bfloat16
+    instantiation on the tensors' pointers, bfloat16 tensors out)."""
     import lltm_cupy.torch as lt
 
     bits, case = _bf16_case(4, 3, 5, seed=13)

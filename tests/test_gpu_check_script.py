@@ -144,15 +144,18 @@ def _test_steps():
 
 def test_the_torch_cuda_paths_tests_run_first_and_once():
     """The tests of the torch layer's CUDA path (test_torch*.py, test_gpu_training.py: the
-    rewritten path, never run on a GPU) are the first tests step, so that no other step's
+    rewritten path, never run on a GPU; first of them what only a GPU can check of its pointer
+    launches for variable lengths and the group variant: test_torch_pointer_path.py,
+    test_gpu_variable_length.py) are the first tests step, so that no other step's
     overrun leaves them unrun; the rest and the compiled steps do not run them again (but the
     compiled one runs their torch.compile tests, which the first leaves out)."""
     steps = _test_steps()
     assert [name for name, _ in steps][:1] == ["tests (torch CUDA path)"], steps
     first = steps[0][1]
     assert '"${torch_tests[@]}"' in first and '-k "not compile"' in first, first
-    torch_files = re.search(r"^torch_tests=\((.*)\)$", TEXT, re.M).group(1).split()
-    assert set(torch_files) == {"tests/test_torch*.py", "tests/test_gpu_training.py"}, torch_files
+    torch_files = re.search(r"^torch_tests=\(([^)]*)\)$", TEXT, re.M).group(1).split()
+    assert torch_files == ["tests/test_torch_pointer_path.py", "tests/test_gpu_variable_length.py",
+                           "tests/test_torch*.py", "tests/test_gpu_training.py"], torch_files
     ignored = re.search(r'^for f in (.*); do ignored\+=', TEXT, re.M).group(1)
     assert '"${torch_tests[@]}"' in ignored, ignored
     rest = dict(steps)["tests (the rest)"]

@@ -1,7 +1,7 @@
-"""lltm_cupy.torch's CUDA path, run in CI without a GPU: CPU tensors routed through DLPack, the
-torch allocator, torch views and the CuPy backend on the emulated CuPy (conftest's
-``emulated_cuda_torch``). What it shows: the results, where every byte comes from, what the
-results are made of, the device work per step, and the GEMM swap under CUDA-graph capture.
+"""lltm_cupy.torch's CUDA path, run in CI without a GPU: CPU tensors whose device pointers the
+kernels are launched on, torch's buffers, streams and GEMMs, on the emulated CuPy (conftest's
+``emulated_cuda_torch``). What it shows: the results, where every byte comes from, the device
+work per step, that no tensor crosses into CuPy, and the GEMM engine under CUDA-graph capture.
 The same properties on a real GPU: tests/test_gpu_training.py.
 """
 from __future__ import annotations
@@ -167,52 +167,31 @@ def test_captured_training_step_equals_the_eager_one_bit_for_bit(emulated_cuda_t
         assert torch.equal(captured, eager), f"result {i}"
 
 
-def test_memory_comes_from_torch_and_results_are_torch_allocations(emulated_cuda_torch,
-                                                                   monkeypatch):
-    """A step and a sequence of one length allocate nothing through CuPy (their buffers are
-    torch.empty tensors, the kernels take their pointers); with variable lengths (the CuPy
-    backend's arrays) every CuPy allocation is a torch allocation (the allocator installed for
-    the call), and the results are views of them; nothing comes back through DLPack."""
+def test_memory_comes_from_torch(emulated_cuda_torch, monkeypatch):
+    """A step, a sequence of one length and one of variable lengths (and their first call,
+    which uploads the packing plan) allocate nothing through CuPy: their buffers, and the plan's
+    index arrays, are torch tensors whose pointers the kernels take; nothing comes back through
+    DLPack."""
     emu = emulated_cuda_torch.emulator
-    from lltm_cupy.torch import _interop
+    from lltm_cupy import _packing
 
-    made = []
-    real = _interop._torch_allocator
-
-    def recording_allocator(device):
-        allocate = real(device)
-
-        def wrapped(nbytes):
-            memptr = allocate(nbytes)
-            made.append(memptr.mem._owner.untyped_storage().data_ptr())
-            return memptr
-        return wrapped
-
-    monkeypatch.setattr(_interop, "_torch_allocator", recording_allocator)
     monkeypatch.setattr(torch, "from_dlpack",
                         lambda *a, **k: pytest.fail("a result came back through DLPack"))
     case = make_case(4, 3, 5, np.float32, seed=73)
     args = _tensors(case, dtype=torch.float32)
+    xs = torch.randn(6, 4, 3, requires_grad=True)
     emu.reset()
     h, c = lt.lltm(*args)
     (h.sum() + c.pow(2).sum()).backward()
-    assert emu.pool_allocations == 0 and emu.allocations == [] and made == []
-    xs = torch.randn(6, 4, 3, requires_grad=True)
-    emu.reset()
     out, h_n, c_n = lt.lltm_sequence(xs, *args[1:])
     (out.sum() + c_n.pow(2).sum()).backward()
-    assert emu.pool_allocations == 0 and emu.allocations == [] and made == []
-    xs.grad = None
-    emu.reset()
     out, h_n, c_n = lt.lltm_sequence(xs, *args[1:], lengths=[6, 3, 6, 1])
     (out.sum() + c_n.pow(2).sum()).backward()
-    assert emu.pool_allocations == 0, "CuPy's own pool was used"
-    assert len(made) == len(emu.allocations) > 0
-    for t in (out, h_n, c_n, xs.grad):
-        # each result is a view of one of the allocations torch made for us, sized exactly
-        # (the parameters' gradients: AccumulateGrad may copy a gradient it cannot steal)
-        assert t.untyped_storage().data_ptr() in made
-        assert t.untyped_storage().nbytes() >= t.numel() * t.element_size()
+    assert emu.pool_allocations == 0 and emu.allocations == [], "CuPy allocated"
+    plan = _packing.cached_plan(np.array([6, 3, 6, 1]), 6, False, "torch")
+    assert _plan_arrays_owned_by_torch(plan)
+    uploaded = [a for a in vars(plan._device[0]).values() if a is not None]
+    assert emu.transfers == [("h2d", a.nbytes) for a in uploaded]   # the plan's, once each
 
 
 def test_torch_layer_adds_no_device_work(emulated_cuda_torch):
@@ -231,25 +210,6 @@ def test_torch_layer_adds_no_device_work(emulated_cuda_torch):
     emu.reset()
     torch.autograd.backward((h, c), grads)
     assert BACKWARD[-1] == "reduce" and emu.log == BACKWARD[:-1]
-
-
-def test_results_are_views_of_the_owning_torch_allocation_with_real_cupy_objects():
-    """The same mapping with CuPy's own classes (no GPU needed to build them over host memory):
-    UnownedMemory keeps the torch allocation as its owner, a strided CuPy view maps to a torch
-    view of that storage at the right offset, and uint16 arrays come back as bfloat16."""
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install .[test])")
-    from lltm_cupy.torch._interop import _tensor_cuda
-
-    owner = torch.empty(64, dtype=torch.uint8)
-    mem = cupy.cuda.UnownedMemory(owner.data_ptr(), owner.numel(), owner, 0)
-    a = cupy.ndarray((2, 3), cupy.float16, memptr=cupy.cuda.MemoryPointer(mem, 0))
-    view = _tensor_cuda(a[1:, ::2])
-    assert view.untyped_storage().data_ptr() == owner.data_ptr()
-    assert (tuple(view.shape), view.stride(), view.storage_offset()) == ((1, 2), (3, 2), 3)
-    assert view.dtype == torch.float16
-    bits = cupy.ndarray((4,), cupy.uint16, memptr=cupy.cuda.MemoryPointer(mem, 12))
-    as_bf16 = _tensor_cuda(bits)
-    assert as_bf16.dtype == torch.bfloat16 and as_bf16.storage_offset() == 6
 
 
 # ---------------------------------------------------------------------------------- streams
@@ -363,7 +323,7 @@ def test_launching_on_another_device_leaves_it_again_when_torchs_stream_cannot_b
         emulated_cuda_torch):
     """The pointer launches' context where the tensors' device is not the current one
     (_interop._OnDevice) enters that device, then reads torch's stream: if the read fails, the
-    thread is back on its own device (as _CudaCall leaves it), not left on the tensors'."""
+    thread is back on its own device, not left on the tensors'."""
     from lltm_cupy.torch import _interop
 
     emu = emulated_cuda_torch.emulator
@@ -414,14 +374,14 @@ def test_a_cell_on_another_device_than_the_current_one(emulated_cuda_torch):
 def _plan_arrays_owned_by_torch(plan):
     arrays = [a for ns in plan._device.values() for a in vars(ns).values() if a is not None]
     assert arrays, "the plan's index arrays never went to the device"
-    return all(isinstance(getattr(a.data.mem, "_owner", None), torch.Tensor) for a in arrays)
+    return all(isinstance(a, torch.Tensor) and a.dtype == torch.int64 for a in arrays)
 
 
 def test_after_warmup_the_layers_packed_layouts_are_torch_allocations(emulated_cuda_torch):
     """lltm_cupy.warmup runs variable-length calls of every kind (lengths, PackedSequence data,
     both directions) on tiny batches, in CuPy's pool: it keeps none of their layouts, so that the
     torch layer meeting the same lengths afterwards (here batch_sizes (2, 1), warmup's own)
-    uploads its index arrays into torch's allocator, never reading CuPy's pool."""
+    uploads its index arrays as torch tensors, never reading CuPy's pool."""
     from torch.nn.utils.rnn import pack_padded_sequence
 
     from lltm_cupy import _packing
@@ -441,7 +401,7 @@ def test_after_warmup_the_layers_packed_layouts_are_torch_allocations(emulated_c
 
 def test_the_layer_reads_no_layout_the_array_api_uploaded(emulated_cuda_torch):
     """The array API uploads a layout's index arrays into CuPy's pool (no torch there); the torch
-    layer's calls with the same lengths use layouts of their own, in torch's allocator."""
+    layer's calls with the same lengths use layouts of their own, torch tensors."""
     from lltm_cupy import _packing
 
     cupy = emulated_cuda_torch
@@ -469,12 +429,12 @@ def _crossings(emu, call) -> dict:
     return {"dlpack": counts["dlpack"], "arrays": counts["arrays"]}
 
 
-def test_tensors_cross_by_pointer_and_dlpack_only_where_cupy_arrays_are_made(
-        emulated_cuda_torch):
+def test_tensors_cross_by_pointer_only(emulated_cuda_torch):
     """How tensors cross on CUDA (docs/api.md, the README's first table): a plain ``LLTMCell``
-    step and an ``LLTM`` call of one length, forward + backward and forward only, reach the
-    kernels as device pointers (``torch.empty`` outputs, torch's GEMMs): no DLPack import, no
-    CuPy array; variable lengths still make CuPy arrays, through DLPack."""
+    step, an ``LLTM`` call of one length and of variable lengths (a PackedSequence), and a
+    ``lengths=`` call, forward + backward and forward only, reach the kernels as device
+    pointers (``torch.empty`` buffers, torch's GEMMs): no DLPack import, no CuPy array
+    (the fused kernels: tests/test_torch_pointer_path.py)."""
     from torch.nn.utils.rnn import pack_padded_sequence
 
     emu = emulated_cuda_torch.emulator
@@ -492,17 +452,23 @@ def test_tensors_cross_by_pointer_and_dlpack_only_where_cupy_arrays_are_made(
         data = out.data if hasattr(out, "batch_sizes") else out
         (data.sum() + h_n.sum() + c_n.sum()).backward()
 
-    def layer_forward_only():
+    def forward_only(inputs=xs):
         with torch.no_grad():
-            layer(xs)
+            layer(inputs)
 
+    def lengths_call():
+        out, h_n, c_n = lt.lltm_sequence(xs, layer.weights, layer.bias, h, c,
+                                         lengths=[5, 2, 4, 0])
+        (out.sum() + h_n.sum() + c_n.sum()).backward()
+
+    packed = pack_padded_sequence(xs, [5, 3, 4, 2], enforce_sorted=False)
     none = {"dlpack": 0, "arrays": 0}
     assert _crossings(emu, cell_step) == none, "LLTMCell step"
     assert _crossings(emu, layer_call) == none, "LLTM call"
-    assert _crossings(emu, layer_forward_only) == none, "LLTM call under no_grad"
-    packed = pack_padded_sequence(xs, [5, 3, 4, 2], enforce_sorted=False)
-    ragged = _crossings(emu, lambda: layer_call(packed))
-    assert ragged["dlpack"] > 0 and ragged["arrays"] > 0, ragged
+    assert _crossings(emu, forward_only) == none, "LLTM call under no_grad"
+    assert _crossings(emu, lambda: layer_call(packed)) == none, "LLTM, PackedSequence"
+    assert _crossings(emu, lambda: forward_only(packed)) == none, "PackedSequence, no_grad"
+    assert _crossings(emu, lengths_call) == none, "lltm_sequence lengths="
 
 
 def test_compiled_calls_cross_as_the_docs_say(emulated_cuda_torch):
@@ -534,16 +500,16 @@ def test_compiled_calls_cross_as_the_docs_say(emulated_cuda_torch):
     assert _crossings(emu, training) == none, "compiled LLTM training"
 
 
-def test_sequence_function_apply_returns_the_pair_the_docs_name(request):
-    """docs/api.md: ``LLTMSequenceFunction.apply`` returns (outputs, h_n, c_n), then the pair
-    (fused kernels ran, on torch's buffers with pointer launches), then what it keeps."""
+def test_sequence_function_apply_returns_what_the_docs_name(request):
+    """docs/api.md: ``LLTMSequenceFunction.apply`` returns (outputs, h_n, c_n), then whether
+    the fused kernels ran, then what it keeps."""
     from lltm_cupy.torch._sequence_function import LLTMSequenceFunction
 
     torch.manual_seed(0)
     args = (torch.randn(5, 4, 3), torch.randn(18, 9) / 3, torch.randn(18), torch.randn(4, 6),
             torch.randn(4, 6))
     found = LLTMSequenceFunction.apply(*args)
-    assert found[3] == (False, False) and found[0].shape == (5, 4, 6), found[3]   # the CPU
+    assert found[3] is False and found[0].shape == (5, 4, 6), found[3]   # the CPU
     request.getfixturevalue("emulated_cuda_torch")
     found = LLTMSequenceFunction.apply(*args)
-    assert found[3] == (False, True), found[3]          # the CUDA path: torch's buffers
+    assert found[3] is False and len(found) == 7, found[3]       # hs, gates, cells kept

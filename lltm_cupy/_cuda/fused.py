@@ -45,7 +45,7 @@ import numpy as np
 
 from . import cluster_kernels, fused_cluster, fused_kernels, fused_mma, group_kernels, kernels
 from .fused_kernels import THREADS, acc_size, wt_stride
-from .gemm import parameter_grads
+from .gemm import gemm, parameter_grads
 from .kernels import cupy_module, on_device
 from .packed import _index, hidden_inputs
 from .._packing import block_steps, pack_rows, unpack_rows
@@ -95,9 +95,10 @@ def cluster_size(state: int, dtype):
     return fused_cluster.chosen_size(state, dtype)
 
 
-def variant(batch: int, state: int, dtype, backward: bool, size=None):
+def variant(batch: int, state: int, dtype, backward: bool, size=None, buffers=None):
     """(kernel, blocks, threads, tile, shared bytes) of the variant that runs ``state`` (``size``:
-    that many blocks per tile instead of the launcher's choice). A cluster launch of a
+    that many blocks per tile instead of the launcher's choice; ``buffers``: what makes the group
+    variant's exchange buffer and counters, ``group_kernels.group_launch``'s). A cluster launch of a
     non-portable size raises cluster_kernels.LaunchRefused where the driver refuses it; so
     does this call where no variant runs ``state`` now: past one block's shared memory with no
     cluster (or group) size chosen, as after a non-portable size was refused since the forward
@@ -130,7 +131,8 @@ def variant(batch: int, state: int, dtype, backward: bool, size=None):
         fn = fns.bwd if backward else fns.fwd
         shape = fused_cluster.geometry(batch, state, dtype, backward, size)
         group_kernels.resident_blocks(fn, shape[1], shape[3])   # asked now, not at the launch
-        return (group_kernels.group_launch(fn, size, dtype, state, backward), *shape)
+        return (group_kernels.group_launch(fn, size, dtype, state, backward, buffers),
+                *shape)
     return (fns.bwd if backward else fns.fwd, *geometry)
 
 
@@ -146,8 +148,7 @@ def _geometry(cupy, batch: int, state: int, dtype, backward: bool):
     return -(-batch // tile), threads, tile, base + tile * per_row
 
 
-def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_rows=2048,
-                  size=None):
+def forward_fused(inputs, weights, bias, h0, c0, plan, keep=True, block_rows=2048, size=None):
     """The fused forward of one layer and direction. ``keep``: everything the backward reads is
     kept (one input-projection GEMM and one launch); forward only (``keep=False``): the steps
     run in blocks of the stepped path's size, one GEMM and one launch per block, into one reused
@@ -229,7 +230,7 @@ def forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep=True, block_ro
     return outputs, h_n, c_n, saved
 
 
-def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm, size=None):
+def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, size=None):
     """The fused backward of one layer and direction (``size`` as in :func:`forward_fused`);
     raises cluster_kernels.LaunchRefused as it does, before any launch where no variant runs
     the state size now (the saved values are the stepped path's: the caller runs the stepped
@@ -280,7 +281,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm, size=N
             d_c0[perm] = d_c0s
         need_x, need_w, need_b, need_h0, need_c0 = needed
         d_inputs, d_weights, d_bias = parameter_grads(cupy, d_gates, h_in, x, weights,
-                                                           saved.bias_shape, needed, gemm)
+                                                      saved.bias_shape, needed)
         if need_x:
             d_inputs = (d_inputs.reshape(steps, batch, x.shape[1]) if plan is None
                         else unpack_rows(d_inputs, plan, cupy, *index))

@@ -10,8 +10,7 @@ import numpy as np
 
 from .kernels import BFLOAT16, current_device
 
-__all__ = ["gemm", "Steps", "ViewSteps", "ViewRows", "steps", "row_steps", "d_bias",
-           "parameter_grads"]
+__all__ = ["gemm", "Steps", "steps", "row_steps", "d_bias", "parameter_grads"]
 
 
 def _operand(a):
@@ -72,7 +71,7 @@ class Steps:
     The handle is CuPy's of the calling thread and the current device, looked up once per
     thread and device. CuPy's binding sets the handle's stream to CuPy's current stream on
     every call (``cupy_backends/cuda/libs/cublas.pyx``, ``gemmEx`` -> ``_setStream``), and
-    raises while that stream is being captured (the torch layer passes torch's GEMM, always).
+    raises while that stream is being captured (the torch layer runs torch's GEMMs instead).
     """
 
     __slots__ = ("_gemm_ex", "_args", "_a", "_a_step", "_c", "_c_step", "_mode", "_restore",
@@ -129,63 +128,18 @@ class Steps:
                       compute, algo)
 
 
-class ViewSteps:
-    """:class:`Steps` for another GEMM engine (a function ``gemm(a, b, out, accumulate)``
-    without runners of its own), on stacks: ``run(i, j)`` calls it on the views a[i], out[j] of
-    a (T, m, k) and out (T', m, n)."""
-
-    __slots__ = ("_gemm", "_a", "_b", "_out", "_accumulate")
-
-    def __init__(self, gemm, a, b, out, accumulate=False):
-        self._gemm, self._a, self._b, self._out, self._accumulate = gemm, a, b, out, accumulate
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def __call__(self, i, j):
-        self._gemm(self._a[i], self._b, self._out[j], accumulate=self._accumulate)
-
-
-class ViewRows(ViewSteps):
-    """:class:`Steps` by rows for another GEMM engine: ``run(i, j, rows)`` calls it on the views
-    a[i:i + rows], out[j:j + rows]."""
-
-    __slots__ = ()
-
-    def __call__(self, i, j, rows):
-        self._gemm(self._a[i: i + rows], self._b, self._out[j: j + rows],
-                   accumulate=self._accumulate)
-
-
-def row_steps(engine, a, b, out, accumulate=False):
+def row_steps(a, b, out, accumulate=False):
     """The per-step GEMMs ``out[j:j + rows] (+)= a[i:i + rows] @ b`` of a packed sequence's
-    rows, a (R, k) and out (R', n) C-contiguous, by ``engine``: ``run(i, j, rows)``, on pointers
-    for this module's GEMM (:class:`Steps`), the engine's own runner where it has one (its
-    ``row_steps(a, b, out, accumulate)``, as the torch layer's), else on views
-    (:class:`ViewRows`). Use it in a ``with`` block."""
-    if engine is gemm:
-        return Steps(a, b, out, accumulate, a.strides[0], out.strides[0])
-    own = getattr(engine, "row_steps", None)
-    if own is not None:
-        return own(a, b, out, accumulate)
-    return ViewRows(engine, a, b, out, accumulate)
+    rows, a (R, k) and out (R', n) C-contiguous: ``run(i, j, rows)`` (:class:`Steps` on
+    pointers). Use it in a ``with`` block."""
+    return Steps(a, b, out, accumulate, a.strides[0], out.strides[0])
 
 
-def steps(engine, a, b, out, accumulate=False):
+def steps(a, b, out, accumulate=False):
     """The per-step GEMMs ``out[j] (+)= a[i] @ b`` of a sequence's stacks a (T, m, k) and
-    out (T', m, n), m, n, k >= 1, by ``engine`` (a ``gemm`` function): :class:`Steps` on
-    pointers for this module's, the engine's own runner where it has one (its ``steps(a, b, out,
-    accumulate)``, as the torch layer's), else :class:`ViewSteps`. Use it in a ``with``
-    block."""
-    if engine is gemm:
-        return Steps(a[0], b, out[0], accumulate, a.strides[0], out.strides[0])
-    own = getattr(engine, "steps", None)
-    if own is not None:
-        return own(a, b, out, accumulate)
-    return ViewSteps(engine, a, b, out, accumulate)
+    out (T', m, n), m, n, k >= 1: ``run(i, j)`` (:class:`Steps` on pointers). Use it in a
+    ``with`` block."""
+    return Steps(a[0], b, out[0], accumulate, a.strides[0], out.strides[0])
 
 
 _CONSTANTS: dict = {}
@@ -233,7 +187,7 @@ _DISALLOW_REDUCED_PRECISION = 16
 _BF16_ONE = 0x3F80
 
 
-def d_bias(cupy, d_gates, bias_shape, gemm):
+def d_bias(cupy, d_gates, bias_shape):
     """Sum of d_gates (rows, 3S) over its rows, shaped like the bias; float16 sums in float32 and
     rounds once; bfloat16 (which CuPy cannot add) as the GEMM ones (1, rows) @ d_gates, float32
     accumulation, rounded once."""
@@ -246,7 +200,7 @@ def d_bias(cupy, d_gates, bias_shape, gemm):
     return d_gates.sum(axis=0).reshape(bias_shape)
 
 
-def parameter_grads(cupy, flat, h_in, x, weights, bias_shape, needed, gemm):
+def parameter_grads(cupy, flat, h_in, x, weights, bias_shape, needed):
     """(d_inputs (rows, F), d_weights, d_bias) of a sequence from every step's d_gates ``flat``
     (rows, 3S), the hidden state each row read ``h_in`` (rows, S) and the inputs ``x`` (rows, F):
     one GEMM (or reduction) each over all steps; None where ``needed`` says so."""
@@ -260,7 +214,7 @@ def parameter_grads(cupy, flat, h_in, x, weights, bias_shape, needed, gemm):
         gemm(flat.T, h_in, d_weights[:, :state])
         gemm(flat.T, x, d_weights[:, state:])
     if need_b:
-        grad_b = d_bias(cupy, flat, bias_shape, gemm)
+        grad_b = d_bias(cupy, flat, bias_shape)
     if need_x:
         d_inputs = gemm(flat, weights[:, state:], cupy.empty((flat.shape[0], x.shape[1]), dtype))
     return d_inputs, d_weights, grad_b

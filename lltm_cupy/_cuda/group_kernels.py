@@ -63,7 +63,15 @@ def exchange_elements(state: int, tile: int, backward: bool, size: int) -> int:
     return 2 * (size * size * tile * most if backward else tile * state)
 
 
-def group_launch(kernel, size: int, dtype, state: int, backward: bool):
+def _cupy_buffers(exchange: int, acc, tiles: int):
+    """The group launch's buffers from CuPy's current allocator: (exchange pointer, counters
+    pointer, their owners)."""
+    cupy = kernels.cupy_module()
+    buffer, counters = cupy.empty(exchange, acc), cupy.zeros(tiles, np.uint32)
+    return buffer.data.ptr, counters.data.ptr, (buffer, counters)
+
+
+def group_launch(kernel, size: int, dtype, state: int, backward: bool, buffers=None):
     """A launch handle for the group kernel ``kernel`` (a RawKernel of :func:`get_kernels`,
     ``size`` blocks per tile) with the calling convention of the cluster kernels'
     (``launch(grid, block, args, shared_mem)``, the same arguments): it adds the exchange buffer,
@@ -72,19 +80,22 @@ def group_launch(kernel, size: int, dtype, state: int, backward: bool):
     if not even one tile fits, rather than a launch that would wait for blocks that never run).
     Each launch's grid is checked against that figure right before the launch (RuntimeError past
     it): CuPy's cooperative launch does not fail for a grid past the device's figure but shrinks
-    it with a warning, and the blocks of the tiles cut off would be waited for forever."""
+    it with a warning, and the blocks of the tiles cut off would be waited for forever.
+    ``buffers(elements, acc, tiles)`` makes the exchange buffer (``elements`` of the arithmetic
+    type ``acc``) and the counters (``tiles`` zeroed uint32) on the current device, as (pointer,
+    pointer, owners kept until the launches are queued): CuPy arrays by default, torch tensors
+    for the torch layer."""
     acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
     def launch(grid, block, args, shared_mem=0):
-        cupy = kernels.cupy_module()
         tiles = grid[0] // size
         wave = min(tiles, resident_blocks(kernel, block[0], shared_mem) // size)
         if wave < 1:
             raise RuntimeError(f"lltm_cupy: the device cannot hold the {size} blocks of one tile "
                                f"of the fused kernels at once ({block[0]} threads and "
                                f"{shared_mem} bytes of shared memory per block)")
-        exchange = cupy.empty(wave * exchange_elements(state, int(args[-1]), backward, size), acc)
-        counters = cupy.zeros(tiles, np.uint32)
+        exchange, counters, _owners = (buffers or _cupy_buffers)(
+            wave * exchange_elements(state, int(args[-1]), backward, size), acc, tiles)
         for first in range(0, tiles, wave):
             blocks = min(wave, tiles - first) * size
             resident = resident_blocks(kernel, block[0], shared_mem)
@@ -93,7 +104,7 @@ def group_launch(kernel, size: int, dtype, state: int, backward: bool):
                                    f"fused group kernels, more than the {resident} the device "
                                    f"holds at once (CuPy would shrink the grid, and the blocks "
                                    f"left out would be waited for forever)")
-            kernel((blocks,), block, (*args, exchange, counters[first:], np.int32(first)),
+            kernel((blocks,), block, (*args, exchange, counters + 4 * first, np.int32(first)),
                    shared_mem=shared_mem)
 
     return launch

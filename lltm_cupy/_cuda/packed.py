@@ -16,13 +16,16 @@ copy of the inputs: each step's hidden state is written where the outputs want i
 them where its rows are contiguous there, else into a buffer of a few steps' rows that one
 scatter puts into the outputs when it is full.
 
-The caller (:mod:`.sequence`) passes the CuPy module, the GEMM and its block size.
+The caller (:mod:`.sequence`) passes the CuPy module and its block size. The loops on
+pointers (:func:`forward_rows`, :func:`backward_rows`), and the helpers that only allocate and
+index (``xp``: anything with CuPy's ``empty(shape, dtype)`` and ``zeros(shape, dtype)``), serve
+the torch layer too (torch tensors, torch's GEMMs: ``lltm_cupy.torch._cuda_packed``).
 """
 from __future__ import annotations
 
 from .elementwise import FLAG, launch
-from .gemm import d_bias as bias_gradient, row_steps
-from .kernels import on_device
+from .gemm import d_bias as bias_gradient, gemm, row_steps
+from .kernels import cupy_module, on_device
 from .._packing import incoming_cell_grad, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 
@@ -30,22 +33,36 @@ from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 def _index(cupy, plan, device_id):
     """The plan's index arrays on ``device_id``; refused while a graph is being captured unless
     they are there already (before any work of the call is queued)."""
-    capturing = cupy.cuda.get_current_stream().is_capturing()
-    return plan.device_arrays(cupy, device_id, capturing)
+    stream = cupy.cuda.get_current_stream()
+    return plan.device_arrays(cupy.asarray, device_id, stream.ptr, stream.is_capturing())
 
 
-def hidden_inputs(cupy, plan, d, h0s, out):
+def hidden_inputs(xp, plan, d, h0s, out):
     """The hidden state each packed row read (rows, state): ``h0s`` (the sorted initial state)
     for step 0's rows, then the packed outputs ``out`` of the previous step, in one gather by
     ``d.prev`` (not a concatenation of the steps, which CuPy does above 8 parts with an upload
     of their pointers: refused under CUDA-graph capture). ``d``: the plan's device arrays."""
     sizes = plan.batch_sizes
-    h_in = cupy.empty((plan.rows, out.shape[1]), out.dtype)
+    h_in = xp.empty((plan.rows, out.shape[1]), out.dtype)
     if sizes:
         h_in[: sizes[0]] = h0s[: sizes[0]]
     if d.prev is not None:
         h_in[sizes[0]:] = out[d.prev]
     return h_in
+
+
+def final_states(plan, d, out, cells, h0s, c0s, copy):
+    """Each sorted sequence's final (h, c), from every packed row's hidden state ``out`` and
+    cell ``cells`` (rows, S): the rows of its last step (one gather each), or for length 0 the
+    sorted initial state ``h0s``, ``c0s`` (``copy``: the arrays' copy function)."""
+    ended = plan.ended      # the sequences with a last step: a prefix of the sorted order
+    if plan.rows and ended == len(plan.perm):
+        return out[d.last], cells[d.last]
+    h_sorted, c_sorted = copy(h0s), copy(c0s)
+    if plan.rows:
+        h_sorted[:ended] = out[d.last]
+        c_sorted[:ended] = cells[d.last]
+    return h_sorted, c_sorted
 
 
 def _permuted(a, perm):
@@ -57,7 +74,7 @@ def _permuted(a, perm):
 SCATTER_STEPS = 4
 
 
-def _forward_only_outputs(cupy, plan, d, state, dtype):
+def forward_only_outputs(xp, plan, d, state, dtype):
     """Forward only: (outputs, hs, h_rows, scatter, after). The forward kernel writes step
     tau's hidden state into rows ``h_rows[tau]`` onwards of ``hs``, a C-contiguous (rows, state)
     array (step tau + 1's recurrent GEMM reads it there); after a step tau in ``after``,
@@ -74,15 +91,15 @@ def _forward_only_outputs(cupy, plan, d, state, dtype):
     writes (stream order)."""
     sizes, offsets, batch = plan.batch_sizes, plan.offsets, len(plan.perm)
     if plan.packed_io:
-        outputs = cupy.empty((plan.rows, state), dtype)   # every row is written
+        outputs = xp.empty((plan.rows, state), dtype)   # every row is written
         if d.data_index is None:
             return outputs, outputs, offsets, None, {}
     else:
-        outputs = cupy.zeros((plan.steps, batch, state), dtype)     # zeros at padded positions
+        outputs = xp.zeros((plan.steps, batch, state), dtype)     # zeros at padded positions
         if d.perm is None and not plan.reverse:
             return (outputs, outputs.reshape(plan.steps * batch, state),
                     range(0, len(sizes) * batch, batch), None, {})
-    hs = cupy.empty((min(SCATTER_STEPS * batch, plan.rows), state), dtype)
+    hs = xp.empty((min(SCATTER_STEPS * batch, plan.rows), state), dtype)
 
     def scatter(r0, r1):
         if plan.packed_io:
@@ -102,66 +119,44 @@ def _forward_only_outputs(cupy, plan, d, state, dtype):
     return outputs, hs, h_rows, scatter, after
 
 
-def _forward_only_steps(cupy, plan, d, blocks, x, w_x_t, w_h_t, bias, h0s, c0s, gemm):
-    """The steps of a packed forward only, on pointers: (outputs, h_sorted, c_sorted), the
-    latter two each sorted sequence's state after its last step (h0s, c0s for length 0).
-
-    Each step's rows of one block's gate pre-activations, of the hidden states (written where
-    :func:`_forward_only_outputs` says) and of two (batch, state) cell buffers taken in turn (the
-    kernel's old_cell and new_cell may not alias) at their offsets: one GEMM and one launch, no
-    view or allocation; where sequences end, their rows of h and c go into h_sorted, c_sorted
-    by two device-to-device copies on pointers (no object either). Per block of steps: its
-    input projection in one GEMM. Where the outputs need a scatter, one every
-    :data:`SCATTER_STEPS` steps or more."""
-    sizes, offsets = plan.batch_sizes, plan.offsets
+def _forward_only_steps(cupy, plan, d, blocks, x, w_x_t, w_h_t, bias, h0s, c0s):
+    """The steps of a packed forward only: (outputs, h_sorted, c_sorted), the latter two each
+    sorted sequence's state after its last step (h0s, c0s for length 0), by
+    :func:`forward_rows` into one block's gate pre-activations, the hidden states where
+    :func:`forward_only_outputs` says and two (batch, state) cell buffers taken in turn."""
     batch, state = len(plan.perm), h0s.shape[1]
     dtype = x.dtype
-    outputs, hs, h_rows, scatter, after = _forward_only_outputs(cupy, plan, d, state, dtype)
+    outputs, hs, h_rows, scatter, after = forward_only_outputs(cupy, plan, d, state, dtype)
     h_sorted, c_sorted = h0s.copy(), c0s.copy()
     if not plan.rows:
         return outputs, h_sorted, c_sorted
-    widest = max(offsets[b] - offsets[a] for a, b in blocks)
-    gates = cupy.empty((widest, 3 * state), dtype)
+    offsets = plan.offsets
+    gates = cupy.empty((max(offsets[b] - offsets[a] for a, b in blocks), 3 * state), dtype)
     cells = cupy.empty((2, batch, state), dtype)
     c0_c = cupy.ascontiguousarray(c0s)
-    g_at, h_at, c_at, b_ptr = (a.data.ptr for a in (gates, hs, cells, bias))
-    hn_at, cn_at = h_sorted.data.ptr, c_sorted.data.ptr
-    row, g_row, c_step = hs.strides[0], gates.strides[0], cells.strides[0]    # bytes
-    copy, d2d = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToDevice
-    stream = cupy.cuda.get_current_stream().ptr
-    taus, c_in = len(sizes), c0_c.data.ptr
-    with row_steps(gemm, hs, w_h_t, gates, accumulate=True) as recurrent:
-        for tau0, tau1 in blocks:
-            r0, r1 = offsets[tau0], offsets[tau1]
-            gemm(x[r0:r1], w_x_t, gates[: r1 - r0])     # the block's input projection
-            for tau in range(tau0, tau1):
-                n, j = sizes[tau], offsets[tau] - r0    # j: the step's first row of gates
-                if tau:
-                    recurrent(h_rows[tau - 1], j, n)    # gates[j:] += h of the previous step
-                else:
-                    gemm(h0s[:n], w_h_t, gates[:n], accumulate=True)
-                h_out, c_out = h_at + h_rows[tau] * row, c_at + (tau & 1) * c_step
-                run = launch(dtype, n * state, state)
-                run.kernels.fwd(run.grid, run.block, (
-                    g_at + j * g_row, b_ptr, c_in, h_out, c_out, run.n, run.state))
-                c_in = c_out
-                nxt = sizes[tau + 1] if tau + 1 < taus else 0
-                if nxt < n:                    # sequences ending at this step
-                    copy(hn_at + nxt * row, h_out + nxt * row, (n - nxt) * row, d2d, stream)
-                    copy(cn_at + nxt * row, c_out + nxt * row, (n - nxt) * row, d2d, stream)
-                if tau in after:               # where the outputs need a scatter
-                    scatter(*after[tau])
+
+    def project(r0, r1):        # a block's input projection, into the first rows of gates
+        gemm(x[r0:r1], w_x_t, gates[: r1 - r0])
+
+    with row_steps(hs, w_h_t, gates, accumulate=True) as recurrent:
+        forward_rows(plan, blocks, project, _first(h0s, w_h_t, gates), recurrent,
+                     (gates.data.ptr, gates.strides[0]), (hs.data.ptr, hs.strides[0]),
+                     cells.data.ptr, bias.data.ptr, c0_c.data.ptr, dtype, state, h_rows,
+                     (h_sorted.data.ptr, c_sorted.data.ptr), after, scatter)
     return outputs, h_sorted, c_sorted
 
 
-def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
-                   block_rows=2048):
+def _first(h0s, w_h_t, gates):
+    """Step 0's recurrent GEMM, ``first(n)``: gates[:n] += h0s[:n] @ W_h.T."""
+    return lambda n: gemm(h0s[:n], w_h_t, gates[:n], accumulate=True)
+
+
+def forward_packed(cupy, inputs, weights, bias, h0, c0, plan, keep=True, block_rows=2048):
     from .._packing import step_blocks
 
     state = h0.shape[1]
     dtype = inputs.dtype
     rows = plan.rows
-    batch = len(plan.perm)
     with on_device(inputs.data.device_id):
         d = _index(cupy, plan, inputs.device.id)
         index = (d.t_index, d.b_index, d.data_index)
@@ -172,24 +167,24 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
         bias_c = cupy.ascontiguousarray(bias.reshape(-1))
         if not keep:
             outputs, h_sorted, c_sorted = _forward_only_steps(
-                cupy, plan, d, blocks, x, w_x_t, w_h_t, bias_c, h0s, c0s, gemm)
+                cupy, plan, d, blocks, x, w_x_t, w_h_t, bias_c, h0s, c0s)
         else:
             # every packed row's gate pre-activations, hidden state and cell (the backward reads
             # them)
             gates = cupy.empty((rows, 3 * state), dtype)
             out = cupy.empty((rows, state), dtype)
             cells = cupy.empty((rows, state), dtype)
-            _forward_steps(cupy, plan, blocks, x, w_x_t, w_h_t, bias_c, h0s, c0s, gates, out,
-                           cells, gemm)
+            c0_c = cupy.ascontiguousarray(c0s)
+
+            def project(r0, r1):    # a block's input projection
+                gemm(x[r0:r1], w_x_t, gates[r0:r1])
+
+            with row_steps(out, w_h_t, gates, accumulate=True) as recurrent:
+                forward_rows(plan, blocks, project, _first(h0s, w_h_t, gates), recurrent,
+                             (gates.data.ptr, gates.strides[0]), (out.data.ptr, out.strides[0]),
+                             cells.data.ptr, bias_c.data.ptr, c0_c.data.ptr, dtype, state)
             outputs = unpack_rows(out, plan, cupy, *index)
-            ended = plan.ended  # the sequences with a last step: a prefix of the sorted order
-            if rows and ended == batch:
-                h_sorted, c_sorted = out[d.last], cells[d.last]
-            else:
-                h_sorted, c_sorted = h0s.copy(), c0s.copy()
-                if rows:
-                    h_sorted[:ended] = out[d.last]
-                    c_sorted[:ended] = cells[d.last]
+            h_sorted, c_sorted = final_states(plan, d, out, cells, h0s, c0s, cupy.ndarray.copy)
         if d.perm is None:
             h_n, c_n = h_sorted, c_sorted
         else:
@@ -203,7 +198,7 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep=True,
     return outputs, h_n, c_n, saved
 
 
-def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm):
+def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed):
     plan, x, gates, cells, out, weights = (saved.plan, saved.inputs, saved.gates, saved.cells,
                                            saved.hs, saved.weights)
     rows, state = out.shape
@@ -231,8 +226,22 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
         sizes = plan.batch_sizes
         d_c = d_h_first = None
         if sizes:
-            d_c, d_h_first = _backward_steps(cupy, plan, grad_h, gates, cells, flat, w_h, gcn,
-                                             gemm)
+            # the cell gradient each step passes back: two (batch, state) buffers taken in turn
+            buffers = cupy.empty((2, batch, state), dtype)
+
+            def incoming(last, n, nxt):
+                held = incoming_cell_grad(cupy, None if last is None else buffers[last, :nxt],
+                                          gcn, n, nxt, state, dtype)
+                return None if held is None else (held.data.ptr, held)
+
+            with row_steps(flat, w_h, grad_h, accumulate=True) as recurrent:
+                last = backward_rows(plan, recurrent, incoming,
+                                     (grad_h.data.ptr, grad_h.strides[0]), cells.data.ptr,
+                                     (gates.data.ptr, gates.strides[0]), flat.data.ptr,
+                                     buffers.data.ptr, dtype, state)
+            n = sizes[0]
+            d_c = buffers[last, :n]
+            d_h_first = gemm(flat[:n], w_h, cupy.empty((n, state), dtype))
         d_h0s = cupy.zeros((batch, state), dtype) if ghn is None else cupy.array(ghn)
         d_c0s = cupy.zeros((batch, state), dtype) if gcn is None else cupy.array(gcn)
         if sizes:
@@ -252,7 +261,7 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
             gemm(flat.T, h_in, d_weights[:, :state])
             gemm(flat.T, x, d_weights[:, state:])
         if need_b:
-            d_bias = bias_gradient(cupy, flat, saved.bias_shape, gemm)
+            d_bias = bias_gradient(cupy, flat, saved.bias_shape)
         if need_x:
             d_inputs = unpack_rows(gemm(flat, weights[:, state:],
                                         cupy.empty((rows, features), dtype)), plan, cupy, *index)
@@ -260,70 +269,97 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed, gemm)
                              d_c0 if need_c0 else None)
 
 
-def _forward_steps(cupy, plan, blocks, x, w_x_t, w_h_t, bias, h0s, c0s, gates, out, cells,
-                   gemm):
-    """The steps of a packed forward that keeps everything for the backward, on pointers: each
-    step's rows of the packed ``gates``, ``out`` (hidden states) and ``cells`` at its row offset,
-    no view or allocation per step; one input-projection GEMM per block of steps."""
-    sizes, offsets = plan.batch_sizes, plan.offsets
-    state, dtype = out.shape[1], out.dtype
-    c0_c = cupy.ascontiguousarray(c0s)
-    g_at, h_at, c_at, b_ptr = (a.data.ptr for a in (gates, out, cells, bias))
-    row, g_row = out.strides[0], gates.strides[0]      # bytes per packed row
-    with row_steps(gemm, out, w_h_t, gates, accumulate=True) as recurrent:
-        for tau0, tau1 in blocks:
-            r0, r1 = offsets[tau0], offsets[tau1]
-            gemm(x[r0:r1], w_x_t, gates[r0:r1])     # the block's input projection
-            for tau in range(tau0, tau1):
-                n, r = sizes[tau], offsets[tau]
-                if tau:
-                    prev = offsets[tau - 1]
-                    recurrent(prev, r, n)          # gates[rows] += out[previous rows] @ W_h.T
-                    c_in = c_at + prev * row
-                else:
-                    gemm(h0s[:n], w_h_t, gates[:n], accumulate=True)
-                    c_in = c0_c.data.ptr
-                run = launch(dtype, n * state, state)
-                run.kernels.fwd(run.grid, run.block, (
-                    g_at + r * g_row, b_ptr, c_in, h_at + r * row, c_at + r * row, run.n,
-                    run.state))
+# ------------------------------------------------- the loops, on pointers (any engine)
 
+def forward_rows(plan, blocks, project, first, recurrent, gates, hs, cells, bias, c0, dtype,
+                 state, h_rows=None, finals=None, after=(), scatter=None) -> None:
+    """The steps of a packed forward on pointers, on the current device and CuPy's current
+    stream: each step's rows of the buffers at their offsets, one GEMM and one launch, no view
+    or allocation. Per block (tau0, tau1) of ``blocks``: ``project(r0, r1)``, the input
+    projection of its packed rows into ``gates``; per step ``recurrent(i, j, n)`` (gates[j:j + n]
+    += hs[i:i + n] @ W_h.T: the previous step's hidden state), or for step 0 ``first(n)``
+    (gates[:n] += h0s[:n] @ W_h.T), then the forward kernel from the previous step's cell
+    (``c0`` first).
 
-def _backward_steps(cupy, plan, grad_h, gates, cells, flat, w_h, gcn, gemm):
-    """The recurrence of a packed backward, last step first, on pointers: each step's rows of
-    the packed buffers at its row offset, no view or allocation but where sequences end (the
-    incoming cell gradient there). Writes every step's d_gates into ``flat`` and adds each
-    step's recurrent gradient into the previous step's rows of ``grad_h``; returns (the cell
-    gradient and the hidden-state gradient of step 0's rows)."""
+    ``gates``, ``hs``: (device pointer, bytes a row), ``cells``, ``bias``, ``c0``: pointers.
+    Every packed row kept (``h_rows`` None): ``gates``, ``hs``, ``cells`` (rows, ...) at the
+    packed row. Forward only: ``gates`` one block's rows from its first; step tau's hidden state
+    at row ``h_rows[tau]`` of ``hs``; its cell in two (batch, state) buffers at ``cells`` taken
+    in turn; where sequences end, their rows of h and c copied device to device to the (h, c)
+    pointers ``finals`` (each sorted sequence's final state); after a step tau in ``after``,
+    ``scatter(*after[tau])``. Shared by the array API (CuPy arrays, cuBLAS) and the torch
+    layer (torch tensors, torch's GEMMs)."""
     sizes, offsets = plan.batch_sizes, plan.offsets
-    batch, state = len(plan.perm), cells.shape[1]
-    dtype = cells.dtype
-    # the cell gradient each step passes back: two (batch, state) buffers taken in turn, never
-    # the one read as grad_cell (restrict)
-    buffers = cupy.empty((2, batch, state), dtype)
-    passed = (buffers.data.ptr, buffers.data.ptr + buffers.strides[0])
-    gh_at, cell_at, g_at, flat_at = (a.data.ptr for a in (grad_h, cells, gates, flat))
-    row, g_row = cells.strides[0], gates.strides[0]     # bytes per packed row
-    last = None                 # which buffer holds the gradient the last step passed back
-    with row_steps(gemm, flat, w_h, grad_h, accumulate=True) as recurrent:
-        for i, tau in enumerate(range(len(sizes) - 1, -1, -1)):
-            n, nxt = sizes[tau], sizes[tau + 1] if tau + 1 < len(sizes) else 0
-            r0 = offsets[tau]
-            if last is not None and nxt == n:   # no sequence ends at this step
-                held, dc_in = None, passed[last]
-            else:       # the cell gradient entering the step (an array only where sequences end)
-                held = incoming_cell_grad(cupy, None if last is None else buffers[last, :nxt],
-                                          gcn, n, nxt, state, dtype)
-                dc_in = None if held is None else held.data.ptr
-            cell_t = cell_at + r0 * row
-            run = launch(dtype, n * state, state)
-            run.kernels.bwd(run.grid, run.block, (
-                gh_at + r0 * row, cell_t if dc_in is None else dc_in, g_at + r0 * g_row, cell_t,
-                flat_at + r0 * g_row, passed[i % 2], FLAG[1], FLAG[dc_in is not None], run.n,
-                run.state))
-            last = i % 2
+    batch, taus, keep = len(plan.perm), len(sizes), h_rows is None
+    g_at, g_row = gates
+    h_at, row = hs
+    h_rows = offsets if keep else h_rows
+    if finals is not None:
+        cupy = cupy_module()
+        copy, d2d = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToDevice
+        stream = cupy.cuda.get_current_stream().ptr
+    c_in = c0
+    for tau0, tau1 in blocks:
+        r0 = offsets[tau0]
+        project(r0, offsets[tau1])
+        for tau in range(tau0, tau1):
+            n, r = sizes[tau], offsets[tau]
+            j = r if keep else r - r0           # the step's first row of gates
             if tau:
-                recurrent(r0, offsets[tau - 1], n)   # grad_h[prev rows] += flat[rows] @ W_h
-    n = sizes[0]
-    d_h_first = gemm(flat[:n], w_h, cupy.empty((n, state), dtype))
-    return buffers[last, :n], d_h_first
+                recurrent(h_rows[tau - 1], j, n)
+            else:
+                first(n)
+            h_out = h_at + h_rows[tau] * row
+            c_out = cells + (r if keep else (tau & 1) * batch) * row
+            run = launch(dtype, n * state, state)
+            run.kernels.fwd(run.grid, run.block, (
+                g_at + j * g_row, bias, c_in, h_out, c_out, run.n, run.state))
+            c_in = c_out
+            if finals is not None:
+                nxt = sizes[tau + 1] if tau + 1 < taus else 0
+                if nxt < n:                    # sequences ending at this step
+                    hn_at, cn_at = finals
+                    copy(hn_at + nxt * row, h_out + nxt * row, (n - nxt) * row, d2d, stream)
+                    copy(cn_at + nxt * row, c_out + nxt * row, (n - nxt) * row, d2d, stream)
+            if tau in after:                   # where the outputs need a scatter
+                scatter(*after[tau])
+
+
+def backward_rows(plan, recurrent, incoming, grad_h, cells, gates, d_gates, buffers, dtype,
+                  state):
+    """The recurrence of a packed backward on pointers, last step first, on the current device
+    and CuPy's current stream: each step's rows of the packed buffers at their offsets, one
+    launch and (but for step 0) ``recurrent(i, j, n)`` (grad_h[j:j + n] += d_gates[i:i + n] @
+    W_h: into the previous step's rows), no view or allocation but where sequences end:
+    ``incoming(last, n, nxt)``, the cell gradient entering such a step's ``n`` rows, of which
+    the first ``nxt`` run on (``last``: which of ``buffers`` holds what the step after passed
+    back, None before the first), as (pointer, its owner) or None (zero).
+
+    ``grad_h`` (rows, S), the outputs' gradient (accumulated into), ``gates`` (rows, 3S) and
+    ``d_gates`` (rows, 3S), written: (pointer, bytes a row) (``d_gates`` rows as ``gates``');
+    ``cells`` (rows, S) and ``buffers`` (2, batch, S), the cell gradient each step passes back
+    (never the one read as grad_cell: restrict): pointers. Returns which buffer holds step 0's
+    cell gradient. Shared by the array API and the torch layer."""
+    sizes, offsets = plan.batch_sizes, plan.offsets
+    gh_at, row = grad_h
+    g_at, g_row = gates
+    passed = (buffers, buffers + len(plan.perm) * row)
+    last = None
+    for i, tau in enumerate(range(len(sizes) - 1, -1, -1)):
+        n, nxt = sizes[tau], sizes[tau + 1] if tau + 1 < len(sizes) else 0
+        r0 = offsets[tau]
+        if last is not None and nxt == n:   # no sequence ends at this step
+            held, dc_in = None, passed[last]
+        else:
+            held = incoming(last, n, nxt)
+            dc_in = None if held is None else held[0]
+        cell_t = cells + r0 * row
+        run = launch(dtype, n * state, state)
+        run.kernels.bwd(run.grid, run.block, (
+            gh_at + r0 * row, cell_t if dc_in is None else dc_in, g_at + r0 * g_row, cell_t,
+            d_gates + r0 * g_row, passed[i % 2], FLAG[1], FLAG[dc_in is not None], run.n,
+            run.state))
+        last = i % 2
+        if tau:
+            recurrent(r0, offsets[tau - 1], n)
+    return last

@@ -37,17 +37,16 @@ def _fused_usable(device_id: int, state: int, dtype) -> bool:
         return _fused.usable(state, dtype)
 
 
-def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=True,
-                     fused=False):
+def forward_sequence(inputs, weights, bias, h0, c0, plan=None, keep=True, fused=False):
     if fused and _fused_usable(inputs.data.device_id, h0.shape[1], inputs.dtype):
         try:
-            return _fused.forward_fused(inputs, weights, bias, h0, c0, gemm, plan, keep,
+            return _fused.forward_fused(inputs, weights, bias, h0, c0, plan, keep,
                                         _BLOCK_ROWS)
         except LaunchRefused:   # recorded, the size not planned again: this call runs stepped
             pass
     cupy = cupy_module()
     if plan is not None:
-        return _packed.forward_packed(cupy, inputs, weights, bias, h0, c0, gemm, plan, keep,
+        return _packed.forward_packed(cupy, inputs, weights, bias, h0, c0, plan, keep,
                                       _BLOCK_ROWS)
     steps, batch, features = inputs.shape
     state = h0.shape[1]
@@ -72,7 +71,7 @@ def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=T
                 gemm(x[t0 * batch: (t0 + k) * batch], w_x_t,
                      gates[j0: j0 + k].reshape(k * batch, 3 * state))
 
-            with gemm_steps(gemm, hs, weights[:, :state].T, gates, accumulate=True) as recurrent:
+            with gemm_steps(hs, weights[:, :state].T, gates, accumulate=True) as recurrent:
                 forward_steps(launch(dtype, n, state), steps, block, keep, project, recurrent,
                               (gates.data.ptr, gates.strides[0]), (hs.data.ptr, hs.strides[0]),
                               (cells.data.ptr, cells.strides[0]), bias_c.data.ptr,
@@ -88,21 +87,19 @@ def forward_sequence(inputs, weights, bias, h0, c0, gemm=gemm, plan=None, keep=T
     return hs[1:], h_n, c_n, saved
 
 
-def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5, gemm=gemm):
+def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 5):
     if saved.fused:
         # as the forward: fused only where the fused kernels run the state size now (a cluster
         # size refused since the forward, a failed occupancy query: the stepped path)
         if _fused_usable(saved.hs.data.device_id, saved.weights.shape[0] // 3, saved.hs.dtype):
             try:
-                return _fused.backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed,
-                                             gemm)
+                return _fused.backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed)
             except LaunchRefused:   # the fused forward saved what the stepped backward reads
                 pass
         saved = dataclasses.replace(saved, fused=False)
     cupy = cupy_module()
     if saved.plan is not None:
-        return _packed.backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed,
-                                       gemm)
+        return _packed.backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed)
     x, hs, gates, cells, weights = saved.inputs, saved.hs, saved.gates, saved.cells, saved.weights
     steps, batch, state = cells.shape
     features = x.shape[1]
@@ -125,7 +122,7 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
             # the cell gradient of each step, two (batch, state) buffers taken in turn: never
             # the one read as grad_cell (restrict)
             buffers = cupy.empty((2, batch, state), dtype)
-            with gemm_steps(gemm, d_gates, w_h, grad_h, accumulate=True) as recurrent:
+            with gemm_steps(d_gates, w_h, grad_h, accumulate=True) as recurrent:
                 backward_steps(launch(dtype, n, state), steps, recurrent,
                                (grad_h.data.ptr, grad_h.strides[0]),
                                (cells.data.ptr, cells.strides[0]),
@@ -144,7 +141,7 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
         need_x, need_w, need_b, need_h0, need_c0 = needed
         d_inputs, d_weights, d_bias = parameter_grads(
             cupy, d_gates.reshape(steps * batch, 3 * state),
-            hs[:-1].reshape(steps * batch, state), x, weights, saved.bias_shape, needed, gemm)
+            hs[:-1].reshape(steps * batch, state), x, weights, saved.bias_shape, needed)
         if need_x:
             d_inputs = d_inputs.reshape(steps, batch, features)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,

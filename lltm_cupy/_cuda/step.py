@@ -16,10 +16,10 @@ Device work per call (the launch budget ``tests/test_launch_budget.py`` enforces
 bfloat16 has no CuPy dtype: it arrives as uint16 arrays of its bits (``kernels.BFLOAT16``),
 which the kernels, ``gemm`` and the bias gradient read as bfloat16.
 
-Every GEMM goes through ``gemm``: by default :func:`lltm_cupy._cuda.gemm.gemm` (cuBLAS
-``gemmEx`` through CuPy's binding, on any row-major view, without copies); the torch layer
-passes torch's GEMM (``lltm_cupy.torch._torch_gemm.TORCH_CUDA_GEMM``), eagerly and under
-CUDA-graph capture, where CuPy refuses to call cuBLAS.
+Every GEMM is :func:`lltm_cupy._cuda.gemm.gemm` (cuBLAS ``gemmEx`` through CuPy's binding, on
+any row-major view, without copies). The torch layer
+launches the kernels here (``launch_concat``, ``launch_forward``, ``launch_backward``) on its
+tensors' pointers, with torch's GEMMs.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ __all__ = ["forward", "backward", "cell_forward", "cell_backward", "step_backwar
            "launch_concat", "launch_forward", "launch_backward"]
 
 
-def forward(input, weights, bias, old_h, old_cell, gemm=gemm, keep=True):
+def forward(input, weights, bias, old_h, old_cell, keep=True):
     cupy = cupy_module()
     dtype = input.dtype
     batch, features = input.shape
@@ -61,7 +61,7 @@ def forward(input, weights, bias, old_h, old_cell, gemm=gemm, keep=True):
     return new_h, new_cell, LLTMSaved("cupy", X, gates, new_cell, weights, tuple(bias.shape))
 
 
-def backward(grad_h, grad_cell, saved, needed=(True,) * 5, gemm=gemm):
+def backward(grad_h, grad_cell, saved, needed=(True,) * 5):
     cupy = cupy_module()
     gates, new_cell, X, weights = saved.gates, saved.new_cell, saved.X, saved.weights
     batch, state = new_cell.shape
@@ -78,7 +78,7 @@ def backward(grad_h, grad_cell, saved, needed=(True,) * 5, gemm=gemm):
         if need_w:
             d_weights = gemm(d_gates.T, X, cupy.empty(weights.shape, dtype))
         if need_b:
-            d_bias = _d_bias(cupy, d_gates, saved.bias_shape, gemm)
+            d_bias = _d_bias(cupy, d_gates, saved.bias_shape)
     return LLTMGrads(d_old_h, d_input, d_weights, d_bias, d_old_cell if need_c else None)
 
 

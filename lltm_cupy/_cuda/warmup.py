@@ -6,7 +6,6 @@ import numpy as np
 
 from . import cluster_kernels, elementwise, fused as _fused, fused_cluster, group_kernels, kernels
 from .fused_cluster import GROUP_MIN_ARCH, MIN_ARCH
-from .gemm import gemm
 from .kernels import BFLOAT16, cupy_module
 from .sequence import backward_sequence, forward_sequence
 from .step import backward, cell_backward, cell_forward, forward
@@ -79,9 +78,8 @@ def _launch_non_portable(cupy, dtype):
         h, c = cupy.zeros((1, size), dtype), cupy.zeros((1, size), dtype)
         try:
             *_, saved = _fused.forward_fused(cupy.zeros((1, 1, 1), dtype), weights,
-                                             cupy.zeros(3 * size, dtype), h, c, gemm, None,
-                                             size=size)
-            _fused.backward_fused(None, h, c, saved, (True,) * 5, gemm, size=size)
+                                             cupy.zeros(3 * size, dtype), h, c, None, size=size)
+            _fused.backward_fused(None, h, c, saved, (True,) * 5, size=size)
         except cluster_kernels.LaunchRefused:
             pass            # kernels.cluster_failures says why; the size is not planned again
 

@@ -93,18 +93,13 @@ def _array_side(cfg):
     """(xp, stream_ctx, conv) for timing the array API: the array module, a context that puts
     CuPy on torch's current stream (GPU), and a zero-copy tensor-to-array conversion."""
     if cfg.cuda:
-        import contextlib
-
         import cupy
         import torch
 
         from ..torch import _interop
 
-        @contextlib.contextmanager
         def on_torch_stream():
-            device = torch.device("cuda", torch.cuda.current_device())
-            with cupy.cuda.Device(device.index), _interop._stream(device):
-                yield
+            return _interop.launching(torch.device("cuda", torch.cuda.current_device()))
 
         return cupy, on_torch_stream, lambda t: cupy.from_dlpack(t.detach())
     import contextlib

@@ -20,8 +20,9 @@ One file per job, read top to bottom, each importing only files below it:
 - ``_export``: what the layer computes while torch.export or jit.trace records it;
   ``reference``: the pure-torch reference (:func:`lltm_reference`, :class:`ReferenceLLTMCell`,
   the backward's formulas in torch operations);
-- ``_interop``, ``_cuda_arrays``, ``_torch_gemm``: the bridge to the backends (conversions,
-  device, stream, memory, GEMMs).
+- ``_interop``, ``_cpu_arrays``, ``_torch_gemm``: the bridge to the backends (CPU conversions,
+  device, stream, memory, GEMMs); ``_cuda_sequence``, ``_cuda_packed``: sequences on the CUDA
+  kernels' pointer launches (one length, fused; variable lengths).
 """
 from __future__ import annotations
 

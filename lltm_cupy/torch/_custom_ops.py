@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _cuda_sequence, _interop
+from . import _cuda_sequence
 from ._functions import step_backward, step_forward, step_inference
 from ._interop import cuda_backend
 from ._sequence_function import sequence_backward, sequence_forward, sequence_inference
@@ -170,9 +170,9 @@ def _sequence_backward_op(grad_outputs: Optional[Tensor], grad_h_n: Optional[Ten
     d_h0, d_c0), every gradient; which kernels the forward ran decided again as it did."""
     cuda = cuda_backend(inputs)
     kept = (hs, gates, *((cells,) if cuda else ()), *(() if inputs.is_contiguous() else (x,)))
-    ran, native = _cuda_sequence.route(inputs, h0.shape[1], fused) if cuda else (False, False)
+    ran = cuda and _cuda_sequence.fused_runs(inputs, h0.shape[1], fused)
     return _fresh(sequence_backward((grad_outputs, grad_h_n, grad_c_n),
-                                    (inputs, weights, bias, h0, c0, *kept), None, ran, native,
+                                    (inputs, weights, bias, h0, c0, *kept), None, ran,
                                     (True,) * 5))
 
 

@@ -1,49 +1,40 @@
-"""The bridge from the torch layer to the backends: zero-copy conversions, device, stream, memory
-and GEMM of a backend call, and the pointer launches of the CUDA step.
+"""The bridge from the torch layer to the backends: device, stream, memory and GEMMs of a
+backend call.
 
-CPU tensors run the NumPy backend on ``Tensor.numpy()`` views, with the GEMMs through torch's
-BLAS (one BLAS thread pool per process). CUDA tensors run the CuPy backend:
+CPU tensors run the NumPy backend on arrays over the tensors' memory (``_cpu_arrays``), with the
+GEMMs through torch's BLAS (one BLAS thread pool per process): :data:`CPU_CALL`.
 
-- **in**: DLPack, zero-copy (a capsule as ``__dlpack__(stream=-1)`` makes it: no stream
-  handshake is needed, every kernel runs on the stream torch is on, and none is recorded, so
-  the import is legal while a CUDA graph is being captured);
-- **stream and device**: CuPy runs on torch's current stream of the tensors' device, read on
-  every call, never cached (its raw handle, ``torch._C._cuda_getCurrentRawStream``: no torch
-  Stream object; CuPy's wrapper of a handle, which holds nothing but the handle, is made at the
-  handle's first use and kept), with the device entered only when it is not current already;
-- **memory**: every array CuPy allocates inside a call (outputs, saved values, temporaries,
-  CuPy's own scratch) comes from torch's caching allocator on that stream, through a CuPy
-  allocator installed for the call only (``cupy.cuda.using_allocator``; the user's own CuPy code
-  keeps CuPy's pool). torch sees and accounts for all of it, ``empty_cache`` and memory
-  snapshots cover it, and during CUDA-graph capture it comes from the graph's private pool.
-  The GEMMs' workspace is torch's too (its cuBLAS handles'); not from torch: the compiled kernel
-  modules (see ``lltm_cupy.warmup``);
-- **out**: the arrays the backend returns live in those torch allocations, and come back as
-  ordinary torch tensors over them (not DLPack wrappers), so ``record_stream`` works on them
-  (``_cuda_arrays``: an array over an imported tensor comes back as a view of that tensor);
-- **GEMM**: torch's (``torch.mm`` / ``addmm_`` on torch views of the same memory, on the same
-  stream: ``_torch_gemm.TORCH_CUDA_GEMM``), eagerly and while the stream is being captured into
-  a CUDA graph alike, so that a graph's replay computes what the eager call computes. CuPy's
-  cuBLAS binding cannot serve both: it refuses every cuBLAS call during a capture. So the torch
-  layer's GEMMs follow torch's matmul settings, as ``torch.mm`` does (TF32 only where
-  ``torch.backends.cuda.matmul.allow_tf32`` or ``torch.set_float32_matmul_precision`` allow it;
-  16-bit reductions as ``allow_fp16_reduced_precision_reduction`` /
-  ``allow_bf16_reduced_precision_reduction`` say); the array API's GEMMs are CuPy's cuBLAS. torch
-  keeps one cuBLAS handle per thread and device and creates it at the thread's first torch
-  GEMM, which must not happen inside a capture (``cublasCreate`` fails there): an eager call
-  makes it, and ``lltm_cupy.warmup`` makes it for the calling thread and autograd's.
+CUDA tensors run the CUDA backend's kernels on the tensors' device pointers, one way for every
+case (a step, sequences of one length, variable lengths, the fused kernels and their variants):
 
-The CUDA step (``_functions``) launches the kernels on the tensors' device pointers instead
-(:func:`launching`: the device current and torch's current stream CuPy's, nothing else), into
-``torch.empty`` tensors, with torch's GEMMs (:func:`mm`).
+- **stream and device**: :func:`launching`, the tensors' device current (entered only when it
+  is not already) and torch's current stream there CuPy's, its raw handle read on every call,
+  never cached (``torch._C._cuda_getCurrentRawStream``: no torch Stream object; CuPy's wrapper
+  of a handle, which holds nothing but the handle, is made at the handle's first use and kept);
+- **memory**: every buffer a ``torch.empty`` tensor (torch's caching allocator, torch's current
+  stream): outputs, saved values, temporaries, the fused group variant's exchange buffer and
+  counters (:func:`group_buffers`) and a packing plan's index arrays (:func:`plan_arrays`,
+  uploaded once per plan and device). torch sees and accounts for all of it, ``empty_cache``
+  and memory snapshots cover it, ``record_stream`` works on it (:func:`use_plans`), and during
+  CUDA-graph capture it comes from the graph's private pool. Not from torch: the compiled
+  kernel modules (see ``lltm_cupy.warmup``). No CuPy array, no DLPack import;
+- **GEMM**: torch's (``torch.mm`` / ``addmm_``: :func:`mm`, ``_torch_gemm._mm`` /
+  ``_addmm_``), eagerly and while the stream is being captured into a CUDA graph alike, so that
+  a graph's replay computes what the eager call computes (CuPy's cuBLAS binding refuses every
+  call during a capture). So the torch layer's GEMMs follow torch's matmul settings, as
+  ``torch.mm`` does (TF32 only where ``torch.backends.cuda.matmul.allow_tf32`` or
+  ``torch.set_float32_matmul_precision`` allow it; 16-bit reductions as
+  ``allow_fp16_reduced_precision_reduction`` / ``allow_bf16_reduced_precision_reduction``
+  say); the array API's GEMMs are CuPy's cuBLAS. torch keeps one cuBLAS handle per thread and
+  device and creates it at the thread's first torch GEMM, which must not happen inside a
+  capture (``cublasCreate`` fails there): an eager call makes it, and ``lltm_cupy.warmup``
+  makes it for the calling thread and autograd's.
 
 Autocast is switched off inside a call: the backend's GEMMs must run in the dtype the cell
 computes in (``lltm_cupy.torch`` casts the arguments first, as autocast would).
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import threading
 
 import numpy as np
@@ -51,11 +42,11 @@ import torch
 from torch import Tensor
 from .. import _numpy
 from . import _cpu_arrays, _torch_gemm
-from ._cuda_arrays import imports as _imports, to_array as _array_cuda, to_tensor as _tensor_cuda
-from ._torch_gemm import TORCH_CUDA_GEMM, TORCH_GEMM
+from ._torch_gemm import TORCH_GEMM
 
-__all__ = ["cuda_call", "CPU_CALL", "cuda_backend", "without_autocast", "launching", "mm", "DTYPES", "KERNEL_DTYPE",
-           "EMULATED_CUDA", "fused_kw", "use_plans", "prepare_capture"]
+__all__ = ["CPU_CALL", "cuda_backend", "without_autocast", "launching", "mm", "rows", "DTYPES",
+           "KERNEL_DTYPE", "EMULATED_CUDA", "use_plans", "upload", "plan_arrays", "TorchArrays",
+           "group_buffers", "prepare_capture"]
 
 #: What each backend computes in. bfloat16 CPU tensors are computed in float32 by the layer above
 #: (lltm_cupy.torch._ops), so they never reach the NumPy backend.
@@ -117,13 +108,6 @@ class _StreamRef:
         return (0, self.handle)
 
 
-@contextlib.contextmanager
-def _stream(device: torch.device):
-    """CuPy's current stream = torch's current stream on ``device`` (read now, not cached)."""
-    with _torch_stream(_device_index(device)) as stream:
-        yield stream
-
-
 def current_raw_stream(index: int) -> int:
     """The raw handle of torch's current stream on device ``index``, read now: by
     ``torch._C._cuda_getCurrentRawStream`` (no object made), else (a torch without it) by
@@ -163,29 +147,6 @@ def _cupy_stream(index: int, handle: int):
 
 def _device_index(device: torch.device) -> int:
     return 0 if device.index is None else device.index
-
-
-_ALLOCATORS: dict = {}
-
-
-def _torch_allocator(device: torch.device):
-    """A CuPy allocator whose every allocation is a torch tensor on ``device`` (torch's caching
-    allocator, torch's current stream); the tensor is the memory's owner. One per device, made
-    at its first use."""
-    found = _ALLOCATORS.get(device)
-    if found is not None:
-        return found
-    import cupy
-
-    index = _device_index(device)
-    memory, pointer = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer
-
-    def allocate(nbytes: int):
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return pointer(memory(buffer.data_ptr(), nbytes, buffer, index), 0)
-
-    _ALLOCATORS[device] = allocate
-    return allocate
 
 
 _blas_ready = threading.local()
@@ -251,15 +212,15 @@ def prepare_capture(index: int) -> None:
 
 
 def use_plans(plans, like: Tensor, lengths=None) -> None:
-    """Before a call that reads the packing plans' index arrays on ``device``:
+    """Before a call that reads the packing plans' index arrays on ``like``'s device:
 
     - under CUDA-graph capture, variable-length input runs only on plans already on the device
       (and with lengths on the host): else CaptureError, before any work is queued; plans used
       under capture are kept for the graph's replays;
-    - a plan's index arrays are torch allocations made on the stream current at their upload:
-      used on another stream, that stream is recorded on them (``record_stream``, once per plan
-      and stream), so that torch does not hand their memory out again, once the plan is
-      dropped, before the work queued there has read them."""
+    - a plan's index arrays are torch tensors made on the stream current at their upload
+      (:func:`plan_arrays`): used on another stream, that stream is recorded on them
+      (``record_stream``, once per plan and stream), so that torch does not hand their memory
+      out again, once the plan is dropped, before the work queued there has read them."""
     if not cuda_backend(like):
         return
     index = _device_index(like.device)
@@ -268,9 +229,8 @@ def use_plans(plans, like: Tensor, lengths=None) -> None:
         arrays = p.first_use_on(index, stream)
         if arrays is not None:
             for a in vars(arrays).values():
-                owner = None if a is None else getattr(a.data.mem, "_owner", None)
-                if isinstance(owner, Tensor):
-                    record_stream(owner, index, stream)
+                if a is not None:
+                    record_stream(a, index, stream)
     if not _cupy_stream(index, stream).is_capturing():
         return
     from .._packing import capture_error, pin
@@ -290,9 +250,9 @@ def record_stream(tensor: Tensor, index: int, stream: int) -> None:
 
 
 class Call:
-    """What one backend call from the torch layer uses: the backend module, its GEMM keyword,
-    and the two conversions (tensor -> array, array -> tensor). Also a do-nothing context
-    manager, so that the common CPU case costs no generator."""
+    """What a call of the NumPy backend from the torch layer uses (:data:`CPU_CALL`): the
+    backend module, its GEMM keyword, and the two conversions (tensor -> array, array ->
+    tensor)."""
 
     __slots__ = ("backend", "name", "kw", "array", "tensor")
 
@@ -300,80 +260,12 @@ class Call:
         self.backend, self.name, self.kw = backend, name, kw
         self.array, self.tensor = array, tensor
 
-    def optional(self, t):
-        return None if t is None else self.array(t)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+CPU_CALL = Call(_numpy, "numpy", {"mm": TORCH_GEMM}, _cpu_arrays.to_array,
+                _cpu_arrays.to_tensor)
 
 
-CPU_CALL = Call(_numpy, "numpy", {"mm": TORCH_GEMM}, _cpu_arrays.to_array, _cpu_arrays.to_tensor)
-
-
-def cuda_call(device: torch.device):
-    """The context of one call of the CUDA backend on its arrays for tensors on ``device``;
-    ``with`` it gives a :class:`Call`. (The CPU's is :data:`CPU_CALL`, which needs none.)"""
-    return _CudaCall(device)
-
-
-class _CudaCall:
-    """One call of the CUDA backend: the tensors' device current (entered only when it is not
-    already), torch's current stream as CuPy's (its handle read now), torch's caching allocator
-    as CuPy's, the call's imported tensors remembered (``_cuda_arrays.imports``), and torch's
-    GEMM."""
-
-    __slots__ = ("_device", "_entered")
-
-    def __init__(self, device: torch.device):
-        self._device = device
-
-    def __enter__(self):
-        import cupy
-
-        from .._cuda import kernels
-
-        device = self._device
-        index = _device_index(device)
-        entered = self._entered = []
-        try:
-            for context in (kernels.on_device(index), _torch_stream(index),
-                            cupy.cuda.using_allocator(_torch_allocator(device)), _imports()):
-                context.__enter__()
-                entered.append(context)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return _cuda_call()
-
-    def __exit__(self, *exc):
-        while self._entered:
-            self._entered.pop().__exit__(None, None, None)
-        return False
-
-
-_CUDA_CALL: list = []
-
-
-def _cuda_call() -> Call:
-    """The :class:`Call` of the CUDA backend (made at first use: it imports the backend)."""
-    if not _CUDA_CALL:
-        from .. import _cuda
-
-        _CUDA_CALL.append(Call(_cuda, "cupy", {"gemm": TORCH_CUDA_GEMM}, _array_cuda,
-                               _tensor_cuda))
-    return _CUDA_CALL[0]
-
-
-def fused_kw(call) -> dict:
-    """The backend keyword of ``fused=True``: only the GPU backend has the fused sequence
-    kernels."""
-    return {"fused": True} if call.name == "cupy" else {}
-
-
-# ---------------------------------------------------------------- the CUDA step's launches
+# ------------------------------------------------------------- the CUDA kernels' launches
 
 def launching(device: torch.device):
     """``with launching(device):`` the tensors' device is CuPy's current device and torch's
@@ -391,7 +283,7 @@ def launching(device: torch.device):
 
 class _OnDevice:
     """:func:`launching` where the device is not current: enters it, then torch's stream (left
-    again if reading the stream fails, as :class:`_CudaCall` does)."""
+    again if reading the stream fails)."""
 
     __slots__ = ("_index", "_device", "_stream")
 
@@ -419,7 +311,60 @@ class _OnDevice:
 
 
 def mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
-    """``out = a @ b`` by torch (the CUDA step's GEMMs: torch's cuBLAS, on torch's current
-    stream, under torch's matmul settings, as the sequences' GEMMs through
-    ``_torch_gemm.TORCH_CUDA_GEMM``)."""
+    """``out = a @ b`` by torch (the CUDA path's GEMMs: torch's cuBLAS, on torch's current
+    stream, under torch's matmul settings; ``_torch_gemm._mm``, which the tests' emulated CUDA
+    path wraps)."""
     return _torch_gemm._mm(a, b, out=out)
+
+
+def rows(t: Tensor) -> tuple:
+    """(device pointer, bytes a row) of a contiguous tensor: what the backend's pointer loops
+    take for a stack of steps or rows."""
+    return t.data_ptr(), t.stride(0) * t.element_size()
+
+
+def upload(a: np.ndarray, device: torch.device) -> Tensor:
+    """A copy of the host array ``a`` on ``device`` (torch's allocator, torch's current
+    stream): a packing plan's index array (the tests' emulated CUDA path notes it as a
+    host-device copy, refused while capturing)."""
+    return torch.from_numpy(a).to(device, copy=True)
+
+
+def plan_arrays(plan, like: Tensor):
+    """``plan``'s index arrays on ``like``'s device as torch tensors (``Plan.device_arrays``:
+    uploaded at the plan's first use there, on torch's current stream, then kept with the plan;
+    refused while a graph is being captured unless they are there already). Call it inside
+    :func:`launching`."""
+    device = like.device
+    index = _device_index(device)
+    stream = current_raw_stream(index)
+    return plan.device_arrays(lambda a: upload(a, device), index, stream,
+                              _cupy_stream(index, stream).is_capturing())
+
+
+class TorchArrays:
+    """What the CUDA backend's helpers that only allocate and index ask of their array module
+    (CuPy's ``empty(shape, dtype)`` and ``zeros(shape, dtype)``), for torch tensors on
+    ``device`` (``dtype`` a torch dtype): ``lltm_cupy._cuda.packed``'s, ``lltm_cupy._packing``'s
+    ``unpack_rows`` and ``incoming_cell_grad``."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def empty(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def zeros(self, shape, dtype):
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+
+def group_buffers(like: Tensor, elements: int, acc, tiles: int):
+    """The fused group variant's exchange buffer (``elements`` of the arithmetic type ``acc``)
+    and its tiles' counters (``tiles``, zeroed) as torch tensors on ``like``'s device: the
+    ``buffers`` of ``lltm_cupy._cuda.group_kernels.group_launch`` (bind ``like`` first)."""
+    exchange = like.new_empty(elements, dtype=torch.float64 if acc is np.float64
+                              else torch.float32)
+    counters = like.new_zeros(tiles, dtype=torch.int32)     # (read as uint32: its bits)
+    return exchange.data_ptr(), counters.data_ptr(), (exchange, counters)

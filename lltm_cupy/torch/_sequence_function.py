@@ -1,12 +1,12 @@
 """The torch layer's autograd Function of a whole sequence, :class:`LLTMSequenceFunction`
 (padded, or packed by a plan of variable lengths), and its forward alone.
 
-Its forward runs the backend's sequence loop on arrays over the tensors' memory (the NumPy
-backend on ``Tensor.numpy()`` views; on CUDA the CuPy backend on DLPack imports, with torch's
-allocator, stream and GEMMs: ``_interop``), and keeps as tensors over the same memory what the
-backward reads: the hidden states (the outputs are a view of them), the gate values, on CUDA the
-cells, the inputs (the argument itself where the backend reads it as it is) and, with a plan,
-the sorted initial state; every argument is saved too. Its backward as the step's
+Its forward runs the backend's sequence loop over the tensors' memory (on the CPU the NumPy
+backend on ``Tensor.numpy()`` views; on CUDA the kernels on the tensors' device pointers with
+torch's buffers, stream and GEMMs: ``_cuda_sequence``), and keeps as tensors what the backward
+reads: the hidden states (the outputs are a view of them), the gate values, on CUDA the cells,
+the inputs (the argument itself where the backend reads it as it is) and, with a plan, the
+sorted initial state; every argument is saved too. Its backward as the step's
 (``_functions``): the backend's with grad mode off, docs/derivation.md's formulas in torch
 operations, step by step backward through time, with grad mode on.
 """
@@ -37,8 +37,8 @@ def _stand_in(shape, dtype):
 
 class LLTMSequenceFunction(torch.autograd.Function):
     """A whole sequence with autograd: ``apply(inputs, weights, bias, h0, c0, plan, fused)``
-    returns ``(outputs, h_n, c_n)`` followed by (whether the fused kernels ran, whether on
-    torch's buffers: ``_cuda_sequence``) and what the backward keeps. ``plan``: None
+    returns ``(outputs, h_n, c_n)`` followed by whether the fused kernels ran and what the
+    backward keeps. ``plan``: None
     (every sequence runs all of ``inputs`` (steps, batch, features)) or the packed layout of
     variable lengths (``lltm_cupy._packing``). The outputs are a view of the hidden states the
     backward reads: an in-place change of them is refused (clone them first).
@@ -54,7 +54,7 @@ class LLTMSequenceFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(*kept)
         ctx.set_materialize_grads(False)
         ctx.plan = inputs[5] if len(inputs) > 5 else None
-        ctx.fused, ctx.native = output[3]   # the fused kernels ran; on torch's buffers
+        ctx.fused = output[3]               # the fused kernels ran
         plan = ctx.plan
         if plan is not None and plan.packed_io and plan.data_index is None:
             ctx.save_for_backward(*inputs[:5], output[0], *kept)     # the output is hs
@@ -67,49 +67,35 @@ class LLTMSequenceFunction(torch.autograd.Function):
         if grad_outputs is None and grad_h_n is None and grad_c_n is None:
             return (None,) * 7
         return (*sequence_backward((grad_outputs, grad_h_n, grad_c_n), saved, ctx.plan,
-                                   ctx.fused, ctx.native, tuple(ctx.needs_input_grad[:5])),
-                None, None)
+                                   ctx.fused, tuple(ctx.needs_input_grad[:5])), None, None)
 
     vmap = staticmethod(_refuse_vmap)
     jvp = staticmethod(_refuse_jvp)
 
 
 def _sequence(inputs, weights, bias, h0, c0, plan=None, fused=False, keep=True):
-    """A sequence: ``(outputs, h_n, c_n, (fused_ran, native), *kept)``, ``kept`` what the
-    backward reads besides the arguments: the hidden states [h0, outputs...] (for a plan
-    without a gather of the outputs, the outputs themselves are those), the gate values, on
-    CUDA the cells, the inputs where the backward does not read the argument (a contiguous
-    copy or the gathered rows) and, with a plan, the sorted h0. With ``keep`` False (no
-    backward to follow) ``(outputs, h_n, c_n)`` alone, the same bits, nothing computed or kept
-    for a backward."""
+    """A sequence: ``(outputs, h_n, c_n, fused_ran, *kept)``, ``kept`` what the backward reads
+    besides the arguments: the hidden states [h0, outputs...] (for a plan without a gather of
+    the outputs, the outputs themselves are those), the gate values, on CUDA the cells, the
+    inputs where the backward does not read the argument (a contiguous copy or the gathered
+    rows) and, with a plan, the sorted h0. With ``keep`` False (no backward to follow)
+    ``(outputs, h_n, c_n)`` alone, the same bits, nothing computed or kept for a backward."""
     if _tracing():
         raise _refusal()
-    if not cuda_backend(inputs):
-        return _sequence_forward(_CPU, inputs, weights, bias, h0, c0, plan, fused, keep)
-    if plan is None:                    # torch's buffers and GEMMs, pointer launches
-        contiguous = inputs.contiguous()
-        found = _cuda_sequence.forward(contiguous, weights, bias, h0, c0, keep=keep, fused=fused)
-        if found is not _cuda_sequence.GROUP:
-            hs, h_n, c_n, gates, cells, ran = found
-            if not keep:
-                return hs[1:], h_n, c_n
-            kept = (hs, gates, cells) if contiguous is inputs else (hs, gates, cells, contiguous)
-            return (hs[1:], h_n, c_n, (ran, True), *kept)
-    with _interop.cuda_call(inputs.device) as call:     # the CUDA backend's arrays
-        return _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused, keep)
+    if cuda_backend(inputs):        # torch's buffers and GEMMs, pointer launches
+        return _cuda_sequence.forward(inputs, weights, bias, h0, c0, plan, keep=keep, fused=fused)
+    return _cpu_sequence(inputs, weights, bias, h0, c0, plan, keep)
 
 
-def _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused, keep):
-    """:func:`sequence_forward` in the backend ``call`` gives."""
+def _cpu_sequence(inputs, weights, bias, h0, c0, plan, keep):
+    """:func:`_sequence` on the CPU: the NumPy backend (which has no fused kernels)."""
     contiguous = inputs.contiguous()
     kw = {} if plan is None else {"plan": plan}
-    if fused:
-        kw.update(_interop.fused_kw(call))
-    array = call.array
-    outputs, h_n, c_n, saved = call.backend.forward_sequence(
-        array(contiguous), array(weights), array(bias), array(h0), array(c0), **call.kw, **kw,
+    array = _CPU.array
+    outputs, h_n, c_n, saved = _CPU.backend.forward_sequence(
+        array(contiguous), array(weights), array(bias), array(h0), array(c0), **_CPU.kw, **kw,
         keep=keep)
-    tensor = call.tensor
+    tensor = _CPU.tensor
     if not keep:
         return tensor(outputs), tensor(h_n), tensor(c_n)
     hs = tensor(saved.hs)
@@ -121,8 +107,6 @@ def _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused, keep):
     else:
         out, kept = (hs[1:] if plan is None else tensor(outputs)), [hs]
     kept.append(tensor(saved.gates))
-    if call is not _CPU:            # (the CPU backward never reads cells)
-        kept.append(tensor(saved.cells))
     # the inputs as the backward reads them: a view of ``contiguous`` (kept unless it is the
     # argument itself, which is saved anyway), or a gather of their rows
     if not _direct(plan):
@@ -131,60 +115,54 @@ def _sequence_forward(call, inputs, weights, bias, h0, c0, plan, fused, keep):
         kept.append(contiguous)
     if plan is not None:
         kept.append(tensor(saved.h0))
-    return (out, tensor(h_n), tensor(c_n), (saved.fused, False), *kept)
+    return (out, tensor(h_n), tensor(c_n), False, *kept)
 
 
-def _sequence_backward_body(grads, saved, plan, fused, native, needed):
+def _sequence_backward_body(grads, saved, plan, fused, needed):
     """The gradients ``(d_inputs, d_weights, d_bias, d_h0, d_c0)`` (None where ``needed`` says
     so) of ``grads`` = (outputs, h_n, c_n)'s (any None: zero), from ``saved`` = the five
-    arguments and what :func:`sequence_forward` kept; ``fused``, ``native``: its flags. With
-    grad mode off the backend's backward; with it on (``create_graph=True``, ``torch.func``),
-    and for a batch of gradients (which the backends cannot read), backpropagation through time
-    by the formulas in torch operations, differentiable."""
+    arguments and what :func:`sequence_forward` kept; ``fused``: its flag. With grad mode off
+    the backend's backward; with it on (``create_graph=True``, ``torch.func``), and for a batch
+    of gradients (which the backends cannot read), backpropagation through time by the formulas
+    in torch operations, differentiable."""
     if not torch.is_grad_enabled():
         try:
-            if native:
-                return _native_backward(grads, saved, fused, needed)
-            if not cuda_backend(saved[0]):
-                return _sequence_backward(_CPU, grads, saved, plan, fused, needed)
-            with _interop.cuda_call(saved[0].device) as call:
-                return _sequence_backward(call, grads, saved, plan, fused, needed)
+            return _backend_backward(grads, saved, plan, fused, needed)
         except RuntimeError:        # (a batch of gradients reaches the backend: no memory)
             if not batched(*grads):
                 raise
     return _differentiable_sequence_backward(*grads, *saved[:5], plan, needed)
 
 
-def _native_backward(grads, saved, fused, needed):
+def _backend_backward(grads, saved, plan, fused, needed):
+    """:func:`sequence_backward` by the backend, from what ``setup_context`` saved: the
+    arguments, then [hs, gates, cells (CUDA), inputs (where not the argument), h0 sorted (with
+    a plan)]."""
     inputs, weights, bias = saved[:3]
-    hs, gates, cells = saved[5:8]
-    x = inputs if len(saved) == 8 else saved[8]
-    return _cuda_sequence.backward(*grads, x.view(-1, x.shape[-1]), hs, gates, cells, weights,
-                                   bias.shape, needed, fused)
-
-
-def _sequence_backward(call, grads, saved, plan, fused, needed):
-    """:func:`sequence_backward` in the backend ``call`` gives, from what ``setup_context``
-    saved: the arguments, then [hs, gates, cells (CUDA), inputs (where not the argument), h0
-    sorted (with a plan)]."""
-    inputs, weights, bias = saved[:3]
+    cuda = cuda_backend(inputs)
     kept = list(saved[5:])
-    array = call.array
-    hs, gates = array(kept.pop(0)), array(kept.pop(0))
-    cells = (array(kept.pop(0)) if call is not _CPU
-             else _stand_in(hs.shape if plan is not None else (hs.shape[0] - 1,) + hs.shape[1:],
-                            hs.dtype))
-    x = array(inputs if _direct(plan) and inputs.is_contiguous() else kept.pop(0))
-    h0s = array(kept.pop(0)) if plan is not None else None
-    state = LLTMSequenceSaved(call.name, x.reshape(-1, x.shape[-1]), hs, gates, cells,
-                              array(weights), tuple(bias.shape), plan=plan, h0=h0s, fused=fused)
+    hs, gates = kept.pop(0), kept.pop(0)
+    cells = kept.pop(0) if cuda else None
+    x = inputs if (plan is None or _direct(plan)) and inputs.is_contiguous() else kept.pop(0)
+    h0s = kept.pop(0) if plan is not None else None
+    if cuda:
+        return _cuda_sequence.backward(*grads, x, hs, gates, cells, weights, bias.shape, needed,
+                                       fused, plan, h0s)
+    array = _CPU.array
+    hs = array(hs)
+    # (the CPU's backward never reads cells: a stand-in)
+    cells = _stand_in(hs.shape if plan is not None else (hs.shape[0] - 1,) + hs.shape[1:],
+                      hs.dtype)
+    x = array(x)
+    state = LLTMSequenceSaved(_CPU.name, x.reshape(-1, x.shape[-1]), hs, array(gates), cells,
+                              array(weights), tuple(bias.shape), plan=plan,
+                              h0=None if h0s is None else array(h0s))
     grad_outputs, grad_h_n, grad_c_n = grads
-    d = call.backend.backward_sequence(
+    d_inputs, d_weights, d_bias, d_h0, d_c0 = _CPU.backend.backward_sequence(
         None if grad_outputs is None else array(grad_outputs),
         None if grad_h_n is None else array(grad_h_n),
-        None if grad_c_n is None else array(grad_c_n), state, needed, **call.kw)
-    tensor = call.tensor
-    d_inputs, d_weights, d_bias, d_h0, d_c0 = d
+        None if grad_c_n is None else array(grad_c_n), state, needed, **_CPU.kw)
+    tensor = _CPU.tensor
     return (None if d_inputs is None else tensor(d_inputs),
             None if d_weights is None else tensor(d_weights),
             None if d_bias is None else tensor(d_bias), None if d_h0 is None else tensor(d_h0),

@@ -1,11 +1,10 @@
-"""The backends' GEMMs done by torch in the torch layer.
+"""The GEMMs done by torch in the torch layer.
 
 - CPU: torch's BLAS (one BLAS thread pool per process, not two that fight over the cores):
   ``torch_mm`` and ``TORCH_GEMM``, which the torch layer passes to the NumPy backend as its
   ``mm`` (:mod:`lltm_cupy._numpy.gemm` has the interface, and NumPy's own).
-- CUDA: torch's cuBLAS on torch views of the CuPy arrays' memory: ``TORCH_CUDA_GEMM``, which the
-  torch layer passes to the CUDA backend as its ``gemm``, eagerly and under CUDA-graph capture
-  (see :class:`TorchCudaGemm` for why one engine, and why not CuPy's).
+- CUDA: torch's cuBLAS on the tensors themselves (``_mm``, ``_addmm_``), eagerly and under
+  CUDA-graph capture (``_interop`` says why one engine, and why not CuPy's).
 """
 from __future__ import annotations
 
@@ -14,10 +13,8 @@ import torch
 
 from .._numpy.gemm import consecutive
 from . import _cpu_arrays
-from ._cuda_arrays import to_tensor
 
-__all__ = ["torch_mm", "TorchGemm", "TORCH_GEMM", "TorchCudaGemm", "TORCH_CUDA_GEMM", "cuda_gemm",
-           "cuda_steps"]
+__all__ = ["torch_mm", "TorchGemm", "TORCH_GEMM"]
 
 
 def torch_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -110,90 +107,7 @@ TORCH_GEMM = TorchGemm()
 
 # ------------------------------------------------------------------------------------ CUDA
 
-#: the two torch calls every CUDA GEMM here goes through (``out = a @ b``, ``out += a @ b``);
-#: the tests' emulated CUDA path wraps them
+#: the two torch calls every GEMM of the CUDA path goes through (``out = a @ b``, ``out += a @
+#: b``); the tests' emulated CUDA path wraps them
 _mm = torch.mm
 _addmm_ = torch.Tensor.addmm_
-
-
-def cuda_gemm(a, b, out, accumulate: bool = False):
-    """The CUDA backend's ``gemm`` by torch (``out = a @ b`` or ``out += a @ b``) on torch
-    views of the CuPy arrays' memory, on torch's current stream."""
-    ta, tb, tout = to_tensor(a), to_tensor(b), to_tensor(out)
-    if accumulate:
-        _addmm_(tout, ta, tb)
-    else:
-        _mm(ta, tb, out=tout)
-    return out
-
-
-class CudaSteps:
-    """The per-step GEMMs of a sequence by torch (the CUDA backend's ``steps`` contract):
-    ``run(i, j)`` does ``out[j] (+)= a[i] @ b`` on the stacks a (T, m, k), out (T', m, n).
-    The three arrays become torch tensors once, here; a step costs one GEMM call on two
-    indexed views."""
-
-    __slots__ = ("_a", "_b", "_out", "_accumulate")
-
-    def __init__(self, a, b, out, accumulate=False):
-        self._a, self._b, self._out = to_tensor(a), to_tensor(b), to_tensor(out)
-        self._accumulate = accumulate
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def __call__(self, i, j):
-        if self._accumulate:
-            _addmm_(self._out[j], self._a[i], self._b)
-        else:
-            _mm(self._a[i], self._b, out=self._out[j])
-
-
-class CudaRows(CudaSteps):
-    """:class:`CudaSteps` by rows (the ``row_steps`` contract): ``run(i, j, rows)`` does
-    ``out[j:j + rows] (+)= a[i:i + rows] @ b`` on a (R, k), out (R', n)."""
-
-    __slots__ = ()
-
-    def __call__(self, i, j, rows):
-        a, out = self._a.narrow(0, i, rows), self._out.narrow(0, j, rows)
-        if self._accumulate:
-            _addmm_(out, a, self._b)
-        else:
-            _mm(a, self._b, out=out)
-
-
-def cuda_steps(a, b, out, accumulate=False, rows=False):
-    """A :class:`CudaRows` (``rows``) or :class:`CudaSteps` runner."""
-    return (CudaRows if rows else CudaSteps)(a, b, out, accumulate)
-
-
-class TorchCudaGemm:
-    """The torch layer's GEMM engine for the CUDA backend, eager and under CUDA-graph capture
-    alike: torch's cuBLAS (``torch.mm`` / ``addmm_``) on torch views of the same memory, on
-    torch's current stream, under torch's matmul settings. One engine for both, so that a
-    replayed graph computes what the eager call computes: CuPy's binding cannot be the one,
-    since it refuses every cuBLAS call while a stream is being captured
-    (``cupy_backends/cuda/libs/cublas.pyx``: each call sets the handle's stream through
-    ``setStream``, which raises ``NotImplementedError`` when ``streamIsCapturing``).
-    ``steps`` and ``row_steps`` give the per-step runners of ``lltm_cupy._cuda.gemm``'s
-    contract."""
-
-    __slots__ = ()
-
-    def __call__(self, a, b, out, accumulate=False):
-        return cuda_gemm(a, b, out, accumulate)
-
-    @staticmethod
-    def steps(a, b, out, accumulate=False):
-        return cuda_steps(a, b, out, accumulate)
-
-    @staticmethod
-    def row_steps(a, b, out, accumulate=False):
-        return cuda_steps(a, b, out, accumulate, rows=True)
-
-
-TORCH_CUDA_GEMM = TorchCudaGemm()

@@ -51,7 +51,9 @@ def install_torch(patch, fake):
     """lltm_cupy.torch's CUDA path on CPU tensors over the emulated CuPy ``fake`` (see
     conftest's ``emulated_cuda_torch``). Each ``torch.cuda.current_stream()`` counts a stream
     object made (torch makes a Python Stream object per call); the raw handle
-    (``torch._C._cuda_getCurrentRawStream``) is an int and counts nothing."""
+    (``torch._C._cuda_getCurrentRawStream``) is an int and counts nothing. A packing plan's
+    index arrays uploaded as torch tensors (``_interop.upload``) are host-device copies to the
+    emulator (``transfers``; refused while ``capturing``)."""
     import torch
 
     from lltm_cupy.torch import _interop
@@ -89,7 +91,13 @@ def install_torch(patch, fake):
         return real_data_ptr(t)
 
     patch.setattr(torch.Tensor, "data_ptr", data_ptr)
-    patch.setattr(_interop, "_ALLOCATORS", {})     # made over this emulated CuPy's classes
+    real_upload = _interop.upload
+
+    def upload(a, device):      # a packing plan's index array: a host-device copy
+        emulator.transfer("h2d", a.nbytes)
+        return real_upload(a, device)
+
+    patch.setattr(_interop, "upload", upload)
     # record_stream of a CPU tensor raises: noted instead
     patch.setattr(_interop, "record_stream",
                   lambda tensor, index, stream: emulator.recorded_streams.append(stream))

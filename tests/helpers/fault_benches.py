@@ -315,7 +315,6 @@ class EmulatedCuda(Bench):
             from lltm_cupy.torch import _interop
 
             _interop._cupy_streams.clear()
-            _interop._ALLOCATORS.clear()
             _interop._blas_ready.__dict__.clear()
             self.emu.torch_blas_threads.clear()
 
@@ -348,8 +347,6 @@ class EmulatedCuda(Bench):
 
             picture["_interop._cupy_streams"] = {k: signature(v)
                                                  for k, v in _interop._cupy_streams.items()}
-            picture["_interop._ALLOCATORS"] = {k: signature(v)
-                                               for k, v in _interop._ALLOCATORS.items()}
             picture["_interop._blas_ready"] = {
                 d: True for d in getattr(_interop._blas_ready, "devices", ())}
         return picture
@@ -357,15 +354,12 @@ class EmulatedCuda(Bench):
     def context(self) -> tuple:
         import torch
 
-        from lltm_cupy.torch import _cuda_arrays
-
         e = self.emu
         stream = torch._C._cuda_getCurrentRawStream(0) if self.torch_layer else None
         return (("device", e.device, len(e.device_stack)),
                 ("CuPy streams", tuple(s.ptr for s in e.current_streams)),
                 ("allocator", e.allocator), ("math mode", e.math_mode),
                 ("torch stream", stream),
-                ("imports", getattr(_cuda_arrays._local, "imported", None)),
                 ("grad", torch.is_grad_enabled()), ("errors", tuple(sorted(np.geterr().items()))))
 
     # -- memory
@@ -388,12 +382,11 @@ class EmulatedCuda(Bench):
         if not pools and not storages:
             return []
         owned_pools, owned_storages = set(), set()
-        for a in self.recorder.arrays():
-            mem = a.data.mem
-            owned_pools.add(id(mem))
-            owner = getattr(mem, "_owner", None)
-            if owner is not None and hasattr(owner, "untyped_storage"):
-                owned_storages.add(owner.untyped_storage().data_ptr())
+        for a in self.recorder.arrays():    # CuPy arrays (the array API's), torch tensors
+            if hasattr(a, "untyped_storage"):
+                owned_storages.add(a.untyped_storage().data_ptr())
+            else:
+                owned_pools.add(id(a.data.mem))
         return ([f"{m.size} bytes of CuPy's pool" for m in pools if id(m) not in owned_pools]
                 + [f"{n} bytes of torch's (storage {ptr:#x})" for ptr, n in storages.items()
                    if ptr not in owned_storages])

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, kernels as _kernels
+from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, group_kernels as _group_kernels
+from lltm_cupy._cuda import kernels as _kernels
 from .host_fused import SCHEDULES, build_harness
 
 
@@ -110,7 +111,7 @@ def host_get_group_kernels(lib, limit: int):
     content is undefined at the launch) is filled with NaN first, the counters must be zero."""
     from helpers import emulated_cupy as emu
     from helpers.host_fused import _BWD, _BWD_OUTPUTS, _FWD, _FWD_OUTPUTS, convert_fused
-    from helpers.host_kernels import SUFFIX, ptr
+    from helpers.host_kernels import SUFFIX
 
     convert = convert_fused
 
@@ -125,16 +126,23 @@ def host_get_group_kernels(lib, limit: int):
             assert grid[0] <= resident_blocks(None, block[0], shared_mem), \
                 f"a cooperative launch of {grid[0]} blocks, more than the device holds at once"
             *rest, exchange, counters, first = args
-            assert isinstance(exchange, emu.ndarray) and exchange.dtype == acc, exchange.dtype
-            assert isinstance(counters, emu.ndarray) and counters.dtype == np.uint32
-            assert counters.size >= grid[0] // size and not np.asarray(counters).any(), \
+            # device pointers into live memory: the exchange buffer of the launch's tiles (of
+            # the arithmetic type), the tiles' counters (uint32, zero)
+            tiles = grid[0] // size
+            elements = tiles * _group_kernels.exchange_elements(
+                int(rest[-2]), int(rest[-1]), kinds is _BWD, size)
+            assert type(exchange) is int and type(counters) is int, "pointers expected"
+            assert emu._in_live_memory(exchange, elements * acc.itemsize), \
+                "the exchange buffer is not in live device memory"
+            assert emu._in_live_memory(counters, 4 * tiles), "counters not in live memory"
+            assert not emu._host_view(counters, tiles, np.uint32).any(), \
                 "the launch's counters are not zero"
             assert type(first) is np.int32
-            np.asarray(exchange)[...] = np.nan
+            emu._host_view(exchange, elements, acc)[...] = np.nan
             emu._state.log.append(f"kernel:{name}")
             fn(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), ctypes.c_uint(size),
                ctypes.c_ulonglong(shared_mem), *convert(rest, dtype, kinds, outputs),
-               ptr(exchange), ptr(counters), ctypes.c_int(int(first)))
+               ctypes.c_void_p(exchange), ctypes.c_void_p(counters), ctypes.c_int(int(first)))
             error = lib.lltm_host_last_error()
             assert error is None, f"{name}: {error.decode()}"
         return launch
