@@ -354,3 +354,50 @@ def test_gpu_variable_lengths_forward_only_memory_and_bits(form):
     assert grown <= beyond + block + 16 * B * S * 4, (grown, beyond, block, rows * S * 4)
     for name, g, w in zip(("outputs", "h_n", "c_n"), got, want):
         assert torch.equal(g, w), name
+
+
+def _after(model, xs, run, first):
+    """On a fresh thread workspace, after ``first`` (a context, or None) ran the model once on
+    it: the outputs under ``no_grad`` (the forward only, as under inference_mode), then the
+    outputs and every gradient of a training call."""
+    from lltm_cupy._numpy import memory
+
+    memory.forget()
+    if first is not None:
+        with first():
+            run(model, xs)
+    with torch.no_grad():
+        plain = run(model, xs)
+    model.zero_grad(set_to_none=True)
+    x = xs.clone().requires_grad_()
+    outs = run(model, x)
+    sum((o * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+    return [*plain, *(o.detach() for o in outs), *(p.grad for p in model.parameters()), x.grad]
+
+
+@pytest.mark.parametrize("make", MODELS.values(), ids=MODELS.keys())
+def test_no_grad_and_training_after_inference_mode(make):
+    """What a workspace keeps between calls is made by whichever call comes first: one under
+    ``inference_mode`` must not leave inference tensors that a later call outside it writes
+    into (torch refuses that: "Inplace update to inference tensor outside InferenceMode").
+    The later calls give the same bits as on a workspace that no inference_mode call made."""
+    torch.manual_seed(0)
+    model, xs, run, _ = make()
+    want = _after(model, xs, run, None)
+    got = _after(model, xs, run, torch.inference_mode)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"result {i}"
+
+
+@pytest.mark.parametrize("make", [_cell, _layers, _packed], ids=["LLTMCell stepped",
+                         "LLTM 2 layers bidirectional", "LLTM packed 2 layers bidirectional"])
+def test_emulated_cuda_no_grad_and_training_after_inference_mode(emulated_cuda_torch, make):
+    """The same on the CUDA path (torch's buffers, the kernels on the emulated CuPy)."""
+    torch.manual_seed(0)
+    model, xs, run, _ = make()
+    model, xs = model.float(), xs.float()
+    want = _after(model, xs, run, None)
+    got = _after(model, xs, run, torch.inference_mode)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"result {i}"

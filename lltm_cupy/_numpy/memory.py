@@ -169,7 +169,7 @@ class Workspace:
         return found
 
     def forward(self, i: int, rows: int, derivatives: bool, mm) -> tuple:
-        """Slot ``i``'s forward step on ``rows`` rows, ``(step, z as mm's operand, z)`` (kept in
+        """Slot ``i``'s forward step on ``rows`` rows, ``(step, z as mm's kept operand, z)`` (kept in
         :attr:`made` under ``((i, rows), (derivatives, mm))``)."""
         key = ((i, rows), (derivatives, mm))
         found = self.made.get(key)
@@ -178,7 +178,7 @@ class Workspace:
             z = self.z[i, :k].reshape(3, rows, state)
             step = forward_step(z, self.s[i, : 2 * k].reshape(6, rows, state),
                                 self.zero[:k].reshape(3, rows, state), derivatives)
-            found = self.made[key] = (step, mm.operand(z), z)
+            found = self.made[key] = (step, mm.kept(z), z)
         return found
 
     def group_views(self, count: int, rows: int) -> tuple:

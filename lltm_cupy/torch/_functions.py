@@ -39,6 +39,7 @@ from .._cuda import step as _cuda_step
 from .._numpy import step as _step
 from . import _cpu_arrays, _interop, reference
 from ._interop import cuda_backend, without_autocast
+from ._torch_gemm import kept_operand
 
 __all__ = ["LLTMFunction", "apply", "step_forward", "step_inference", "step_backward",
            "kept_for_backward",
@@ -166,7 +167,7 @@ def _one_step(input, weights, bias, old_h, old_cell, keep):
         return cuda_step_forward(input, weights, bias, old_h, old_cell, keep=keep)
     c = _array(old_cell)
     batch, state = c.shape
-    z, run = _step.gate_rows(batch, state, c.dtype, keep, _from_numpy)
+    z, run = _step.gate_rows(batch, state, c.dtype, keep, kept_operand)
     X = _cat((old_h, input), 1)
     width = X.shape[1]
     if keep:

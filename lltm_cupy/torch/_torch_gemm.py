@@ -14,13 +14,21 @@ import torch
 from .._numpy.gemm import consecutive
 from . import _cpu_arrays
 
-__all__ = ["torch_mm", "TorchGemm", "TORCH_GEMM"]
+__all__ = ["torch_mm", "kept_operand", "TorchGemm", "TORCH_GEMM"]
 
 
 def torch_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a @ b by torch's BLAS, on NumPy arrays, without copies (the result over a torch tensor,
     which the torch layer returns)."""
     return _cpu_arrays.to_array(torch.mm(torch.from_numpy(a), torch.from_numpy(b)))
+
+
+def kept_operand(a: np.ndarray) -> torch.Tensor:
+    """A tensor over ``a``'s memory that outlives the call making it (a workspace's): made
+    outside ``torch.inference_mode``, so that it is an ordinary tensor, which a later call
+    outside inference mode may write into (an inference tensor refuses that)."""
+    with torch.inference_mode(False):
+        return torch.from_numpy(a)
 
 
 class TorchGemm:
@@ -31,6 +39,7 @@ class TorchGemm:
 
     __call__ = staticmethod(torch_mm)
     operand = staticmethod(torch.from_numpy)
+    kept = staticmethod(kept_operand)
 
     #: a NumPy array over a new ``torch.empty`` (``torch.zeros``) tensor, which the torch layer
     #: returns (``_cpu_arrays.to_tensor``)
