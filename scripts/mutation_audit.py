@@ -372,6 +372,22 @@ MUTANTS = [
            ("tests/test_torch.py", "tests/test_torch_sequence.py", "tests/test_lltm_layers.py"),
            "TorchGemm, variable lengths: each step's rows taken right after the previous "
            "step's, the rows of the sequences that ended skipped over"),
+    Mutant("onednn-gemm-project-drops-bias", "lltm_cupy/torch/_torch_gemm.py",
+           'product = _linear(x, w, torch.from_numpy(bias).reshape(-1), "none", [], "")',
+           'product = _linear(x, w, None, "none", [], "")',
+           ("tests/test_cpu_gemm_engines.py",),
+           "OneDnnGemm.project_gates: the bias left out of the input projection"),
+    Mutant("onednn-gemm-recurrent-grad-overwrites", "lltm_cupy/torch/_torch_gemm.py",
+           'out.copy_(_linear_add(a, out, b, None, "add"))',
+           'out.copy_(_linear(a, b, None, "none", [], ""))',
+           ("tests/test_cpu_gemm_engines.py",),
+           "OneDnnGemm.addmm_: a step's recurrent gradient written over the outputs' gradient "
+           "instead of added to it"),
+    Mutant("onednn-gemm-gates-not-transposed", "lltm_cupy/torch/_torch_gemm.py",
+           'out.copy_(_linear(h, w, None, "none", [], "").view(h.shape[0], 3, -1).transpose(0, 1))',
+           'out.copy_(_linear(h, w, None, "none", [], "").view(3, h.shape[0], -1))',
+           ("tests/test_cpu_gemm_engines.py",),
+           "OneDnnGemm.bmm: the (rows, 3S) product read as gate-major without the transpose"),
     # ------------------------------------------------------- whole models, the packing
     Mutant("layers-backward-mask-dropped", "lltm_cupy/_layers.py",
            "            d_x = d_x * saved.masks[k - 1]\n", "            pass\n",

@@ -135,12 +135,22 @@ TORCH = {
     "LLTM": ("module", (3, 2, 3, 4), {}),
     "LLTM-packed": ("module", (3, 3, 3, 4), dict(packed=[3, 1, 2])),
     "lltm_sequence-lengths": ("lengths", (3, 3, 3, 4), dict(lengths=[3, 0, 2])),
+    # the sequences' GEMMs by oneDNN (ONEDNN_GEMM, the size gate lowered to these sizes)
+    "LLTM-oneDNN": ("module", (3, 2, 3, 4), dict(onednn=True)),
+    "LLTM-packed-oneDNN": ("module", (3, 3, 3, 4), dict(packed=[3, 1, 2], onednn=True)),
 }
 
 
 @pytest.mark.parametrize("name", TORCH)
 def test_torch_layer_survives_every_fault(monkeypatch, numpy_faults, name):
     what, (T, B, F, S), kw = TORCH[name]
+    kw = dict(kw)
+    if kw.pop("onednn", False):
+        from lltm_cupy.torch import _torch_gemm
+
+        if _torch_gemm.ONEDNN_GEMM is None:
+            pytest.skip("this torch has no oneDNN (mkldnn) on an x86-64 CPU")
+        monkeypatch.setattr(_torch_gemm, "ONEDNN_MIN", 0)
     bench = Cpu(monkeypatch, numpy_faults)
     op, grads = _torch_scenario(what, T, B, F, S, **kw)
     bench.dropping = grads

@@ -21,9 +21,11 @@ array ``a @ b``), the sequence loops use:
   final states, gradients) and keeps for its backward (NumPy: its own; torch: arrays over
   ``torch.empty`` tensors, which the torch layer hands back as those tensors: ordinary,
   resizable torch tensors, not ``torch.from_numpy`` wrappers);
-- ``bmm(h, w, out=out)``: ``out[g] = h @ w[g]`` (out (3, n, S), w (3, S, S)), and
-  ``addmm_(out, a, b)``: ``out += a @ b``, the loops' per-step GEMMs: for torch, torch's own
-  functions, so that a step's GEMM is one call into torch and no Python call of this library.
+- ``bmm(h, w, out=out)``: ``out[g] = h @ w[g]`` (out (3, n, S), w (3, S, S) as
+  ``gate_weights`` made it), and ``addmm_(out, a, b)``: ``out += a @ b`` (b the (3S, S)
+  recurrent weights as ``recurrent(b)`` made them), the loops' per-step GEMMs: for torch,
+  torch's own functions, so that a step's GEMM is one call into torch and no Python call of
+  this library.
 
 Gate-major GEMMs (three (B, S) products against per-gate weights (3, K, S), one batched call)
 write the layout the element-wise step reads, so that no pass transposes the products; the
@@ -80,6 +82,7 @@ class NumpyGemm:
         return row_blocks(a, starts, sizes)
 
     gate_inputs = row_blocks     # (matmul broadcasts (n, S) @ (3, S, S))
+    recurrent = operand
 
     @staticmethod
     def project_gates(x, w, bias, out):

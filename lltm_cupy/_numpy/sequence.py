@@ -292,7 +292,7 @@ def _backward_loop(grad_h, grad_c, factors, flat, w_h, mm, sizes, offsets):
     d_ops = mm.steps_of(mm.operand(flat), n_t)
     # step t > 0 adds into the first sizes[t] rows of step t - 1's
     g_ops = [None, *mm.row_blocks(mm.operand(grad_h), offsets[:steps - 1], n_t[1:])]
-    w_h_op = mm.operand(w_h)
+    w_h_op = mm.recurrent(w_h)
     addmm_ = mm.addmm_
     for (step, cell), g, a, b, d, g_prev, d_op in zip(
             reversed(made), reversed(g_rows), reversed(f_io), reversed(f_oc), reversed(d_rows),

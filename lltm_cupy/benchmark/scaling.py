@@ -82,7 +82,7 @@ def parts(sizes=SIZES, threads=(1, 2), rounds: int = 7, train: bool = True) -> d
     from .. import torch as lt
     from ..torch import _interop
 
-    real = _interop.CPU_CALL.kw["mm"]
+    real = _interop.CPU_CALL.gemm
     none = _no_gemm()
     before = torch.get_num_threads()
     report = {}
@@ -95,11 +95,11 @@ def parts(sizes=SIZES, threads=(1, 2), rounds: int = 7, train: bool = True) -> d
 
             def engine(mm, run):
                 def call():
-                    _interop.CPU_CALL.kw["mm"] = mm
+                    _interop.CPU_CALL.gemm = lambda rows, state, dtype: mm
                     try:
                         run()
                     finally:
-                        _interop.CPU_CALL.kw["mm"] = real
+                        _interop.CPU_CALL.gemm = real
                 return call
 
             calls = {"lltm": _runner(ours, x, train),
@@ -129,7 +129,7 @@ def parts(sizes=SIZES, threads=(1, 2), rounds: int = 7, train: bool = True) -> d
                     "clock": "process" if n == 1 else "wall"}
     finally:
         torch.set_num_threads(before)
-        _interop.CPU_CALL.kw["mm"] = real
+        _interop.CPU_CALL.gemm = real
     return report
 
 

@@ -1,12 +1,14 @@
 """PyTorch layer: differentiable `lltm` and `lltm_sequence`, and the `LLTMCell` and `LLTM` modules.
 
-Tensors move to NumPy (CPU) or CuPy (CUDA) arrays without a copy and the backends of
-:mod:`lltm_cupy` do the work, after the checks here (which cover everything the array API
-checks). On CUDA every kernel and GEMM runs on torch's current stream of the tensors' device,
-every byte comes from torch's caching allocator, and the results are ordinary torch tensors, so
-a training step can be captured in a CUDA graph (``torch.cuda.graph``, or
-``torch.compile(mode="reduce-overhead")``). On the CPU the NumPy backend's GEMMs run through
-torch's BLAS, so that the process has one BLAS thread pool.
+The backends of :mod:`lltm_cupy` do the work, after the checks here (which cover everything the
+array API checks). On CUDA the kernels are launched on the tensors' device pointers and every
+kernel and GEMM (torch's) runs on torch's current stream of the tensors' device; every byte
+comes from torch's caching allocator and the results are ordinary torch tensors, so a training
+step can be captured in a CUDA graph (``torch.cuda.graph``, or
+``torch.compile(mode="reduce-overhead")``). On the CPU tensors reach the NumPy backend as
+arrays over their memory, without a copy, and its GEMMs run through torch (its BLAS; a
+sequence's per-step products by oneDNN from a size on), so that the process has one thread
+pool for them.
 
 One file per job, read top to bottom, each importing only files below it:
 

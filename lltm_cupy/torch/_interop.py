@@ -2,7 +2,7 @@
 backend call.
 
 CPU tensors run the NumPy backend on arrays over the tensors' memory (``_cpu_arrays``), with the
-GEMMs through torch's BLAS (one BLAS thread pool per process): :data:`CPU_CALL`.
+GEMMs through torch (one BLAS thread pool per process): :data:`CPU_CALL`.
 
 CUDA tensors run the CUDA backend's kernels on the tensors' device pointers, one way for every
 case (a step, sequences of one length, variable lengths, the fused kernels and their variants):
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 from .. import _numpy
 from . import _cpu_arrays, _torch_gemm
-from ._torch_gemm import TORCH_GEMM
+from ._torch_gemm import cpu_gemm
 
 __all__ = ["CPU_CALL", "cuda_backend", "without_autocast", "launching", "mm", "rows", "DTYPES",
            "KERNEL_DTYPE", "EMULATED_CUDA", "use_plans", "upload", "plan_arrays", "TorchArrays",
@@ -251,18 +251,17 @@ def record_stream(tensor: Tensor, index: int, stream: int) -> None:
 
 class Call:
     """What a call of the NumPy backend from the torch layer uses (:data:`CPU_CALL`): the
-    backend module, its GEMM keyword, and the two conversions (tensor -> array, array ->
-    tensor)."""
+    backend module, its GEMM engine for a sequence of (rows a step, state, torch dtype)
+    (``gemm``), and the two conversions (tensor -> array, array -> tensor)."""
 
-    __slots__ = ("backend", "name", "kw", "array", "tensor")
+    __slots__ = ("backend", "name", "gemm", "array", "tensor")
 
-    def __init__(self, backend, name, kw, array, tensor):
-        self.backend, self.name, self.kw = backend, name, kw
+    def __init__(self, backend, name, gemm, array, tensor):
+        self.backend, self.name, self.gemm = backend, name, gemm
         self.array, self.tensor = array, tensor
 
 
-CPU_CALL = Call(_numpy, "numpy", {"mm": TORCH_GEMM}, _cpu_arrays.to_array,
-                _cpu_arrays.to_tensor)
+CPU_CALL = Call(_numpy, "numpy", cpu_gemm, _cpu_arrays.to_array, _cpu_arrays.to_tensor)
 
 
 # ------------------------------------------------------------- the CUDA kernels' launches

@@ -93,8 +93,8 @@ def _cpu_sequence(inputs, weights, bias, h0, c0, plan, keep):
     kw = {} if plan is None else {"plan": plan}
     array = _CPU.array
     outputs, h_n, c_n, saved = _CPU.backend.forward_sequence(
-        array(contiguous), array(weights), array(bias), array(h0), array(c0), **_CPU.kw, **kw,
-        keep=keep)
+        array(contiguous), array(weights), array(bias), array(h0), array(c0),
+        mm=_CPU.gemm(*h0.shape, h0.dtype), **kw, keep=keep)
     tensor = _CPU.tensor
     if not keep:
         return tensor(outputs), tensor(h_n), tensor(c_n)
@@ -161,7 +161,8 @@ def _backend_backward(grads, saved, plan, fused, needed):
     d_inputs, d_weights, d_bias, d_h0, d_c0 = _CPU.backend.backward_sequence(
         None if grad_outputs is None else array(grad_outputs),
         None if grad_h_n is None else array(grad_h_n),
-        None if grad_c_n is None else array(grad_c_n), state, needed, **_CPU.kw)
+        None if grad_c_n is None else array(grad_c_n), state, needed,
+        mm=_CPU.gemm(*saved[3].shape, saved[3].dtype))
     tensor = _CPU.tensor
     return (None if d_inputs is None else tensor(d_inputs),
             None if d_weights is None else tensor(d_weights),

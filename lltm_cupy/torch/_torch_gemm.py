@@ -2,7 +2,9 @@
 
 - CPU: torch's BLAS (one BLAS thread pool per process, not two that fight over the cores):
   ``torch_mm`` and ``TORCH_GEMM``, which the torch layer passes to the NumPy backend as its
-  ``mm`` (:mod:`lltm_cupy._numpy.gemm` has the interface, and NumPy's own).
+  ``mm`` (:mod:`lltm_cupy._numpy.gemm` has the interface, and NumPy's own); for the sequence
+  loops' per-step GEMMs from a size on, ``ONEDNN_GEMM``: torch's oneDNN with the weights packed
+  once per call (:func:`cpu_gemm` chooses).
 - CUDA: torch's cuBLAS on the tensors themselves (``_mm``, ``_addmm_``), eagerly and under
   CUDA-graph capture (``_interop`` says why one engine, and why not CuPy's).
 """
@@ -14,7 +16,8 @@ import torch
 from .._numpy.gemm import consecutive
 from . import _cpu_arrays
 
-__all__ = ["torch_mm", "kept_operand", "TorchGemm", "TORCH_GEMM"]
+__all__ = ["torch_mm", "kept_operand", "TorchGemm", "TORCH_GEMM", "OneDnnGemm", "ONEDNN_GEMM",
+           "cpu_gemm"]
 
 
 def torch_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -38,7 +41,7 @@ class TorchGemm:
     costs one torch call (``bmm``, ``addmm_``: torch's own functions)."""
 
     __call__ = staticmethod(torch_mm)
-    operand = staticmethod(torch.from_numpy)
+    operand = recurrent = staticmethod(torch.from_numpy)
     kept = staticmethod(kept_operand)
 
     #: a NumPy array over a new ``torch.empty`` (``torch.zeros``) tensor, which the torch layer
@@ -112,6 +115,81 @@ def _blocks(a, starts, sizes, dim):
 
 
 TORCH_GEMM = TorchGemm()
+
+
+class OneDnnGemm(TorchGemm):
+    """:class:`TorchGemm` with the sequence loops' weight products (the input projection, each
+    step's recurrent product, forward and backward) by torch's oneDNN (``mkldnn``) linear
+    operator on weights packed once per call, the layout its kernels read. Where torch's BLAS
+    is MKL on a CPU it does not tune for (AMD's), oneDNN's kernels are about twice as fast at
+    the loops' sizes; below :data:`ONEDNN_MIN` the packing and the copy into the step's
+    gate-major layout cost more than they save (docs/performance.md, "GEMM engines").
+    float32 only (oneDNN has no float64 linear)."""
+
+    @staticmethod
+    def gate_weights(w):
+        """The (3S, K) weights packed as the linear operator's ``weight`` (out = 3S: its
+        product's columns are the three gates' blocks)."""
+        return _pack(torch.from_numpy(np.ascontiguousarray(w)), None)
+
+    @staticmethod
+    def recurrent(w):
+        """The (3S, S) recurrent weights packed for ``d_gates @ w`` (``weight`` = w.T)."""
+        return _pack(torch.from_numpy(w).t().contiguous(), None)
+
+    @staticmethod
+    def gate_inputs(h, starts, sizes):
+        return _blocks(h, starts, sizes, 0)
+
+    @staticmethod
+    def project_gates(x, w, bias, out):
+        product = _linear(x, w, torch.from_numpy(bias).reshape(-1), "none", [], "")
+        out.copy_(product.view(x.shape[0], 3, -1).transpose(0, 1))
+
+    @staticmethod
+    def bmm(h, w, *, out):
+        out.copy_(_linear(h, w, None, "none", [], "").view(h.shape[0], 3, -1).transpose(0, 1))
+
+    @staticmethod
+    def addmm_(out, a, b):
+        out.copy_(_linear_add(a, out, b, None, "add"))
+
+
+#: a sequence's per-step GEMMs go to oneDNN from rows * state * state of this on (float32):
+#: (16, 256) and larger gain, (32, 128) ties, (16, 128) loses (docs/performance.md)
+ONEDNN_MIN = 1 << 20
+
+
+def _onednn():
+    """(pack, linear, linear with a binary post-op) of torch's oneDNN, or None where this
+    build of torch has none (no ``mkldnn``, or not an x86-64 CPU, where it is not measured)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64") or \
+            not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        ops = torch.ops.mkldnn
+        return ops._reorder_linear_weight, ops._linear_pointwise, ops._linear_pointwise.binary
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_found = _onednn()
+ONEDNN_GEMM = None if _found is None else OneDnnGemm()
+if _found is not None:
+    _pack, _linear, _linear_add = _found
+_mkldnn_enabled = torch._C._get_mkldnn_enabled
+
+
+def cpu_gemm(rows: int, state: int, dtype: torch.dtype) -> TorchGemm:
+    """The GEMM engine of a CPU sequence call on at most ``rows`` rows a step: ONEDNN_GEMM for
+    float32 from :data:`ONEDNN_MIN` on (while ``torch.backends.mkldnn`` is enabled), else
+    TORCH_GEMM."""
+    if rows * state * state >= ONEDNN_MIN and dtype is torch.float32 and \
+            ONEDNN_GEMM is not None and _mkldnn_enabled():
+        return ONEDNN_GEMM
+    return TORCH_GEMM
 
 
 # ------------------------------------------------------------------------------------ CUDA

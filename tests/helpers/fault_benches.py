@@ -495,7 +495,9 @@ class Cpu(Bench):
             return made
 
         monkeypatch.setattr(mmap, "mmap", mapping)
-        for engine in (numpy_gemm.NUMPY_GEMM, _torch_gemm.TORCH_GEMM):
+        for engine in (numpy_gemm.NUMPY_GEMM, _torch_gemm.TORCH_GEMM, _torch_gemm.ONEDNN_GEMM):
+            if engine is None:
+                continue
             for name in ("bmm", "addmm_"):
                 monkeypatch.setattr(engine, name, self._step(getattr(engine, name)),
                                     raising=False)

@@ -129,10 +129,18 @@ def torch_allocations(injector: Injector):
             kwargs = kwargs or {}
             if not injector.counting:
                 return func(*args, **kwargs)
-            before = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs), [])}
+            before = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs), [])
+                      if not t.is_mkldnn}
             out = func(*args, **kwargs)
             seen = set()
             for t in _tensors(out, []):
+                if t.is_mkldnn:     # (oneDNN's packed weights: no storage, always new)
+                    failure = injector("alloc:torch", str(func))
+                    if failure is not None:
+                        del out, t
+                        raise failure
+                    self.made.append((weakref.ref(t), id(t), t.numel() * t.element_size()))
+                    continue
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
                 if not storage.nbytes() or ptr in before or ptr in seen:

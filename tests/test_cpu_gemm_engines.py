@@ -1,0 +1,191 @@
+"""The GEMM engines of the torch layer's CPU sequences: torch's BLAS (``TORCH_GEMM``) and oneDNN
+on packed weights (``ONEDNN_GEMM``, float32 from ``ONEDNN_MIN`` rows * state^2 on). Each engine,
+forced, against the float64 twin, forward and every gradient, for every kind of sequence (one
+length, lengths, packed, reversed, stacked bidirectional, forward only); which engine a call
+takes; the same bits with one and two threads, and after a fork.
+"""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
+
+from torch.nn.utils.rnn import pack_padded_sequence  # noqa: E402
+
+from lltm_cupy import _numpy  # noqa: E402
+from lltm_cupy.torch import LLTM, LLTMCell, lltm_sequence  # noqa: E402
+from lltm_cupy.torch import _torch_gemm  # noqa: E402
+from lltm_cupy.verify import TOLERANCE, normalised_error  # noqa: E402
+from helpers.forking import in_parent_and_child, same  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+ONEDNN = pytest.mark.skipif(_torch_gemm.ONEDNN_GEMM is None,
+                            reason="this torch has no oneDNN (mkldnn) on an x86-64 CPU")
+F32 = TOLERANCE[np.dtype(np.float32)]
+
+
+@pytest.fixture(params=["torch", "onednn"])
+def engine(request, monkeypatch):
+    """Every CPU sequence call of the test on the engine named (the size gate set so)."""
+    if request.param == "onednn":
+        if _torch_gemm.ONEDNN_GEMM is None:
+            pytest.skip("this torch has no oneDNN (mkldnn) on an x86-64 CPU")
+        monkeypatch.setattr(_torch_gemm, "ONEDNN_MIN", 0)
+    else:
+        monkeypatch.setattr(_torch_gemm, "ONEDNN_MIN", 1 << 62)
+    return request.param
+
+
+@pytest.fixture
+def engines_used(monkeypatch):
+    """The engine each CPU sequence forward and backward received, in call order."""
+    seen = []
+    for name in ("forward_sequence", "backward_sequence"):
+        real = getattr(_numpy, name)
+
+        def spy(*args, _real=real, mm, **kw):
+            seen.append(mm)
+            return _real(*args, mm=mm, **kw)
+        monkeypatch.setattr(_numpy, name, spy)
+    return seen
+
+
+def _twins(make):
+    torch.manual_seed(0)
+    model = make()
+    twin = make().double()
+    twin.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    return model, twin
+
+
+def _train(model, x, lengths=None):
+    """Outputs, then the gradients of the input and of every parameter, of one training call
+    (a weighted sum of the outputs and final states as the loss)."""
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    arg = x if lengths is None else pack_padded_sequence(x, lengths, enforce_sorted=False)
+    out, (h, c) = model(arg)
+    out = out if lengths is None else out.data
+    (out.sum() + 2 * h.sum() + 3 * c.sum()).backward()
+    return [out, h, c, x.grad, *(p.grad for p in model.parameters())]
+
+
+LENGTHS = torch.tensor([3, 7, 1, 5, 7, 2])
+MODELS = {
+    "one layer": (lambda: LLTM(5, 12), None),
+    "two layers bidirectional": (lambda: LLTM(5, 12, num_layers=2, bidirectional=True), None),
+    "packed": (lambda: LLTM(5, 12), LENGTHS),
+    "packed two layers bidirectional":
+        (lambda: LLTM(5, 12, num_layers=2, bidirectional=True), LENGTHS),
+}
+
+
+@pytest.mark.parametrize("case", MODELS)
+def test_each_engine_against_the_float64_twin(engine, engines_used, case):
+    make, lengths = MODELS[case]
+    model, twin = _twins(make)
+    x = torch.randn(7, 6, 5)
+    got = _train(model, x, lengths)
+    wanted = _torch_gemm.ONEDNN_GEMM if engine == "onednn" else _torch_gemm.TORCH_GEMM
+    assert engines_used and all(mm is wanted for mm in engines_used), engines_used
+    want = _train(twin, x.double(), lengths)
+    names = ["output", "h_n", "c_n", "d_input"] + [n for n, _ in model.named_parameters()]
+    for name, g, w in zip(names, got, want):
+        assert g.dtype == torch.float32
+        err = normalised_error(g, w)
+        assert err <= F32, f"{engine}: {name} off by {err:.2e} (normalised) > {F32:.0e}"
+
+
+def test_lltm_sequence_lengths_and_reverse(engine):
+    """The functional form: lengths (one of them 0) and reverse, gradients of every argument."""
+    torch.manual_seed(1)
+    cell = LLTMCell(4, 10)
+    args = [torch.randn(6, 5, 4), cell.weights.detach(), cell.bias.detach(),
+            torch.randn(5, 10), torch.randn(5, 10)]
+
+    def results(leaves, kw):
+        out, h, c = lltm_sequence(*leaves, **kw)
+        (out.sum() + 2 * h.sum() + 3 * c.sum()).backward()
+        return [out.detach(), h.detach(), c.detach()] + [a.grad for a in leaves]
+
+    for kw in ({"lengths": [6, 2, 0, 5, 1]}, {"reverse": True}):
+        got = results([a.clone().requires_grad_() for a in args], kw)
+        want = results([a.double().requires_grad_() for a in args], kw)
+        for i, (g, w) in enumerate(zip(got, want)):
+            err = normalised_error(g, w)
+            assert err <= F32, f"{engine} {kw}: result {i} off by {err:.2e}"
+
+
+def test_forward_only_is_the_training_forward(engine):
+    """Under no_grad the forward only runs (nothing kept), with the training forward's bits."""
+    model, _ = _twins(lambda: LLTM(5, 12, num_layers=2, bidirectional=True))
+    x = torch.randn(7, 6, 5)
+    for lengths in (None, LENGTHS):
+        arg = x if lengths is None else pack_padded_sequence(x, lengths, enforce_sorted=False)
+        train = model(arg)
+        with torch.no_grad():
+            only = model(arg)
+        for a, b in zip(_flat(train), _flat(only)):
+            assert torch.equal(a.detach(), b)
+
+
+def _flat(out):
+    data, (h, c) = out
+    return [getattr(data, "data", data), h, c]
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+def test_the_size_gate_and_dtype_choose_the_engine(engines_used):
+    """Below ONEDNN_MIN rows * state^2, in float64, or with torch.backends.mkldnn disabled, a
+    call stays on torch's BLAS; from it on (float32) it takes oneDNN where torch has it."""
+    gate = _torch_gemm.ONEDNN_MIN
+    small, large = (16, 128), (16, 256)
+    assert small[0] * small[1] ** 2 < gate <= large[0] * large[1] ** 2
+    onednn = _torch_gemm.ONEDNN_GEMM or _torch_gemm.TORCH_GEMM
+    for (batch, state), dtype, enabled, want in [
+            (small, torch.float32, True, _torch_gemm.TORCH_GEMM),
+            (large, torch.float32, True, onednn),
+            (large, torch.float64, True, _torch_gemm.TORCH_GEMM),
+            (large, torch.float32, False, _torch_gemm.TORCH_GEMM)]:
+        model = LLTM(3, state, dtype=dtype)
+        x = torch.randn(2, batch, 3, dtype=dtype)
+        engines_used.clear()
+        with torch.backends.mkldnn.flags(enabled=enabled):
+            out, _ = model(x)
+            out.sum().backward()
+        assert engines_used == [want, want], (batch, state, dtype, enabled)
+
+
+@ONEDNN
+def test_onednn_same_bits_with_one_and_two_threads(monkeypatch):
+    monkeypatch.setattr(_torch_gemm, "ONEDNN_MIN", 0)
+    model, _ = _twins(lambda: LLTM(24, 64, num_layers=2, bidirectional=True))
+    x = torch.randn(5, 32, 24)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(_train(model, x, None))
+    finally:
+        torch.set_num_threads(before)
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"result {i} differs between one and two threads"
+
+
+@ONEDNN
+def test_onednn_after_a_fork(monkeypatch):
+    """Parent and child, both having run oneDNN before the fork, compute the same bits as one
+    process (the packed weights are made per call: nothing of ours is kept)."""
+    monkeypatch.setattr(_torch_gemm, "ONEDNN_MIN", 0)
+    model, _ = _twins(lambda: LLTM(8, 24, num_layers=2, bidirectional=True))
+    x = torch.randn(6, 10, 8)
+    lengths = torch.tensor([6, 3, 1, 6, 2, 5, 4, 6, 1, 2])
+
+    def run():
+        return _train(model, x, lengths)
+    expected = run()
+    assert same(run(), expected)
+    wrong = in_parent_and_child(run, expected, 20)
+    assert wrong == (0, 0), wrong
