@@ -118,13 +118,29 @@ TORCH_GEMM = TorchGemm()
 
 
 class OneDnnGemm(TorchGemm):
-    """:class:`TorchGemm` with the sequence loops' weight products (the input projection, each
-    step's recurrent product, forward and backward) by torch's oneDNN (``mkldnn``) linear
-    operator on weights packed once per call, the layout its kernels read. Where torch's BLAS
-    is MKL on a CPU it does not tune for (AMD's), oneDNN's kernels are about twice as fast at
-    the loops' sizes; below :data:`ONEDNN_MIN` the packing and the copy into the step's
-    gate-major layout cost more than they save (docs/performance.md, "GEMM engines").
-    float32 only (oneDNN has no float64 linear)."""
+    """:class:`TorchGemm` with every product by torch's oneDNN (``mkldnn``) linear operator:
+    the loops' weight products (the input projection, each step's recurrent product, forward
+    and backward) on weights packed once per call, the layout its kernels read, and the
+    backward's products over all rows (weight and input gradients) on the operands as they
+    are. Where torch's BLAS is MKL on a CPU it does not tune for (AMD's), oneDNN's kernels are
+    about twice as fast at the loops' sizes; below :data:`ONEDNN_MIN` the packing and the
+    copies into the step's gate-major layout cost more than they save (docs/performance.md,
+    "GEMM engines"). float32 only (oneDNN has no float64 linear)."""
+
+    @staticmethod
+    def __call__(a, b):
+        if not a.shape[1]:      # (oneDNN refuses an empty inner dimension)
+            return torch_mm(a, b)
+        return _cpu_arrays.to_array(
+            _linear(torch.from_numpy(a), torch.from_numpy(b).t(), None, "none", [], ""))
+
+    @staticmethod
+    def into(a, b, out):
+        if not a.shape[1]:
+            return TorchGemm.into(a, b, out)
+        torch.from_numpy(out).copy_(
+            _linear(torch.from_numpy(a), torch.from_numpy(b).t(), None, "none", [], ""))
+        return out
 
     @staticmethod
     def gate_weights(w):
