@@ -21,8 +21,10 @@ and a fixed cost per call (two lengths, :func:`split_report`).
   (3 for the LLTM, 4 for the LSTM) does on the same sizes, alone: ``torch.mm`` on preallocated
   operands, the input projection in one call, one recurrent product per step, and for a
   training step one product into the hidden-state gradient per step and the two weight
-  gradients: no element-wise work, no allocation. An implementation at its floor spends all
-  its time in the BLAS.
+  gradients: no element-wise work, no allocation. An implementation whose GEMMs are
+  ``torch.mm``'s spends all its time in the BLAS at its floor; one whose GEMMs run elsewhere
+  (``nn.LSTM``'s fused oneDNN primitive, the LLTM's oneDNN products from a size on) can go
+  below it, by as much as that engine is faster than torch's BLAS on the machine.
 """
 from __future__ import annotations
 
@@ -273,7 +275,7 @@ def format_inference(memory: dict, timing: dict, training: dict = None) -> str:
         clock = "process CPU time" if first.get("clock", "process") == "process" else "wall time"
         lines += ["", f"{title}, {clock}, {first['threads']} thread(s), median of "
                       f"{first['rounds']} interleaved rounds; GEMM-only: the same layer's GEMMs "
-                      f"alone (torch.mm), the floor; max/min: the slowest round over the "
+                      f"alone by torch.mm (torch's BLAS); max/min: the slowest round over the "
                       f"fastest, LLTM/nn.LSTM",
                   f"{'(T, B, F, S)':<22} {'LLTM ms':>9} {'nn.LSTM ms':>11} {'ratio':>6} "
                   f"{'LLTM GEMM-only':>15} {'nn.LSTM GEMM-only':>18} {'max/min':>11}"]
