@@ -161,7 +161,7 @@ def _gemm_floor(steps: int, batch: int, features: int, state: int, gates: int, t
 TIME_ROWS = (*TIME_IMPLS, "lltm_gemm", "lstm_gemm")
 
 
-def _runner(module, x, train: bool):
+def sequence_call(module, x, train: bool):
     """One call of a sequence module on ``x``; ``train``: and the backward of the outputs'
     and final states' sums."""
     def run():
@@ -201,7 +201,7 @@ def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: boo
     report = {}
     for steps, batch, features, state in sizes:
         x = torch.randn(steps, batch, features)
-        calls = {impl: _runner(_module(impl, features, state), x, train)
+        calls = {impl: sequence_call(_module(impl, features, state), x, train)
                  for impl in TIME_IMPLS if impl in rows}
         if "lltm_gemm" in rows:
             calls["lltm_gemm"] = _gemm_floor(steps, batch, features, state, 3, train)
@@ -239,7 +239,7 @@ def split_report(size=SPLIT_SIZE, lengths=SPLIT_STEPS, rounds: int = 21, threads
         for impl in INFERENCE_IMPLS:
             module = _module(impl, features, state)
             for steps, n in ((short, repeat), (long, 1)):
-                run = _runner(module, torch.randn(steps, batch, features), train)
+                run = sequence_call(module, torch.randn(steps, batch, features), train)
                 calls[impl, steps] = (lambda run=run, n=n: [run() for _ in range(n)])
         with torch.set_grad_enabled(train):
             times = _interleaved(calls, rounds, clock)

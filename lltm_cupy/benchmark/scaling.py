@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from .inference import sequence_call
+
 #: (T, B, F, S) measured by default: those of the --inference training table
 SIZES = ((64, 16, 32, 128), (128, 32, 128, 256), (64, 64, 256, 512), (32, 256, 512, 1024))
 #: the state and input size of the per-call measurement
@@ -61,16 +63,6 @@ def _no_gemm():
     return _NoGemm()
 
 
-def _runner(module, x, train: bool):
-    def run():
-        if not train:
-            module(x)
-            return
-        out, (h, c) = module(x)
-        (out.sum() + h.sum() + c.sum()).backward()
-    return run
-
-
 def parts(sizes=SIZES, threads=(1, 2), rounds: int = 7, train: bool = True) -> dict:
     """For each (T, B, F, S) and thread count: the medians over ``rounds`` interleaved rounds
     of our call (``lltm_s``), its GEMM, element-wise and per-call parts (``gemm_s``,
@@ -102,10 +94,10 @@ def parts(sizes=SIZES, threads=(1, 2), rounds: int = 7, train: bool = True) -> d
                         _interop.CPU_CALL.gemm = real
                 return call
 
-            calls = {"lltm": _runner(ours, x, train),
-                     "no_gemm": engine(none, _runner(ours, x, train)),
-                     "tiny_no_gemm": engine(none, _runner(tiny, x_tiny, train)),
-                     "lstm": _runner(lstm, x, train)}
+            calls = {"lltm": sequence_call(ours, x, train),
+                     "no_gemm": engine(none, sequence_call(ours, x, train)),
+                     "tiny_no_gemm": engine(none, sequence_call(tiny, x_tiny, train)),
+                     "lstm": sequence_call(lstm, x, train)}
             for n in threads:
                 torch.set_num_threads(n)
                 clock = time.process_time if n == 1 else time.perf_counter
