@@ -189,3 +189,28 @@ def test_onednn_after_a_fork(monkeypatch):
     assert same(run(), expected)
     wrong = in_parent_and_child(run, expected, 20)
     assert wrong == (0, 0), wrong
+
+
+@ONEDNN
+def test_onednn_from_several_threads_at_once(monkeypatch):
+    """Three Python threads, each training its own model on the oneDNN engine at the same
+    time, get the bits each gets alone (nothing of the engine's is shared between calls)."""
+    import threading
+
+    monkeypatch.setattr(_torch_gemm, "ONEDNN_MIN", 0)
+    torch.manual_seed(0)
+    models = [LLTM(8, 24, num_layers=2, bidirectional=True) for _ in range(3)]
+    xs = [torch.randn(6, 10, 8) for _ in range(3)]
+    want = [_train(m, x) for m, x in zip(models, xs)]
+    wrong = []
+
+    def worker(i):
+        for _ in range(15):
+            got = _train(models[i], xs[i])
+            wrong.extend(i for a, b in zip(got, want[i]) if not torch.equal(a, b))
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong, f"results differing from one thread's, by model: {wrong}"
