@@ -19,8 +19,8 @@ __all__ = ["forward_step", "step_factors", "backward_step"]
 
 def forward_step(z, scratch, zero, derivatives):
     """The element-wise forward of one step as a function ``step(old_cell, new_h, new_cell)``
-    of its state, on the buffers given here, whose views it makes once (at small sizes a dozen
-    views cost a tenth of a step): no array, view or Python object made per step.
+    of its state, on the buffers given here, whose views it makes once (docs/performance.md,
+    "How the sequence loops are laid out"): no array, view or Python object made per step.
 
     z (3, B, S): the gate pre-activations, used as scratch (z[1:] holds p + q below afterwards;
     the caller writes the next step's z into it). ``zero``: zeros shaped like z (read-only).

@@ -10,9 +10,9 @@
 - :func:`quiet` / :func:`loud`: NumPy's floating-point errors ignored around an entry point.
 
 What a step needs is kept, not made per call: fresh memory of a step's size costs a page fault
-per 4 KiB touched on every call once the allocator hands it back to the system (at (64, 256,
-512) about 800 faults, a quarter of the step), and a step's views and closures cost more than
-the step at small sizes.
+per 4 KiB touched on every call once the allocator hands it back to the system (figures:
+docs/performance.md, "How the sequence loops are laid out"), and a step's views and closures
+cost more than the step at small sizes.
 
 The fork rule: everything kept here is private to the process. The workspaces and the scratch
 buffers are anonymous mappings that :func:`_mapped` alone makes, ``MAP_PRIVATE`` (``mmap``'s

@@ -123,9 +123,9 @@ class OneDnnGemm(TorchGemm):
     and backward) on weights packed once per call, the layout its kernels read, and the
     backward's products over all rows (weight and input gradients) on the operands as they
     are. Where torch's BLAS is MKL on a CPU it does not tune for (AMD's), oneDNN's kernels are
-    about twice as fast at the loops' sizes; below :data:`ONEDNN_MIN` the packing and the
-    copies into the step's gate-major layout cost more than they save (docs/performance.md,
-    "GEMM engines"). float32 only (oneDNN has no float64 linear)."""
+    faster at the loops' sizes; below :data:`ONEDNN_MIN` the packing and the copies into the
+    step's gate-major layout cost more than they save (figures: docs/performance.md, "GEMM
+    engines"). float32 only (oneDNN has no float64 linear)."""
 
     @staticmethod
     def __call__(a, b):
@@ -171,8 +171,8 @@ class OneDnnGemm(TorchGemm):
         out.copy_(_linear_add(a, out, b, None, "add"))
 
 
-#: a sequence's per-step GEMMs go to oneDNN from rows * state * state of this on (float32):
-#: (16, 256) and larger gain, (32, 128) ties, (16, 128) loses (docs/performance.md)
+#: a sequence's per-step GEMMs go to oneDNN from rows * state * state of this on (float32),
+#: the smallest size measured where it beat the BLAS engine (docs/performance.md, "GEMM engines")
 ONEDNN_MIN = 1 << 20
 
 
