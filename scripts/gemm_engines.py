@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""The CPU sequence loops' GEMM engines side by side: torch's BLAS (TORCH_GEMM) against oneDNN
-on packed weights (ONEDNN_GEMM), each against nn.LSTM, interleaved in one process.
+"""The torch layer's CPU GEMM engines side by side: torch's BLAS (TORCH_GEMM) against oneDNN
+(ONEDNN_GEMM, and the one-step path's oneDNN products), each against nn.LSTM, interleaved.
 
-Times our LLTM (float32) with the engine the library chooses for its size (``cpu_gemm``: oneDNN
-from ``ONEDNN_MIN`` on) and with each engine forced, in interleaved rounds (the order rotated
-every round) beside nn.LSTM of the same size; prints per engine the median time, its slowest
-round over its fastest, the median per-round ratio to nn.LSTM and to TORCH_GEMM, and the largest
-error of the outputs against a float64 twin. Process CPU time at one thread, wall time at more.
+Times our LLTM (float32) with the engine the library chooses for its size (oneDNN from
+``_torch_gemm.ONEDNN_MIN`` = batch * state^2 on) and with each engine forced (the gate set to 0
+or out of reach), in interleaved rounds (the order rotated every round) beside nn.LSTM of the
+same size; with --cell, LLTMCell stepped T times from Python beside nn.LSTMCell instead. Prints
+per engine the median time, its slowest round over its fastest, the median per-round ratio to
+nn.LSTM and to the BLAS engine, and the largest error of the outputs against a float64 twin.
+Process CPU time at one thread, wall time at more.
 Usage: python scripts/gemm_engines.py [--sizes TxBxFxS,...] [--threads N] [--rounds N]
-       [--no-grad]
+       [--no-grad] [--cell]
 """
 from __future__ import annotations
 
@@ -25,50 +27,66 @@ from lltm_cupy.benchmark._common import machine_name, parse_sequence_sizes  # no
 SIZES = "64x16x32x128,128x32x128x256,64x64x256x512,32x256x512x1024"
 
 
-def measure(size, threads: int, rounds: int, train: bool) -> dict:
+def measure(size, threads: int, rounds: int, train: bool, cell: bool = False) -> dict:
     """{engine: (median s, slowest / fastest, median ratio to nn.LSTM, median ratio to torch,
     max error)} at ``size`` = (T, B, F, S)."""
     import torch
 
-    from lltm_cupy.torch import LLTM, _interop, _torch_gemm
+    from lltm_cupy.torch import LLTM, LLTMCell, _torch_gemm
 
     steps, batch, features, state = size
     torch.manual_seed(0)
-    ours, lstm = LLTM(features, state), torch.nn.LSTM(features, state)
-    twin = LLTM(features, state, dtype=torch.float64)
+    if cell:
+        ours, lstm = LLTMCell(features, state), torch.nn.LSTMCell(features, state)
+        twin = LLTMCell(features, state, dtype=torch.float64)
+    else:
+        ours, lstm = LLTM(features, state), torch.nn.LSTM(features, state)
+        twin = LLTM(features, state, dtype=torch.float64)
     twin.load_state_dict({k: v.double() for k, v in ours.state_dict().items()})
     x = torch.randn(steps, batch, features)
-    real = _interop.CPU_CALL.gemm
-    engines = {"chosen": real, "torch": lambda *a: _torch_gemm.TORCH_GEMM}
+    gate = _torch_gemm.ONEDNN_MIN
+    engines = {"chosen": gate, "torch": 1 << 62}
     if _torch_gemm.ONEDNN_GEMM is not None:
-        engines["onednn"] = lambda *a: _torch_gemm.ONEDNN_GEMM
+        engines["onednn"] = 0
 
-    def runner(model, gemm=None):
+    def call(model, inputs):
+        if not cell:
+            out, (h, c) = model(inputs)
+            return out, out.sum() + h.sum() + c.sum()
+        state_ = None
+        outs = []
+        for step in inputs:
+            state_ = model(step, state_)
+            outs.append(state_[0])
+        out = torch.stack(outs)
+        return out, out.sum() + state_[1].sum()
+
+    def runner(model, min_size=None):
         def run():
-            if gemm is not None:
-                _interop.CPU_CALL.gemm = gemm
+            if min_size is not None:
+                _torch_gemm.ONEDNN_MIN = min_size
             try:
                 with torch.set_grad_enabled(train):
-                    out, (h, c) = model(x)
+                    out, loss = call(model, x)
                     if train:
-                        (out.sum() + h.sum() + c.sum()).backward()
+                        loss.backward()
                 return out
             finally:
-                _interop.CPU_CALL.gemm = real
+                _torch_gemm.ONEDNN_MIN = gate
         return run
 
-    calls = {name: runner(ours, gemm) for name, gemm in engines.items()}
+    calls = {name: runner(ours, min_size) for name, min_size in engines.items()}
     calls["nn.LSTM"] = runner(lstm)
     with torch.no_grad():
-        want = twin(x.double())[0]
+        want = call(twin, x.double())[0]
     errors = {name: float((calls[name]().detach().double() - want).abs().max())
               for name in engines}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     clock = time.process_time if threads == 1 else time.perf_counter
     try:
-        for call in calls.values():     # warm-up
-            call()
+        for run in calls.values():     # warm-up
+            run()
         times = {name: [] for name in calls}
         names = list(calls)
         for r in range(rounds):
@@ -98,6 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--no-grad", action="store_true",
                    help="a forward under no_grad instead of a training step")
+    p.add_argument("--cell", action="store_true",
+                   help="LLTMCell stepped T times beside nn.LSTMCell, not LLTM beside nn.LSTM")
     args = p.parse_args(argv)
     import numpy
     import torch
@@ -107,17 +127,19 @@ def main(argv=None) -> int:
     threads = args.threads or torch.get_num_threads()
     print(f"{machine_name(False)}; Python {sys.version.split()[0]}, torch {torch.__version__}, "
           f"NumPy {numpy.__version__}; float32; "
+          f"{'LLTMCell stepped' if args.cell else 'LLTM'}, "
           f"{'forward under no_grad' if args.no_grad else 'training step'}; {threads} "
           f"thread(s), {'process CPU' if threads == 1 else 'wall'} time; medians of "
           f"{args.rounds} interleaved rounds; oneDNN from rows*state^2 >= "
           f"{_torch_gemm.ONEDNN_MIN}"
           + ("" if _torch_gemm.ONEDNN_GEMM is not None else " (no oneDNN in this torch)"),
           flush=True)
-    print("| (T, B, F, S) | engine | ms | slowest/fastest | / nn.LSTM | / torch | max error |")
+    other = "nn.LSTMCell" if args.cell else "nn.LSTM"
+    print(f"| (T, B, F, S) | engine | ms | slowest/fastest | / {other} | / torch | max error |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for size in args.sizes:
         for name, (t, spread, to_lstm, to_torch, err) in measure(
-                size, threads, args.rounds, not args.no_grad).items():
+                size, threads, args.rounds, not args.no_grad, args.cell).items():
             print(f"| {tuple(size)} | {name} | {t * 1e3:.1f} | {spread:.2f} | {to_lstm:.2f}x | "
                   f"{to_torch:.2f}x | {err:.1e} |", flush=True)
     return 0

@@ -136,6 +136,7 @@ TORCH = {
     "LLTM-packed": ("module", (3, 3, 3, 4), dict(packed=[3, 1, 2])),
     "lltm_sequence-lengths": ("lengths", (3, 3, 3, 4), dict(lengths=[3, 0, 2])),
     # the sequences' GEMMs by oneDNN (ONEDNN_GEMM, the size gate lowered to these sizes)
+    "LLTMCell-oneDNN": ("cell", (2, 2, 3, 4), dict(onednn=True)),
     "LLTM-oneDNN": ("module", (3, 2, 3, 4), dict(onednn=True)),
     "LLTM-packed-oneDNN": ("module", (3, 3, 3, 4), dict(packed=[3, 1, 2], onednn=True)),
 }

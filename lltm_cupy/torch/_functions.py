@@ -37,7 +37,7 @@ import torch
 
 from .._cuda import step as _cuda_step
 from .._numpy import step as _step
-from . import _cpu_arrays, _interop, reference
+from . import _cpu_arrays, _interop, _torch_gemm, reference
 from ._interop import cuda_backend, without_autocast
 from ._torch_gemm import kept_operand
 
@@ -59,6 +59,7 @@ _from_numpy = torch.from_numpy
 _new, _DENSE = torch.empty_like, torch.contiguous_format
 _array = _cpu_arrays.view
 _baddbmm, _cat, _mm = torch.baddbmm, torch.cat, torch.mm
+_F32, _mkldnn_enabled = np.dtype(np.float32), torch._C._get_mkldnn_enabled
 
 
 def apply(cls, *args):
@@ -170,7 +171,15 @@ def _one_step(input, weights, bias, old_h, old_cell, keep):
     z, run = _step.gate_rows(batch, state, c.dtype, keep, kept_operand)
     X = _cat((old_h, input), 1)
     width = X.shape[1]
-    if keep:
+    if batch * state * state >= _torch_gemm.ONEDNN_MIN and c.dtype == _F32 and \
+            _torch_gemm.ONEDNN_GEMM is not None and _mkldnn_enabled():
+        # (the sequences' rule, ``_torch_gemm.cpu_gemm``: oneDNN, its (B, 3S) product copied
+        # gate-major; the weights as they are, no packing for one product)
+        w = weights if weights.is_contiguous() else weights.contiguous()   # (onednn_mm says why)
+        with torch.no_grad():
+            product = _torch_gemm._linear(X, w, bias.reshape(-1), "none", [], "")
+            z.copy_(product.view(batch, 3, state).transpose(0, 1))
+    elif keep:
         _baddbmm(bias.reshape(3, 1, state), X.expand(3, batch, width),
                  weights.view(3, state, width).transpose(1, 2), out=z)
     else:   # (out= would refuse tensors that require grad, under grad mode: none is recorded)
@@ -240,14 +249,19 @@ def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, o
         d_bias=None if d_bias is None else _array(d_bias))
     rows = _from_numpy(d_gates)         # (this thread's scratch: used up here)
     state = factors.shape[2]
+    mm = _mm
+    if rows.shape[0] * state * state >= _torch_gemm.ONEDNN_MIN and \
+            rows.dtype is torch.float32 and _torch_gemm.ONEDNN_GEMM is not None and \
+            _mkldnn_enabled():          # (as the forward)
+        mm = _torch_gemm.onednn_mm
     if need_x and need_h:               # one GEMM, the two gradients views of it
-        d_x = _mm(rows, weights)
+        d_x = mm(rows, weights)
         d_old_h, d_input = d_x[:, :state], d_x[:, state:]
     else:
-        d_old_h = _mm(rows, weights[:, :state]) if need_h else None
-        d_input = _mm(rows, weights[:, state:]) if need_x else None
+        d_old_h = mm(rows, weights[:, :state]) if need_h else None
+        d_input = mm(rows, weights[:, state:]) if need_x else None
     if need_w:
-        d_weights = _mm(rows.t(), _cat((old_h, input), 1) if X is None else X)
+        d_weights = mm(rows.t(), _cat((old_h, input), 1) if X is None else X)
     return (d_input, d_weights if need_w else None,
             d_bias.reshape(bias_shape) if need_b else None, d_old_h,
             d_old_cell if need_c else None)

@@ -17,7 +17,7 @@ from .._numpy.gemm import consecutive
 from . import _cpu_arrays
 
 __all__ = ["torch_mm", "kept_operand", "TorchGemm", "TORCH_GEMM", "OneDnnGemm", "ONEDNN_GEMM",
-           "cpu_gemm"]
+           "onednn_mm", "cpu_gemm"]
 
 
 def torch_mm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -131,15 +131,13 @@ class OneDnnGemm(TorchGemm):
     def __call__(a, b):
         if not a.shape[1]:      # (oneDNN refuses an empty inner dimension)
             return torch_mm(a, b)
-        return _cpu_arrays.to_array(
-            _linear(torch.from_numpy(a), torch.from_numpy(b).t(), None, "none", [], ""))
+        return _cpu_arrays.to_array(onednn_mm(torch.from_numpy(a), torch.from_numpy(b)))
 
     @staticmethod
     def into(a, b, out):
         if not a.shape[1]:
             return TorchGemm.into(a, b, out)
-        torch.from_numpy(out).copy_(
-            _linear(torch.from_numpy(a), torch.from_numpy(b).t(), None, "none", [], ""))
+        torch.from_numpy(out).copy_(onednn_mm(torch.from_numpy(a), torch.from_numpy(b)))
         return out
 
     @staticmethod
@@ -169,6 +167,17 @@ class OneDnnGemm(TorchGemm):
     @staticmethod
     def addmm_(out, a, b):
         out.copy_(_linear_add(a, out, b, None, "add"))
+
+
+def onednn_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (2-D tensors) by oneDNN's linear operator, ``b.T`` its weight. A weight that is
+    a column slice of a larger matrix (``weights[:, :S]``) is copied dense first: oneDNN runs
+    such strides on a reference loop, thousands of times slower; ``a`` may be any strides and
+    ``b`` contiguous or a transposed contiguous matrix."""
+    w = b.t()
+    if not (w.is_contiguous() or b.is_contiguous()):
+        w = w.contiguous()
+    return _linear(a, w, None, "none", [], "")
 
 
 #: a sequence's per-step GEMMs go to oneDNN from rows * state * state of this on (float32),
