@@ -193,10 +193,11 @@ publish
 # The tests first: nothing of the present CUDA path has run on a GPU. The torch layer's CUDA path
 # (rewritten: torch.empty buffers, pointer launches, torch's GEMMs) first, and in it first what
 # only a GPU can check of its newest part (variable lengths and the group variant on pointer
-# launches; pytest runs a file named twice once), then the fused kernels' tests (the code
+# launches), then the fused kernels' tests (the code
 # furthest from anything a GPU ran), then the rest; each module in one step only.
 torch_tests=(tests/test_torch_pointer_path.py tests/test_gpu_variable_length.py
-             tests/test_torch*.py tests/test_gpu_training.py)
+             tests/test_torch.py tests/test_torch_cuda_path.py tests/test_torch_inference.py
+             tests/test_torch_sequence.py tests/test_gpu_training.py)
 fused_tests=(tests/test_fused_cluster.py tests/test_fused_mma.py tests/test_fused_sequence.py)
 ignored=()
 for f in "${torch_tests[@]}" "${fused_tests[@]}"; do ignored+=(--ignore "$f"); done

@@ -108,13 +108,13 @@ def test_every_skip_for_want_of_a_gpu_uses_the_phrase():
     """A GPU skip written with another wording would fail CI on a GPU-less machine; catch it
     here, where the message says which file."""
     offenders = []
-    for path in sorted(TESTS.glob("test_*.py")):
+    for path in sorted(TESTS.rglob("test_*.py")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             m = re.search(r"""(?:skip|skipif|importorskip)\(.*reason=f?["']([^"']*)""", line) \
                 or re.search(r"""pytest\.skip\(f?["']([^"']*)""", line)
             if m and re.search(r"\bGPU\b|CUDA|cupy|CuPy", m[1]) and not m[1].startswith(
                     ("GPU test:", "{GPU_PHRASE}")) and "not installed" not in m[1]:
-                offenders.append(f"{path.name}:{n}: {m[1]}")
+                offenders.append(f"{path.relative_to(TESTS)}:{n}: {m[1]}")
     assert not offenders, offenders
 
 

@@ -155,7 +155,11 @@ def test_the_torch_cuda_paths_tests_run_first_and_once():
     assert '"${torch_tests[@]}"' in first and '-k "not compile"' in first, first
     torch_files = re.search(r"^torch_tests=\(([^)]*)\)$", TEXT, re.M).group(1).split()
     assert torch_files == ["tests/test_torch_pointer_path.py", "tests/test_gpu_variable_length.py",
-                           "tests/test_torch*.py", "tests/test_gpu_training.py"], torch_files
+                           "tests/test_torch.py", "tests/test_torch_cuda_path.py",
+                           "tests/test_torch_inference.py", "tests/test_torch_sequence.py",
+                           "tests/test_gpu_training.py"], torch_files
+    for path in torch_files:
+        assert (ROOT / path).is_file(), path
     ignored = re.search(r'^for f in (.*); do ignored\+=', TEXT, re.M).group(1)
     assert '"${torch_tests[@]}"' in ignored, ignored
     rest = dict(steps)["tests (the rest)"]
