@@ -102,7 +102,7 @@ extern __shared__ __align__(16) unsigned char lltm_dynamic_smem[];
 // Row stride (elements) of the forward's transposed W_h: at least 3S, and such that 32 consecutive
 // rows start in 32 different banks: an odd number of 4-byte words for 2-byte types (stride = 2
 // mod 4), an odd stride for 4- and 8-byte types (8-byte: 2 mod 4 words, what a half-warp's 64-bit
-// accesses need). tests/test_fused_sequence.py counts the load's conflicts for every S.
+// accesses need). tests/kernels/test_fused_sequence.py counts the load's conflicts for every S.
 __device__ __forceinline__ int lltm_fused_wt_stride(int state, int item) {
   const int s3 = 3 * state;
   return item == 2 ? s3 + (6 - s3 % 4) % 4 : (s3 | 1);

@@ -2,7 +2,8 @@
 # One command for whoever is lent a GPU for a few minutes: its prerequisites, the GPU tests (the
 # torch layer's CUDA path first, and in it first the tests only a GPU can run of its pointer
 # launches for variable lengths and the fused group variant: test_torch_pointer_path.py,
-# test_gpu_variable_length.py, then test_torch*.py and test_gpu_training.py; then the fused kernels':
+# test_gpu_variable_length.py, then test_torch{,_cuda_path,_inference,_sequence}.py and
+# test_gpu_training.py (tests/torch_layer/); then the fused kernels' (tests/kernels/):
 # the one-block, tensor-core and cluster kernels, warmup(fused=True) and the 16-block clusters;
 # then the rest; then the torch.compile ones), then the timing rows the open
 # goals need: the fused kernels' own time per step (one block, and clusters past one block's
@@ -17,8 +18,8 @@
 # at most), DIR must lie outside it, and after every step the script refreshes these 5 files in
 # $OUT: summary.txt, env.txt, gpu_tests.txt, benchmark.txt (the last 15 MB of each at most) and
 # results.tar.gz (everything in DIR but the kernel cache: the JSON of every benchmark too), so
-# that a run cut short still brings back every step done. tests/test_scripts.py holds the script
-# to these limits.
+# that a run cut short still brings back every step done. tests/scripts/test_scripts.py holds
+# the script to these limits.
 #
 # Needs python3 with torch (CUDA), cupy, numpy and pytest (without them nothing runs), and
 # hypothesis, mpmath, ml_dtypes, scikit-learn and tqdm (a missing one skips whole test modules
@@ -31,8 +32,8 @@
 #
 # Time: one deadline (BUDGET_S, 415 s) and a cap per step (a step that overruns is killed,
 # `timeout -k 5`, and reported "cut off"; its partial output is kept). The caps add up to the
-# deadline at most (tests/test_scripts.py checks it), so every step runs, each for its cap at
-# most: the whole ends within BUDGET_S + 5 s, inside the 420 s a lent machine's 15 minutes
+# deadline at most (tests/scripts/test_scripts.py checks it), so every step runs, each for its
+# cap at most: the whole ends within BUDGET_S + 5 s, inside the 420 s a lent machine's 15 minutes
 # allow. Every step's result (passed, failed, cut off, not run) and its seconds are in the
 # summary; the exit status is 0 only if every step passed. Expected seconds, from a run on an
 # H200 (torch 2.11, CuPy 14.2; [measured] there, the rest estimated), with cold NVRTC compiles
@@ -43,7 +44,8 @@
 #   tests (torch CUDA path)   85  62   62 tests of test_torch_pointer_path.py (variable lengths on
 #                                      side streams, the group variant: never run on a GPU yet),
 #                                      test_gpu_variable_length.py (capture, sync debug, two fresh
-#                                      processes of ~10 s each), test_torch*.py and
+#                                      processes of ~10 s each), test_torch.py,
+#                                      _cuda_path, _inference, _sequence and
 #                                      test_gpu_training.py: first, so that no overrun of another
 #                                      step leaves them unrun; lltm.cu, the group module (float32)
 #                                      and CuPy's own kernels compiled cold
@@ -141,7 +143,7 @@ step() {
 
 # Prerequisites, checked first. Without torch, CuPy, NumPy, pytest or a GPU nothing can run: stop,
 # naming what is missing. A package whose absence skips whole test modules holding GPU tests
-# (hypothesis, mpmath, ml_dtypes; scikit-learn and tqdm for tests/test_digits_array.py) is
+# (hypothesis, mpmath, ml_dtypes; scikit-learn and tqdm for tests/array_api/test_digits_array.py) is
 # named here as missing and fails the run, but the rest still runs: the tests steps then fail
 # on those skips (ALLOWED_SKIPS), and the benchmarks are still measured.
 timeout -k 5 15 python3 - >"$dir/env.txt" 2>&1 <<'EOF'
@@ -193,11 +195,14 @@ publish
 # The tests first: nothing of the present CUDA path has run on a GPU. The torch layer's CUDA path
 # (rewritten: torch.empty buffers, pointer launches, torch's GEMMs) first, and in it first what
 # only a GPU can check of its newest part (variable lengths and the group variant on pointer
-# launches; pytest runs a file named twice once), then the fused kernels' tests (the code
+# launches), then the fused kernels' tests (the code
 # furthest from anything a GPU ran), then the rest; each module in one step only.
-torch_tests=(tests/test_torch_pointer_path.py tests/test_gpu_variable_length.py
-             tests/test_torch*.py tests/test_gpu_training.py)
-fused_tests=(tests/test_fused_cluster.py tests/test_fused_mma.py tests/test_fused_sequence.py)
+torch_tests=(tests/torch_layer/test_torch_pointer_path.py
+             tests/torch_layer/test_gpu_variable_length.py tests/torch_layer/test_torch.py
+             tests/torch_layer/test_torch_cuda_path.py tests/torch_layer/test_torch_inference.py
+             tests/torch_layer/test_torch_sequence.py tests/torch_layer/test_gpu_training.py)
+fused_tests=(tests/kernels/test_fused_cluster.py tests/kernels/test_fused_mma.py
+             tests/kernels/test_fused_sequence.py)
 ignored=()
 for f in "${torch_tests[@]}" "${fused_tests[@]}"; do ignored+=(--ignore "$f"); done
 step "tests (torch CUDA path)" 85 "$dir/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \

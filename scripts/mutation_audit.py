@@ -40,45 +40,53 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Test files or node-id prefixes whose failures do not count as value checks: they count
 #: device operations, check error types and messages, compile the source, or gate the suite.
 NOT_VALUE_TESTS = (
-    "tests/test_launch_budget.py",
-    "tests/test_torch_cuda_path.py::test_torch_layer_adds_no_device_work",
-    "tests/test_torch_cuda_path.py::test_every_launch_and_gemm_runs_on_torchs_current_stream",
-    "tests/test_torch_cuda_path.py::test_the_emulator_refuses_work_off_torchs_stream",
-    "tests/test_cuda_compile.py",
-    "tests/test_bad_input.py",
-    "tests/test_errors.py",
-    "tests/test_ci_gate.py",
+    "tests/budgets/test_launch_budget.py",
+    "tests/torch_layer/test_torch_cuda_path.py::test_torch_layer_adds_no_device_work",
+    "tests/torch_layer/test_torch_cuda_path.py::test_every_launch_and_gemm_runs_on_torchs_current_stream",
+    "tests/torch_layer/test_torch_cuda_path.py::test_the_emulator_refuses_work_off_torchs_stream",
+    "tests/kernels/test_cuda_compile.py",
+    "tests/array_api/test_bad_input.py",
+    "tests/array_api/test_errors.py",
+    "tests/scripts/test_ci_gate.py",
 )
 
-#: (tests/test_accuracy.py last: its property-based tests shrink every failure, slowly)
-KERNEL_TESTS = ("tests/test_host_kernels.py", "tests/test_backends.py", "tests/test_sequence.py",
-                "tests/test_torch_cuda_path.py", "tests/test_launch_budget.py",
-                "tests/test_accuracy.py")
-FUSED_TESTS = ("tests/test_fused_sequence.py", "tests/test_host_kernels.py",
-               "tests/test_lltm_layers.py")
+#: (tests/array_api/test_accuracy.py last: its property-based tests shrink every failure, slowly)
+KERNEL_TESTS = ("tests/kernels/test_host_kernels.py", "tests/array_api/test_backends.py",
+                "tests/array_api/test_array_sequence.py",
+                "tests/torch_layer/test_torch_cuda_path.py", "tests/budgets/test_launch_budget.py",
+                "tests/array_api/test_accuracy.py")
+FUSED_TESTS = ("tests/kernels/test_fused_sequence.py", "tests/kernels/test_host_kernels.py",
+               "tests/torch_layer/test_torch_layers.py")
 #: lltm_fused.cu's dot products, which the cluster kernels (lltm_fused_cluster.cu) and their
 #: group variant call too
-FUSED_DOT_TESTS = FUSED_TESTS + ("tests/test_fused_cluster.py", "tests/test_fused_group.py")
+FUSED_DOT_TESTS = FUSED_TESTS + ("tests/kernels/test_fused_cluster.py",
+                                 "tests/kernels/test_fused_group.py")
 #: lltm_fused.cu's element steps (the rounding around the recurrent product), which every fused
 #: variant calls, the tensor-core kernels (lltm_fused_mma.cu) included
-FUSED_ALL_TESTS = FUSED_DOT_TESTS + ("tests/test_fused_mma.py",)
-NUMPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
-               "tests/test_torch.py", "tests/test_torch_sequence.py")
-CUPY_TESTS = ("tests/test_backends.py", "tests/test_sequence.py", "tests/test_lengths.py",
-              "tests/test_torch_cuda_path.py", "tests/test_launch_budget.py",
-              "tests/test_bfloat16.py")
-LAYER_TESTS = ("tests/test_lltm_layers.py", "tests/test_torch_sequence.py",
-               "tests/test_torch_cuda_path.py")
+FUSED_ALL_TESTS = FUSED_DOT_TESTS + ("tests/kernels/test_fused_mma.py",)
+NUMPY_TESTS = ("tests/array_api/test_backends.py", "tests/array_api/test_array_sequence.py",
+               "tests/array_api/test_array_lengths.py",
+               "tests/torch_layer/test_torch.py", "tests/torch_layer/test_torch_sequence.py")
+CUPY_TESTS = ("tests/array_api/test_backends.py", "tests/array_api/test_array_sequence.py",
+              "tests/array_api/test_array_lengths.py",
+              "tests/torch_layer/test_torch_cuda_path.py", "tests/budgets/test_launch_budget.py",
+              "tests/kernels/test_bfloat16.py")
+LAYER_TESTS = ("tests/torch_layer/test_torch_layers.py", "tests/torch_layer/test_torch_sequence.py",
+               "tests/torch_layer/test_torch_cuda_path.py")
 #: forward only (keep=False): against the training forward's bits, on both backends
-INFERENCE_TESTS = ("tests/test_inference.py", "tests/test_torch_inference.py")
+INFERENCE_TESTS = ("tests/array_api/test_array_inference.py",
+                   "tests/torch_layer/test_torch_inference.py")
 #: the array API's whole models (forward_layers / backward_layers)
-ARRAY_LAYER_TESTS = ("tests/test_layers.py", "tests/test_layers_torch.py")
+ARRAY_LAYER_TESTS = ("tests/array_api/test_array_layers.py",
+                     "tests/torch_layer/test_torch_array_one_model.py")
 #: the torch layer's pointer path for variable lengths and the group variant
-POINTER_TESTS = ("tests/test_torch_pointer_path.py", "tests/test_torch_cuda_path.py",
-                 "tests/test_lltm_layers.py")
+POINTER_TESTS = ("tests/torch_layer/test_torch_pointer_path.py",
+                 "tests/torch_layer/test_torch_cuda_path.py",
+                 "tests/torch_layer/test_torch_layers.py")
 #: the torch LLTM module (state dicts, batch_first, PackedSequence)
-MODULE_TESTS = ("tests/test_lltm_layers.py", "tests/test_dropin.py", "tests/test_torch_sequence.py",
-                "tests/test_layers_torch.py")
+MODULE_TESTS = ("tests/torch_layer/test_torch_layers.py", "tests/torch_layer/test_dropin.py",
+                "tests/torch_layer/test_torch_sequence.py",
+                "tests/torch_layer/test_torch_array_one_model.py")
 
 
 @dataclass(frozen=True)
@@ -111,11 +119,11 @@ MUTANTS = [
     Mutant("kernel-bf16-truncates", "cuda_src/lltm.cu",
            "h.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);",
            "h.bits = (unsigned short)(u >> 16);",
-           KERNEL_TESTS + ("tests/test_bfloat16.py",), "bfloat16 store truncates"),
+           KERNEL_TESTS + ("tests/kernels/test_bfloat16.py",), "bfloat16 store truncates"),
     Mutant("kernel-bf16-ties-away", "cuda_src/lltm.cu",
            "h.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);",
            "h.bits = (unsigned short)((u + 0x8000u) >> 16);",
-           KERNEL_TESTS + ("tests/test_bfloat16.py",),
+           KERNEL_TESTS + ("tests/kernels/test_bfloat16.py",),
            "bfloat16 store rounds ties away from zero, not to even"),
     Mutant("kernel-f64-factor-1e-13", "cuda_src/lltm.cu",
            "const A d_tanh_q = A(4) * e2 / (one_e2 * one_e2);",
@@ -208,13 +216,15 @@ MUTANTS = [
            "CuPy sequence: d_h0 from the last step's d_gates"),
     Mutant("cupy-no-16bit-math-mode", "lltm_cupy/_cuda/gemm.py",
            "            self._mode = self._restore | _DISALLOW_REDUCED_PRECISION\n",
-           "            self._mode = self._restore\n", CUPY_TESTS + ("tests/test_warmup.py",),
+           "            self._mode = self._restore\n",
+           CUPY_TESTS + ("tests/kernels/test_warmup.py",),
            "16-bit GEMMs allow reduced-precision reductions"),
     # ------------------------------------------------------------------- packing
     Mutant("packing-reverse-index", "lltm_cupy/_packing.py",
            "t_index = lengths[b_index] - 1 - tau if reverse else tau",
            "t_index = steps - 1 - tau if reverse else tau",
-           ("tests/test_lengths.py", "tests/test_lltm_layers.py", "tests/test_layers.py"),
+           ("tests/array_api/test_array_lengths.py", "tests/torch_layer/test_torch_layers.py",
+            "tests/array_api/test_array_layers.py"),
            "reverse direction starts at the padded end, not each sequence's own last step"),
     # -------------------------------------------------------------------- torch layer
     Mutant("dropout-after-last-layer", "lltm_cupy/torch/_lltm_module.py",
@@ -223,7 +233,7 @@ MUTANTS = [
     Mutant("stream-null", "lltm_cupy/torch/_interop.py",
            "    return _cupy_stream(index, current_raw_stream(index))",
            "    return _cupy_stream(index, 0)",
-           ("tests/test_torch_cuda_path.py", "tests/test_lltm_layers.py"),
+           ("tests/torch_layer/test_torch_cuda_path.py", "tests/torch_layer/test_torch_layers.py"),
            "CuPy work on the null stream, not torch's current stream"),
     Mutant("torch-packed-h0-not-sorted", "lltm_cupy/torch/_cuda_sequence.py",
            "h0s, c0s = _permuted(h0, d.perm), _permuted(c0, d.perm)",
@@ -233,7 +243,7 @@ MUTANTS = [
     Mutant("torch-rows-read-at-out-offset", "lltm_cupy/torch/_cuda_packed.py",
            "addmm_(gates.narrow(0, j, n), hs.narrow(0, i, n), w_h_t)",
            "addmm_(gates.narrow(0, j, n), hs.narrow(0, j, n), w_h_t)",
-           POINTER_TESTS + ("tests/test_gpu_variable_length.py",),
+           POINTER_TESTS + ("tests/torch_layer/test_gpu_variable_length.py",),
            "a packed step's recurrent GEMM by torch reads the rows it writes, not the previous "
            "step's"),
     Mutant("torch-packed-grad-h-n-dropped", "lltm_cupy/torch/_cuda_packed.py",
@@ -255,7 +265,7 @@ MUTANTS = [
            "    return _cupy_stream(index, current_raw_stream(index))",
            "    return _cupy_stream(index, _torch_stream.__dict__.setdefault("
            "'handle', current_raw_stream(index)))",
-           ("tests/test_torch_cuda_path.py", "tests/test_lltm_layers.py"),
+           ("tests/torch_layer/test_torch_cuda_path.py", "tests/torch_layer/test_torch_layers.py"),
            "torch's stream read once and cached across calls"),
     Mutant("h-n-directions-swapped", "lltm_cupy/torch/_lltm_module.py",
            "                h_n.append(h)\n", "                h_n.insert(len(h_n) - d, h)\n",
@@ -263,67 +273,72 @@ MUTANTS = [
     Mutant("autograd-grads-order", "lltm_cupy/torch/_functions.py",
            "        d_old_h, d_input = d_x[:, :state], d_x[:, state:]",
            "        d_input, d_old_h = d_x[:, :state], d_x[:, state:]",
-           ("tests/test_torch.py", "tests/test_torch_sequence.py"),
+           ("tests/torch_layer/test_torch.py", "tests/torch_layer/test_torch_sequence.py"),
            "LLTMFunction returns d_old_h as the input's gradient and vice versa"),
     Mutant("second-derivative-step-dropped", "lltm_cupy/torch/_functions.py",
            "    if not torch.is_grad_enabled():",
            "    if True:",
-           ("tests/test_second_derivatives.py", "tests/test_saved_tensors.py"),
+           ("tests/torch_layer/test_second_derivatives.py",
+            "tests/torch_layer/test_saved_tensors.py"),
            "one step's backward under create_graph=True by the backend (detached: second "
            "derivatives silently zero)"),
     Mutant("second-derivative-sequence-dropped", "lltm_cupy/torch/_sequence_function.py",
            "    if not torch.is_grad_enabled():",
            "    if True:",
-           ("tests/test_second_derivatives.py", "tests/test_saved_tensors.py"),
+           ("tests/torch_layer/test_second_derivatives.py",
+            "tests/torch_layer/test_saved_tensors.py"),
            "a sequence's backward under create_graph=True by the backend (detached: second "
            "derivatives silently zero)"),
     Mutant("second-derivative-d-tanh", "lltm_cupy/torch/reference.py",
            "d_tanh = 4 * torch.sigmoid(2 * new_cell) * torch.sigmoid(-2 * new_cell)",
            "d_tanh = 4 * torch.sigmoid(2 * new_cell) * torch.sigmoid(2 * new_cell)",
-           ("tests/test_second_derivatives.py",),
+           ("tests/torch_layer/test_second_derivatives.py",),
            "the differentiable backward's tanh'(c) with sigmoid(2c) twice"),
     # ------------------------------------------------- forward only (keep=False) paths
     Mutant("torch-forward-only-input-ignored", "lltm_cupy/torch/_ops.py",
            "    return _grad_on() and (a.requires_grad or b.requires_grad or c.requires_grad",
            "    return _grad_on() and (b.requires_grad or c.requires_grad",
-           INFERENCE_TESTS + ("tests/test_torch.py", "tests/test_torch_sequence.py"),
+           INFERENCE_TESTS + ("tests/torch_layer/test_torch.py",
+                              "tests/torch_layer/test_torch_sequence.py"),
            "torch layer: forward only chosen when only the input requires grad (frozen "
            "parameters: the input gets no gradient)"),
     # ------------------------------- the torch layer recorded (torch.export, jit.trace, ONNX)
     Mutant("export-scan-carries-swapped", "lltm_cupy/torch/_export.py",
            "h, c = lltm_reference(x, weights, bias, *carry)",
-           "h, c = lltm_reference(x, weights, bias, carry[1], carry[0])", ("tests/test_deploy.py",),
+           "h, c = lltm_reference(x, weights, bias, carry[1], carry[0])",
+           ("tests/torch_layer/test_deploy.py",),
            "torch.export with a dynamic number of steps: the scan passes c as h and h as c"),
     Mutant("trace-loop-not-scripted", "lltm_cupy/torch/_export.py",
            "return _scripted_loop()(inputs, weights, bias, h0, c0)",
            "return __import__('lltm_cupy.torch.reference', fromlist=['_'])"
-           ".lltm_sequence_reference(inputs, weights, bias, h0, c0)", ("tests/test_deploy.py",),
+           ".lltm_sequence_reference(inputs, weights, bias, h0, c0)",
+           ("tests/torch_layer/test_deploy.py",),
            "jit.trace records the Python loop: the trace replays the traced number of steps only"),
     Mutant("recording-under-compile", "lltm_cupy/torch/_export.py",
            "return _exporting() or torch.jit.is_tracing()",
            "return torch.compiler.is_compiling() or torch.jit.is_tracing()",
-           ("tests/test_deploy.py",) + INFERENCE_TESTS,
+           ("tests/torch_layer/test_deploy.py",) + INFERENCE_TESTS,
            "torch.compile takes the recording path: the reference cell, not the library's kernels"),
     Mutant("exporting-by-is-exporting", "lltm_cupy/torch/_export.py",
            'flag = getattr(torch.compiler, "_is_exporting_flag", None)', "flag = None",
-           ("tests/test_deploy.py",),
+           ("tests/torch_layer/test_deploy.py",),
            "export told by torch.compiler.is_exporting(), which Dynamo before torch 2.13 folds "
            "to True under torch.compile too"),
     Mutant("numpy-packed-h-n-sorted", "lltm_cupy/_numpy/packed.py",
            "h_n[plan.perm], c_n[plan.perm] = h_sorted, c_sorted",
            "h_n[:], c_n[:] = h_sorted, c_sorted",
-           INFERENCE_TESTS + ("tests/test_layers.py",),
+           INFERENCE_TESTS + ("tests/array_api/test_array_layers.py",),
            "NumPy variable lengths: h_n, c_n left in the sorted (longest first) order"),
     Mutant("numpy-packed-forward-only-reverse-time", "lltm_cupy/_numpy/packed.py",
            "outputs[t_index[at], b_index[at]] = block",
            "outputs[np.repeat(np.arange(a, b), sizes[a:b]), b_index[at]] = block",
-           INFERENCE_TESTS + ("tests/test_layers.py",),
+           INFERENCE_TESTS + ("tests/array_api/test_array_layers.py",),
            "NumPy forward only, variable lengths: reverse outputs written at step tau, not at "
            "each sequence's own time L - 1 - tau"),
     Mutant("cupy-packed-forward-only-h-n-step-early", "lltm_cupy/_cuda/packed.py",
            "copy(hn_at + nxt * row, h_out + nxt * row,",
            "copy(hn_at + nxt * row, h_at + h_rows[tau - 1] * row + nxt * row,",
-           INFERENCE_TESTS + ("tests/test_layers.py",),
+           INFERENCE_TESTS + ("tests/array_api/test_array_layers.py",),
            "CuPy forward only, variable lengths: a sequence's h_n is its state before its last "
            "step"),
     Mutant("cupy-packed-forward-only-scatter-wrap", "lltm_cupy/_cuda/packed.py",
@@ -333,12 +348,12 @@ MUTANTS = [
            "and refilled, its rows scattered to the previous step's places"),
     Mutant("cupy-packed-forward-only-direct-reverse", "lltm_cupy/_cuda/packed.py",
            "if d.perm is None and not plan.reverse:", "if d.perm is None:",
-           INFERENCE_TESTS + ("tests/test_layers.py",),
+           INFERENCE_TESTS + ("tests/array_api/test_array_layers.py",),
            "CuPy forward only, sorted lengths: the reverse direction's outputs written straight "
            "at outputs[tau] too"),
     Mutant("fused-forward-only-cell-not-carried", "lltm_cupy/_cuda/fused.py",
            "h_prev, c_prev = h_last, c_last", "h_prev = h_last",
-           ("tests/test_fused_sequence.py",) + INFERENCE_TESTS,
+           ("tests/kernels/test_fused_sequence.py",) + INFERENCE_TESTS,
            "fused forward only: a block of steps starts from c0, not the previous block's "
            "final cell"),
     # ---------------------------------------------------- the CPU sequence loops' GEMMs
@@ -364,39 +379,41 @@ MUTANTS = [
            "torch.baddbmm(torch.from_numpy(bias).reshape(3, 1, -1).expand(3, rows, -1),\n"
            "                      x.expand(3, *x.shape), w, out=out)",
            "torch.bmm(x.expand(3, *x.shape), w, out=out)",
-           ("tests/test_torch.py", "tests/test_torch_sequence.py", "tests/test_lltm_layers.py"),
+           ("tests/torch_layer/test_torch.py", "tests/torch_layer/test_torch_sequence.py",
+            "tests/torch_layer/test_torch_layers.py"),
            "TorchGemm.project_gates: the bias left out of the input projection"),
     Mutant("torch-gemm-blocks-ignore-gaps", "lltm_cupy/torch/_torch_gemm.py",
            "        pieces += (s - at, n)\n        at = s + n\n",
            "        pieces += (0, n)\n        at += n\n",
-           ("tests/test_torch.py", "tests/test_torch_sequence.py", "tests/test_lltm_layers.py"),
+           ("tests/torch_layer/test_torch.py", "tests/torch_layer/test_torch_sequence.py",
+            "tests/torch_layer/test_torch_layers.py"),
            "TorchGemm, variable lengths: each step's rows taken right after the previous "
            "step's, the rows of the sequences that ended skipped over"),
     Mutant("onednn-gemm-project-drops-bias", "lltm_cupy/torch/_torch_gemm.py",
            'product = _linear(x, w, torch.from_numpy(bias).reshape(-1), "none", [], "")',
            'product = _linear(x, w, None, "none", [], "")',
-           ("tests/test_cpu_gemm_engines.py",),
+           ("tests/torch_layer/test_cpu_gemm_engines.py",),
            "OneDnnGemm.project_gates: the bias left out of the input projection"),
     Mutant("onednn-gemm-recurrent-grad-overwrites", "lltm_cupy/torch/_torch_gemm.py",
            'out.copy_(_linear_add(a, out, b, None, "add"))',
            'out.copy_(_linear(a, b, None, "none", [], ""))',
-           ("tests/test_cpu_gemm_engines.py",),
+           ("tests/torch_layer/test_cpu_gemm_engines.py",),
            "OneDnnGemm.addmm_: a step's recurrent gradient written over the outputs' gradient "
            "instead of added to it"),
     Mutant("onednn-gemm-gates-not-transposed", "lltm_cupy/torch/_torch_gemm.py",
            'out.copy_(_linear(h, w, None, "none", [], "").view(h.shape[0], 3, -1).transpose(0, 1))',
            'out.copy_(_linear(h, w, None, "none", [], "").view(3, h.shape[0], -1))',
-           ("tests/test_cpu_gemm_engines.py",),
+           ("tests/torch_layer/test_cpu_gemm_engines.py",),
            "OneDnnGemm.bmm: the (rows, 3S) product read as gate-major without the transpose"),
     Mutant("onednn-cell-drops-bias", "lltm_cupy/torch/_functions.py",
            'product = _torch_gemm._linear(X, w, bias.reshape(-1), "none", [], "")',
            'product = _torch_gemm._linear(X, w, None, "none", [], "")',
-           ("tests/test_cpu_gemm_engines.py",),
+           ("tests/torch_layer/test_cpu_gemm_engines.py",),
            "LLTMCell on oneDNN: the bias left out of the step's gate pre-activations"),
     Mutant("onednn-cell-gates-not-transposed", "lltm_cupy/torch/_functions.py",
            "z.copy_(product.view(batch, 3, state).transpose(0, 1))",
            "z.copy_(product.view(3, batch, state))",
-           ("tests/test_cpu_gemm_engines.py",),
+           ("tests/torch_layer/test_cpu_gemm_engines.py",),
            "LLTMCell on oneDNN: the (B, 3S) product read as gate-major without the transpose"),
     # ------------------------------------------------------- whole models, the packing
     Mutant("layers-backward-mask-dropped", "lltm_cupy/_layers.py",
@@ -410,12 +427,13 @@ MUTANTS = [
            "direction's outputs first"),
     Mutant("packing-step-blocks-skip-step", "lltm_cupy/_packing.py",
            "            tau0 = tau - 1\n", "            tau0 = tau\n",
-           ("tests/test_inference.py", "tests/test_lengths.py", "tests/test_layers.py"),
+           ("tests/array_api/test_array_inference.py", "tests/array_api/test_array_lengths.py",
+            "tests/array_api/test_array_layers.py"),
            "step_blocks: the next block starts one step late (a step at each block boundary "
            "never runs)"),
     Mutant("fused-packed-h0-not-sorted", "lltm_cupy/_cuda/fused.py",
            "h_prev, c_prev = h0[perm], c0[perm]", "h_prev, c_prev = h0, c0",
-           ("tests/test_fused_sequence.py",),
+           ("tests/kernels/test_fused_sequence.py",),
            "fused, variable lengths: h0, c0 read in the caller's order, not the sorted one"),
     # ----------------------------------------------------------------- the torch LLTM
     Mutant("module-packed-h0-unsorted-indices", "lltm_cupy/torch/_lltm_module.py",
@@ -436,12 +454,13 @@ MUTANTS = [
     Mutant("check-dtypes-removed", "lltm_cupy/_checks.py",
            "    if any(d != first for d in dtypes.values()):",
            "    if False:",
-           ("tests/test_bad_input.py", "tests/test_errors.py", "tests/test_torch.py"),
+           ("tests/array_api/test_bad_input.py", "tests/array_api/test_errors.py",
+            "tests/torch_layer/test_torch.py"),
            "the same-dtype check removed (a mixed-dtype call computes silently)",
            values=False),
     Mutant("reference-d-tanh", "lltm_cupy/reference.py",
            "    return (1.0 / np.cosh(z)) ** 2", "    return 1.0 / np.cosh(z)",
-           ("tests/test_finite_differences.py", "tests/test_backends.py"),
+           ("tests/array_api/test_finite_differences.py", "tests/array_api/test_backends.py"),
            "the reference's tanh' = sech instead of sech^2 (the spec itself wrong)"),
 ]
 

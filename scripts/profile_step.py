@@ -26,8 +26,8 @@ Examples:
 With ``--calls`` it counts, with ``sys.setprofile``, the calls of functions defined in lltm_cupy/
 and the calls lltm_cupy code makes into CuPy (tests/helpers/calls.py), per LLTMCell forward +
 backward and per LLTM call and step (padded, and on a PackedSequence of unsorted lengths), on
-the CPU and on the emulated CUDA path: deterministic, no clock, what tests/test_call_budget.py
-holds to its budgets.
+the CPU and on the emulated CUDA path: deterministic, no clock, what
+tests/budgets/test_call_budget.py holds to its budgets.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", action="store_true",
                    help="count the Python calls of a step (lltm_cupy's functions, and its calls "
                         "into CuPy) on the CPU and on the emulated CUDA path, instead of "
-                        "profiling: the figures tests/test_call_budget.py pins")
+                        "profiling: the figures tests/budgets/test_call_budget.py pins")
     args = p.parse_args(argv)
     if args.calls:
         return calls(args)

@@ -3,11 +3,23 @@ from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lltm_cupy import reference, verify
+# The test modules live in folders by what they test (tests/array_api, tests/torch_layer, ...),
+# and some import another's fixtures or constants by module name (``from test_torch import
+# needs_cuda``). pytest's default import mode puts only the importing module's own folder on
+# sys.path (and tests/, this file's, for ``helpers``), so such an import across folders would
+# work or fail by collection order: every folder of test modules goes on sys.path here, before
+# any test module is imported. (Module names must stay unique across the folders.)
+_TESTS = Path(__file__).resolve().parent
+for _folder in sorted({p.parent for p in _TESTS.glob("*/test_*.py")}, reverse=True):
+    if str(_folder) not in sys.path:
+        sys.path.insert(1, str(_folder))
+
+from lltm_cupy import reference, verify  # noqa: E402
 from helpers import host_kernels
 from helpers import skip_gate
 from helpers.workers import pytest_configure  # noqa: F401 (a hook)

@@ -32,7 +32,7 @@ compile_offline = FAMILY.compile_offline
 # ------------------------------------------------------ clusters the device holds at once (query)
 
 class CUlaunchConfig(ctypes.Structure):
-    """cuda.h's CUlaunchConfig (CUDA 12 and 13; tests/test_fused_cluster.py holds the layout
+    """cuda.h's CUlaunchConfig (CUDA 12 and 13; tests/kernels/test_fused_cluster.py holds the layout
     against the header's, compiled)."""
 
     _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),

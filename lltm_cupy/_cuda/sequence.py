@@ -1,8 +1,8 @@
 """The CUDA backend's sequences: the per-step loop of fixed-length sequences each way, and the
 choice of the variable-length (:mod:`.packed`) and fused (:mod:`.fused`) paths.
 
-Device work per call (the launch budget ``tests/test_launch_budget.py`` enforces): one GEMM for
-every step's input projection (one per block of steps), then per step one GEMM plus the fused
+Device work per call (the launch budget ``tests/budgets/test_launch_budget.py`` enforces): one GEMM
+for every step's input projection (one per block of steps), then per step one GEMM plus the fused
 kernel each way (and the add kernel once for a final-state gradient); the backward's weight,
 bias and input gradients as one GEMM (or reduction) each over all steps.
 """

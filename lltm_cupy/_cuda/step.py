@@ -7,7 +7,7 @@ Launchers only allocate, size the grid and launch; arguments were checked by
 host synchronisation and no allocation outside CuPy's current allocator (so a caller can route
 every byte through its own allocator with ``cupy.cuda.using_allocator``).
 
-Device work per call (the launch budget ``tests/test_launch_budget.py`` enforces):
+Device work per call (the launch budget ``tests/budgets/test_launch_budget.py`` enforces):
 
 - forward: one concatenation kernel (X = [old_h, input]), one GEMM, the fused kernel;
 - backward: the fused kernel, one GEMM per needed gradient of old_h, input and the weights, one

@@ -2,8 +2,8 @@
 without a GPU, a driver or the CUDA toolkit: the registers per thread and the local-memory stack
 frame (where spilled registers and local arrays live) that ptxas -v prints, from the global
 ``.nv.info`` section's attributes (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE, EIATTR_MIN_STACK_SIZE),
-keyed by the kernel's symbol. tests/test_fused_sequence.py checks these against ptxas -v on the
-same cubin where nvcc is installed."""
+keyed by the kernel's symbol. tests/kernels/test_fused_sequence.py checks these against ptxas -v on
+the same cubin where nvcc is installed."""
 from __future__ import annotations
 
 import struct
@@ -58,8 +58,8 @@ def kernel_resources(elf: bytes) -> dict:
 
 # ------------------------------------------------------------------------- register pins
 
-#: The compilers the kernels' register pins (tests/test_fused_*.py) were measured with: NVRTC
-#: 13.5 (the nvidia-cuda-nvrtc wheel CI installed then) and ptxas of nvcc 13.0 (this machine
+#: The compilers the kernels' register pins (tests/kernels/test_fused_*.py) were measured with:
+#: NVRTC 13.5 (the nvidia-cuda-nvrtc wheel CI installed then) and ptxas of nvcc 13.0 (this machine
 #: kind's toolkit). Another version allocates registers otherwise: NVRTC 13.0 gives the cluster
 #: kernels up to 35 % more on sm_100 than 13.5, and the sm_80 group kernel's float32 forward of
 #: two blocks 96 registers where 13.5 gives 56 (+71 %). Against those versions a pin holds up to

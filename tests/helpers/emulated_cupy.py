@@ -53,7 +53,7 @@ machine: "arrays" (every CuPy array constructed, views and slices included), "dl
 imports into CuPy and exports from it), "streams" (CuPy stream objects made; the torch layer's
 emulation adds torch's), "launches" (kernel launches) and "gemms" (cuBLAS GEMMs); with
 ``allocations`` (every allocation through CuPy's current allocator) they are what the host-path
-budgets of tests/test_host_budget.py pin.
+budgets of tests/budgets/test_host_budget.py pin.
 ``noop`` (False by default) skips the arithmetic of kernels and GEMMs and the checks of the
 kernels' arguments (the emulator's own cost), for timing the host path alone
 (scripts/profile_step.py --emulated).

@@ -1,5 +1,5 @@
-"""The work tests/test_fork.py hands to other processes: importable by name, so that worker
-processes started with 'spawn' (which import it afresh) run the same code as forked ones."""
+"""The work tests/processes/test_fork.py hands to other processes: importable by name, so that
+worker processes started with 'spawn' (which import it afresh) run the same code as forked ones."""
 from __future__ import annotations
 
 import numpy as np

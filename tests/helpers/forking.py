@@ -1,5 +1,5 @@
 """Running the library in a forked child beside its parent, at the same time, and comparing both
-processes' results with what one process computes (tests/test_fork.py).
+processes' results with what one process computes (tests/processes/test_fork.py).
 
 A forked child starts with one thread's worth of torch: ``torch.set_num_threads(1)`` before
 anything else, as ``DataLoader``'s workers do. GNU OpenMP, which torch's CPU build uses, is not

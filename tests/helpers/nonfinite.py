@@ -8,8 +8,8 @@ backend's value must be:
   infinite;
 - where the reference's value is finite, within an error bound from the magnitude of its terms
   (as lltm_cupy.exact measures it: ``slack`` subnormal spacings plus ``TOL_ULPS`` ulps of the
-  terms, i.e. far looser than tests/test_accuracy.py, which holds the finite inputs to a few
-  ulps; this file is about where the values go at infinities and at the ends of the range). A
+  terms, i.e. far looser than tests/array_api/test_accuracy.py, which holds the finite inputs to a
+  few ulps; this file is about where the values go at infinities and at the ends of the range). A
   value beyond the dtype's largest finite number may round to the infinity of its sign, and a
   value within that bound of it may too;
 - the gate gradients are judged on d_new_cell as the compute type holds it: where it

@@ -3,8 +3,8 @@ each of them.
 
 The workers already occupy every core; a pool of a thread per core in each worker (torch's
 OpenMP threads, NumPy's OpenBLAS, MKL) only oversubscribes the machine, and OpenMP's threads spin
-while they wait: tests/test_dropin.py, test_digits_array.py and test_saved_tensors.py on two
-workers took 137 s with the libraries' default pools and 27 s with one thread each (a 2-core
+while they wait: tests/torch_layer/test_dropin.py, test_digits_array.py and test_saved_tensors.py on
+two workers took 137 s with the libraries' default pools and 27 s with one thread each (a 2-core
 machine shared with other jobs, load average 4 to 6). The
 controlling process sets the variables below (unless the environment already does) before it
 starts the workers, which inherit its environment; a run without workers keeps the libraries'

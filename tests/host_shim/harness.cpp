@@ -1,5 +1,6 @@
 // C entry points that launch the kernels of cuda_src/lltm.cu on the CPU through shim.h.
-// Built by tests/test_host_kernels.py with: g++ -O2 -std=c++17 -shared -fPIC -I<cuda_src> ...
+// Built by tests/kernels/test_host_kernels.py with:
+// g++ -O2 -std=c++17 -shared -fPIC -I<cuda_src> ...
 #include "shim.h"
 #include "lltm.cu"
 
