@@ -30,6 +30,21 @@ def _address(a) -> int:
     return a.__array_interface__["data"][0]
 
 
+def _who_refers() -> str:
+    """For a failure of the reuse below: what refers to each array this thread remembers
+    (a reference the test cannot see, such as a snapshot of a frame's locals made by a trace
+    or profile function, keeps memory from being reused; it failed once under xdist)."""
+    import gc
+    import sys
+
+    lines = [f"trace {sys.gettrace()!r}, profile {sys.getprofile()!r}"]
+    for owner in _kept():       # (3 references here: the list, `owner`, getrefcount's)
+        referrers = [type(r).__name__ for r in gc.get_referrers(owner)]
+        lines.append(f"{_address(owner)}: {sys.getrefcount(owner) - 3} references beyond the "
+                     f"list (gc sees {referrers}; an array's base is not shown)")
+    return "\n".join(lines)
+
+
 def test_memory_is_handed_out_again_only_when_nothing_refers_to_it(recycle_all):
     a, = memory.recycled(np.float32, (4, 64))
     first = _address(a)
@@ -44,7 +59,8 @@ def test_memory_is_handed_out_again_only_when_nothing_refers_to_it(recycle_all):
     del view, c
     remembered = len(_kept())
     e, = memory.recycled(np.float32, (16, 16))          # nothing refers to a's or c's: reused
-    assert e.shape == (16, 16) and e.flags.c_contiguous and _address(e) in freed
+    assert e.shape == (16, 16) and e.flags.c_contiguous
+    assert _address(e) in freed, _who_refers()
     f, = memory.recycled(np.float32, (256,))            # the other one
     assert _address(f) in freed - {_address(e)}
     assert len(_kept()) == remembered
