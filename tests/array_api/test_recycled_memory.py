@@ -46,17 +46,21 @@ def _who_refers() -> str:
 
 
 def test_memory_is_handed_out_again_only_when_nothing_refers_to_it(recycle_all):
-    a, = memory.recycled(np.float32, (4, 64))
-    first = _address(a)
-    view = a[1:].reshape(-1)
-    del a
+    # (what must stop referring to the memory is held in a list and dropped by clearing it,
+    # not by `del` of names: a snapshot of this frame's locals would keep named arrays alive)
+    held = memory.recycled(np.float32, (4, 64))        # [a]
+    first = _address(held[0])
+    held[0] = held[0][1:].reshape(-1)                   # a itself gone, a view of it left
     b, = memory.recycled(np.float32, (4, 64))         # the view still refers to a's memory
-    assert not np.shares_memory(b, view)
-    c, d = memory.recycled(np.float32, (256,), (256,))  # b's and a's are taken: new memory
-    assert not np.shares_memory(c, view) and not np.shares_memory(c, b)
-    assert not np.shares_memory(d, c)
-    freed = {first, _address(c)}
-    del view, c
+    assert not np.shares_memory(b, held[0])
+    pair = memory.recycled(np.float32, (256,), (256,))  # b's and a's are taken: new memory
+    held.append(pair[0])                                # [view of a, c]
+    d = pair[1]
+    pair.clear()
+    assert not np.shares_memory(held[1], held[0]) and not np.shares_memory(held[1], b)
+    assert not np.shares_memory(d, held[1])
+    freed = {first, _address(held[1])}
+    held.clear()
     remembered = len(_kept())
     e, = memory.recycled(np.float32, (16, 16))          # nothing refers to a's or c's: reused
     assert e.shape == (16, 16) and e.flags.c_contiguous
