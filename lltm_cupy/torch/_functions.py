@@ -59,7 +59,7 @@ _from_numpy = torch.from_numpy
 _new, _DENSE = torch.empty_like, torch.contiguous_format
 _array = _cpu_arrays.view
 _baddbmm, _cat, _mm = torch.baddbmm, torch.cat, torch.mm
-_F32, _mkldnn_enabled = np.dtype(np.float32), torch._C._get_mkldnn_enabled
+_F32 = np.dtype(np.float32)
 
 
 def apply(cls, *args):
@@ -172,7 +172,7 @@ def _one_step(input, weights, bias, old_h, old_cell, keep):
     X = _cat((old_h, input), 1)
     width = X.shape[1]
     if batch * state * state >= _torch_gemm.ONEDNN_MIN and c.dtype == _F32 and \
-            _torch_gemm.ONEDNN_GEMM is not None and _mkldnn_enabled():
+            _torch_gemm.ONEDNN_GEMM is not None and _torch_gemm._mkldnn_enabled():
         # (the sequences' rule, ``_torch_gemm.cpu_gemm``: oneDNN, its (B, 3S) product copied
         # gate-major; the weights as they are, no packing for one product)
         w = weights if weights.is_contiguous() else weights.contiguous()   # (onednn_mm says why)
@@ -252,7 +252,7 @@ def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, o
     mm = _mm
     if rows.shape[0] * state * state >= _torch_gemm.ONEDNN_MIN and \
             rows.dtype is torch.float32 and _torch_gemm.ONEDNN_GEMM is not None and \
-            _mkldnn_enabled():          # (as the forward)
+            _torch_gemm._mkldnn_enabled():      # (as the forward)
         mm = _torch_gemm.onednn_mm
     if need_x and need_h:               # one GEMM, the two gradients views of it
         d_x = mm(rows, weights)

@@ -158,10 +158,14 @@ def test_the_size_gate_and_dtype_choose_the_engine(engines_used):
 
 
 @ONEDNN
-def test_onednn_same_bits_with_one_and_two_threads(monkeypatch):
+def test_onednn_with_one_and_two_threads(monkeypatch):
+    """The same call on one and on two of torch's threads: within float32 rounding of each
+    other and of the float64 twin. Not bit for bit: how oneDNN splits a product between threads
+    (a reduction split over rows, on some CPUs) may change its order of additions."""
     monkeypatch.setattr(_torch_gemm, "ONEDNN_MIN", 0)
-    model, _ = _twins(lambda: LLTM(24, 64, num_layers=2, bidirectional=True))
+    model, twin = _twins(lambda: LLTM(24, 64, num_layers=2, bidirectional=True))
     x = torch.randn(5, 32, 24)
+    want = _train(twin, x.double(), None)
     before = torch.get_num_threads()
     try:
         results = []
@@ -170,8 +174,9 @@ def test_onednn_same_bits_with_one_and_two_threads(monkeypatch):
             results.append(_train(model, x, None))
     finally:
         torch.set_num_threads(before)
-    for i, (a, b) in enumerate(zip(*results)):
-        assert torch.equal(a, b), f"result {i} differs between one and two threads"
+    for i, (a, b, w) in enumerate(zip(*results, want)):
+        assert normalised_error(a, w) <= F32 and normalised_error(b, w) <= F32, f"result {i}"
+        assert normalised_error(a, b) <= F32, f"result {i}: one and two threads differ"
 
 
 @ONEDNN
@@ -185,9 +190,14 @@ def test_onednn_after_a_fork(monkeypatch):
 
     def run():
         return _train(model, x, lengths)
-    expected = run()
-    assert same(run(), expected)
-    wrong = in_parent_and_child(run, expected, 20)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)    # (as the child runs: the same code in both, so the same bits)
+    try:
+        expected = run()
+        assert same(run(), expected)
+        wrong = in_parent_and_child(run, expected, 20)
+    finally:
+        torch.set_num_threads(before)
     assert wrong == (0, 0), wrong
 
 
