@@ -288,11 +288,5 @@ def _variable(tensors, lengths, plan, reverse: bool, fused: bool):
     """Route 1 for variable lengths (see the module docstring; an error under torch.compile
     with fullgraph=True). ``plan``: a PackedSequence's layout, or None: that of ``lengths``."""
     if plan is None:
-        from .. import _packing
-
-        steps, batch = tensors[0].shape[:2]
-        _interop.use_plans((), tensors[0], lengths)     # lengths on the GPU: refused now
-        plan = _packing.cached_plan(_packing.check_lengths(lengths, steps, batch), steps,
-                                    reverse, "torch")
-        _interop.use_plans((plan,), tensors[0])
+        plan, = _interop.use_plans((), tensors[0], lengths, reverse)
     return _run_sequence(tensors, plan, fused)
