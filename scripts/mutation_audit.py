@@ -440,9 +440,9 @@ MUTANTS = [
            "order = input.sorted_indices", "order = input.unsorted_indices",
            MODULE_TESTS, "LLTM, unsorted PackedSequence: h_0, c_0 permuted by unsorted_indices, "
            "not sorted_indices"),
-    Mutant("module-batch-first-reshape", "lltm_cupy/torch/_lltm_module.py",
-           "input.transpose(0, 1) if self.batch_first else input",
-           "input.reshape(input.shape[1], input.shape[0], -1) if self.batch_first else input",
+    Mutant("module-batch-first-reshape", "lltm_cupy/torch/_module_args.py",
+           "input.transpose(0, 1) if batch_first else input",
+           "input.reshape(input.shape[1], input.shape[0], -1) if batch_first else input",
            MODULE_TESTS, "LLTM, batch_first: the input reshaped to (steps, batch), not "
            "transposed"),
     Mutant("module-old-keys-without-prefix", "lltm_cupy/torch/_module_args.py",

@@ -15,7 +15,8 @@ One file per job, read top to bottom, each importing only files below it:
 - ``_cell_module``, ``_lltm_module``: the modules ``LLTMCell`` and ``LLTM``; ``_module_args``:
   what they share (their checks, the one-step modules' parameters);
 - ``_ops``: the public functions ``lltm``, ``lltm_sequence``, ``lltm_packed``: the eager fast
-  path's one cheap test, and the general path (autocast, checks, export, compile);
+  path's one cheap test, and the general path's routes (eager, compile, export);
+  ``_arguments``: the general path's arguments made ready (autocast, bfloat16, checks);
 - ``_custom_ops``: the custom operators torch.compile and shape inference run;
 - ``_functions``, ``_sequence_function``: the autograd Functions, one per operation (a step, a
   sequence), and their backward with grad mode on (second derivatives);

@@ -25,8 +25,25 @@ from ._functions import step_backward, step_forward, step_inference
 from ._interop import cuda_backend
 from ._sequence_function import sequence_backward, sequence_forward, sequence_inference
 
-__all__ = ["lltm_forward_op", "lltm_inference_op", "sequence_forward_op",
+__all__ = ["compiled_step", "compiled_sequence", "lltm_forward_op", "lltm_inference_op", "sequence_forward_op",
            "sequence_inference_op"]
+
+
+def compiled_step(tensors, backward: bool):
+    """One step by the operators: ``(new_h, new_cell)``, differentiable where ``backward``
+    (autograd will record the call), else forward only."""
+    if backward:
+        return lltm_forward_op(*tensors)[:2]
+    return lltm_inference_op(*tensors)
+
+
+def compiled_sequence(inputs, weights, bias, h0, c0, fused: bool, backward: bool):
+    """A sequence by the operators: ``(outputs, h_n, c_n)``, differentiable where ``backward``,
+    else forward only."""
+    if backward:
+        hs, h_n, c_n = sequence_forward_op(inputs, weights, bias, h0, c0, fused)[:3]
+        return hs[1:], h_n, c_n
+    return sequence_inference_op(inputs, weights, bias, h0, c0, fused)
 
 
 def _refuse_double_backward() -> None:

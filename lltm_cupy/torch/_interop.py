@@ -40,7 +40,7 @@ import threading
 import numpy as np
 import torch
 from torch import Tensor
-from .. import _numpy
+from .. import _numpy, _packing
 from . import _cpu_arrays, _torch_gemm
 from ._torch_gemm import cpu_gemm
 
@@ -211,36 +211,45 @@ def prepare_capture(index: int) -> None:
     _PrepareThread.apply(torch.mm(x, x), index).sum().backward()
 
 
-def use_plans(plans, like: Tensor, lengths=None) -> None:
-    """Before a call that reads the packing plans' index arrays on ``like``'s device:
+def use_plans(plans, like: Tensor, lengths=None, reverse: bool = False) -> tuple:
+    """The packing plans a call runs on, made ready on ``like``'s device and returned: ``plans``,
+    or (``lengths`` given) the one plan of those lengths over ``like`` (steps, batch, ...) in
+    that direction, from the plan cache:
 
     - under CUDA-graph capture, variable-length input runs only on plans already on the device
-      (and with lengths on the host): else CaptureError, before any work is queued; plans used
-      under capture are kept for the graph's replays;
+      (and with lengths on the host: reading lengths on the GPU would wait for it): else
+      CaptureError, before any work is queued; plans used under capture are kept for the
+      graph's replays;
     - a plan's index arrays are torch tensors made on the stream current at their upload
       (:func:`plan_arrays`): used on another stream, that stream is recorded on them
       (``record_stream``, once per plan and stream), so that torch does not hand their memory
       out again, once the plan is dropped, before the work queued there has read them."""
-    if not cuda_backend(like):
-        return
-    index = _device_index(like.device)
-    stream = current_raw_stream(index)
+    cuda = cuda_backend(like)
+    if cuda:
+        index = _device_index(like.device)
+        stream = current_raw_stream(index)
+        capturing = _cupy_stream(index, stream).is_capturing()
+    if lengths is not None:
+        if cuda and capturing and isinstance(lengths, Tensor) and lengths.device.type != "cpu":
+            raise _packing.capture_error("with lengths on the GPU (reading them would wait for "
+                                         "the device)")
+        steps, batch = like.shape[:2]
+        plans = (_packing.cached_plan(_packing.check_lengths(lengths, steps, batch), steps,
+                                      reverse, "torch"),)
+    if not cuda:
+        return plans
     for p in plans:
         arrays = p.first_use_on(index, stream)
         if arrays is not None:
             for a in vars(arrays).values():
                 if a is not None:
                     record_stream(a, index, stream)
-    if not _cupy_stream(index, stream).is_capturing():
-        return
-    from .._packing import capture_error, pin
-
-    if isinstance(lengths, Tensor) and lengths.device.type != "cpu":
-        raise capture_error("with lengths on the GPU (reading them would wait for the device)")
-    if not all(p.on_device(index) for p in plans):
-        raise capture_error()
-    for p in plans:
-        pin(p)
+    if capturing:
+        if not all(p.on_device(index) for p in plans):
+            raise _packing.capture_error()
+        for p in plans:
+            _packing.pin(p)
+    return plans
 
 
 def record_stream(tensor: Tensor, index: int, stream: int) -> None:

@@ -12,8 +12,8 @@ from torch import Tensor, nn
 
 from .._parameters import layer_plan
 from ._export import recording, refusal
-from ._module_args import (_check_bool, _check_input, _check_packed, _check_pair,
-                           _refuse_torchscript, _rename_old_keys, _sizes)
+from ._module_args import (_check_bool, _check_pair, _layer_input, _refuse_torchscript,
+                           _rename_old_keys, _sizes)
 from ._ops import eager_only, lltm_packed, lltm_sequence
 
 __all__ = ["LLTM"]
@@ -195,17 +195,19 @@ class LLTM(nn.Module):
     def _forward_packed(self, input, hx):
         """PackedSequence input runs eagerly (a graph break under torch.compile): its layout
         depends on the lengths' values."""
-        _check_packed(input, self.input_size)
-        if input.data.device.type == "meta" and input.sorted_indices is not None:
+        data = input.data
+        if isinstance(data, Tensor) and data.is_meta and input.sorted_indices is not None:
             # shape inference: the sequences' order (values a meta tensor lacks) changes no shape
             from torch.nn.utils.rnn import PackedSequence
 
-            out, state = self._forward(PackedSequence(input.data, input.batch_sizes), hx, True)
+            out, state = self._forward(PackedSequence(data, input.batch_sizes), hx, True)
             return PackedSequence(out.data, out.batch_sizes, input.sorted_indices,
                                   input.unsorted_indices), state
         return self._forward(input, hx, True)
 
     def _forward(self, input, hx, packed: bool):
+        x, batch, unbatched = _layer_input(input, packed, self.input_size, self.batch_first)
+        (h0, c0), flat = self._hx(hx, batch, x, unbatched)
         if packed:
             # PackedSequence: every layer runs on the packed rows themselves (its data, (N, F)),
             # no padded tensor in or out; the output keeps the input's layout. One packing plan
@@ -216,24 +218,12 @@ class LLTM(nn.Module):
             from .._packing import packed_plan
             from ._interop import use_plans
 
-            _check_input("LLTM", input.data, "(rows, input_size)", self.input_size)
+            if input.sorted_indices is not None and hx is not None:
+                order = input.sorted_indices
+                h0, c0 = h0.index_select(1, order), c0.index_select(1, order)
             plans = [packed_plan(input.batch_sizes, d == 1, "torch")
                      for d in range(self.num_directions)]
-            use_plans(plans, input.data)
-            x, unbatched = input.data, False
-            batch = int(input.batch_sizes[0]) if len(input.batch_sizes) else 0
-        else:
-            unbatched = isinstance(input, Tensor) and input.dim() == 2
-            dims = ("(steps, input_size)" if unbatched else "(batch, steps, input_size)"
-                    if self.batch_first else "(steps, batch, input_size)")
-            _check_input("LLTM", input, dims, self.input_size)
-            x = input.unsqueeze(1) if unbatched else (
-                input.transpose(0, 1) if self.batch_first else input)
-            batch = x.shape[1]
-        (h0, c0), flat = self._hx(hx, batch, x, unbatched)
-        if packed and input.sorted_indices is not None and hx is not None:
-            order = input.sorted_indices
-            h0, c0 = h0.index_select(1, order), c0.index_select(1, order)
+            use_plans(plans, x)
         h_n, c_n = [], []
         directions = self.num_directions
         # The array API's forward_layers (lltm_cupy/_layers.py) runs the same plan; its loop

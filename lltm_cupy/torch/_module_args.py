@@ -97,6 +97,22 @@ def _check_packed(input, features: int) -> None:
                              f"(batch_sizes[0] sequences), got {tuple(index.shape)}")
 
 
+def _layer_input(input, packed: bool, features: int, batch_first: bool):
+    """:class:`LLTM`'s input checked: ``(x, batch, unbatched)``, ``x`` the PackedSequence's rows
+    (``packed``) or the input as (steps, batch, features) (a 2-D ``unbatched`` input as one
+    sequence, ``batch_first`` input transposed)."""
+    if packed:
+        _check_packed(input, features)
+        sizes = input.batch_sizes
+        return input.data, (int(sizes[0]) if len(sizes) else 0), False
+    unbatched = isinstance(input, Tensor) and input.dim() == 2
+    dims = ("(steps, input_size)" if unbatched else "(batch, steps, input_size)"
+            if batch_first else "(steps, batch, input_size)")
+    _check_input("LLTM", input, dims, features)
+    x = input.unsqueeze(1) if unbatched else input.transpose(0, 1) if batch_first else input
+    return x, x.shape[1], unbatched
+
+
 def _check_pair(name, state) -> None:
     if isinstance(state, Tensor) or not isinstance(state, (tuple, list)):
         raise TypeError(f"{name}: state must be a tuple (h, c) of two tensors or None, got "

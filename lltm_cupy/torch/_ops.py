@@ -4,13 +4,9 @@ sequence, padded or with lengths) and :func:`lltm_packed` (a ``PackedSequence``'
 A call first decides, in one cheap pass (:func:`_plain`: plain tensors on one CPU or CUDA
 device, one dtype its backend computes in, the expected shapes, and no autocast,
 ``torch.compile``, ``torch.export``, ``torch.jit.trace`` or ``torch.func`` transform in play),
-whether the common case holds. If not, the general path first prepares the arguments
-(:func:`_prepared`): under ``torch.autocast`` it casts them (differentiably, so gradients reach
-the parameters in their own dtype) to the dtype the cell computes in: the autocast dtype on
-CUDA (float16 or bfloat16), float32 under CPU autocast (NumPy has no bfloat16; float64 tensors
-are left alone, as autocast leaves them); bfloat16 tensors on the CPU are computed in float32
-and the results rounded to bfloat16; and it checks them, with messages that name the argument
-and the shapes (:func:`check`).
+whether the common case holds. If not, the general path (:func:`_sequence` for sequences) first
+makes the arguments ready (``_arguments.prepared``: cast as autocast asks, bfloat16 on the CPU
+computed in float32, checked with messages that name the argument and the shapes).
 
 Then a call takes one of three routes, each for its case:
 
@@ -21,28 +17,29 @@ Then a call takes one of three routes, each for its case:
    (``step_inference`` / ``sequence_inference``: nothing computed or kept for a
    backward, the same bits);
 2. **torch.compile and meta tensors** (shape inference): the custom operators
-   (``_custom_ops``), opaque to the compiler, which run the same Function bodies;
+   (``_custom_ops.compiled_step`` / ``compiled_sequence``), opaque to the compiler, which run the
+   same Function bodies;
 3. **torch.export and torch.jit.trace**: the cell in torch's own operators (``_export``), which
    the recording sees.
 
-Variable lengths (``lengths=``, ``PackedSequence``) run eagerly (route 1; a graph break under
-torch.compile: their layout is planned from the lengths' values) and are refused by route 3.
+Variable lengths (``lengths=``, ``PackedSequence``) run eagerly (route 1, :func:`_variable`; a
+graph break under torch.compile: their layout is planned from the lengths' values) and are
+refused by route 3.
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .._checks import check_flag, check_packed_shapes, check_sequence_shapes, check_shapes
+from .._checks import check_packed_shapes, check_sequence_shapes, check_shapes
 from . import _custom_ops, _export, _interop
+from ._arguments import prepared
 from ._functions import LLTMFunction, apply, step_inference
-from ._interop import cuda_backend
 from ._sequence_function import LLTMSequenceFunction, sequence_inference
 
-__all__ = ["lltm", "lltm_sequence", "lltm_packed", "check", "autocast_dtype", "eager_only"]
+__all__ = ["lltm", "lltm_sequence", "lltm_packed", "eager_only"]
 
 _NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 _SEQ_NAMES = ("inputs", "weights", "bias", "h0", "c0")
@@ -75,7 +72,7 @@ def _plain(x, weights, bias, h, c, form) -> bool:
                             and type(bias) in _PLAIN and type(h) in _PLAIN
                             and type(c) in _PLAIN):
         return False
-    cuda = cuda_backend(x)
+    cuda = x.is_cuda    # the device's kind (emulated CUDA: CPU float16 takes the general path)
     if cuda:
         device = x.device
         if not (x.dtype in _CUDA_DTYPES and weights.device == device
@@ -134,83 +131,6 @@ def _run_sequence(tensors, plan, fused):
     return sequence_inference(*tensors, plan, fused)
 
 
-# ---------------------------------------------------------------------------------------------
-# The general path's parts
-
-def check(tensors, names=_NAMES, check_shapes=check_shapes) -> None:
-    """The torch-level checks, before any conversion or kernel: type, device, dtype, shapes;
-    TypeError or ValueError naming the argument."""
-    for name, t in zip(names, tensors):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"lltm_cupy.torch: {name} must be a torch.Tensor, got "
-                            f"{type(t).__qualname__}")
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        listing = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
-        raise ValueError(f"lltm_cupy.torch: all tensors must be on one device, got {listing}")
-    device = tensors[0].device
-    if device.type not in _interop.DTYPES and device.type != "meta":
-        raise ValueError(f"lltm_cupy.torch: tensors on {device} are not supported (CPU or CUDA "
-                         f"only)")
-    # meta: shape inference only (the custom operators' fake implementations), any CUDA dtype
-    kind = "cuda" if cuda_backend(tensors[0]) or device.type == "meta" else "cpu"
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        listing = ", ".join(f"{n}={t.dtype}" for n, t in zip(names, tensors))
-        raise TypeError(f"lltm_cupy.torch: all tensors must have the same dtype, got {listing}")
-    dtype = tensors[0].dtype
-    if dtype not in _interop.DTYPES[kind]:
-        allowed = ", ".join(str(d) for d in _interop.DTYPES[kind])
-        hint = " (float16 runs on CUDA only)" if dtype == torch.float16 else ""
-        raise TypeError(f"lltm_cupy.torch: unsupported dtype {dtype} on {device.type}; expected "
-                        f"one of {allowed}{hint}")
-    check_shapes(*tensors)
-
-
-def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    """The dtype the cell computes in under the autocast state of ``device_type``, or None when
-    autocast is off there."""
-    if device_type not in _interop.DTYPES or not torch.is_autocast_enabled(device_type):
-        return None
-    dtype = torch.get_autocast_dtype(device_type)
-    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        return dtype
-    return torch.float32
-
-
-def _autocast(tensors):
-    device = getattr(tensors[0], "device", None)
-    dtype = None if device is None else autocast_dtype(device.type)
-    if dtype is None or not all(isinstance(t, Tensor) for t in tensors):
-        return tensors  # (the checks name a non-tensor argument)
-    return tuple(t if t.dtype == torch.float64 or not t.is_floating_point() else t.to(dtype)
-                 for t in tensors)
-
-
-def _in_float32(tensors) -> bool:
-    """bfloat16 tensors all on a device the NumPy backend serves: computed in float32."""
-    return (all(isinstance(t, Tensor) and t.dtype == torch.bfloat16 for t in tensors)
-            and not cuda_backend(tensors[0]))
-
-
-def _prepared(tensors, names, shapes):
-    """The general path's arguments: ``(tensors, finish)``, the tensors cast as autocast asks
-    and checked (:func:`check` with ``names`` and ``shapes``), and ``finish``, which takes the
-    results back to the arguments' dtype (bfloat16 on the CPU, computed in float32) or is
-    None."""
-    tensors = _autocast(tensors)
-    finish = None
-    if _in_float32(tensors):
-        tensors = tuple(t.float() for t in tensors)
-        finish = _to_bfloat16
-    check(tensors, names, shapes)
-    return tensors, finish
-
-
-def _to_bfloat16(results):
-    return tuple(t.bfloat16() for t in results)
-
-
 def _transformed(tensors) -> bool:
     """Whether any argument is a ``torch.func`` transform's wrapper (vmap's batched tensor,
     grad's tracking tensor): those go to the autograd Functions, which support grad and refuse
@@ -238,11 +158,6 @@ def eager_only(fn):
     return wrapper
 
 
-def _compiling_or_meta(tensors) -> bool:
-    """Route 2's case: torch.compile traces the call, or the tensors are meta tensors."""
-    return _compiling() or tensors[0].device.type == "meta"
-
-
 # ---------------------------------------------------------------------------------------------
 # The public functions
 
@@ -264,14 +179,13 @@ def lltm(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
     out = eager_step(input, weights, bias, old_h, old_cell)
     if out is not None:
         return out
-    tensors, finish = _prepared((input, weights, bias, old_h, old_cell), _NAMES, check_shapes)
+    tensors, _, finish = prepared((input, weights, bias, old_h, old_cell), _NAMES, check_shapes)
     if _export.recording():                                         # route 3
         from .reference import lltm_reference
 
         out = lltm_reference(*tensors)
-    elif _compiling_or_meta(tensors):                               # route 2
-        out = (_custom_ops.lltm_forward_op(*tensors)[:2] if _needs_backward(*tensors)
-               else _custom_ops.lltm_inference_op(*tensors))
+    elif _compiling() or tensors[0].device.type == "meta":          # route 2
+        out = _custom_ops.compiled_step(tensors, _needs_backward(*tensors))
     else:                                                           # route 1
         out = _run_step(tensors)
     return out if finish is None else finish(out)
@@ -312,46 +226,7 @@ def lltm_sequence(inputs: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0:
             outputs, h_n, c_n = sequence_inference(inputs, weights, bias, h0, c0, None,
                                                    fused)
         return (outputs.flip(0) if reverse else outputs), h_n, c_n
-    reverse = check_flag("lltm_cupy.torch.lltm_sequence", "reverse", reverse)
-    fused = check_flag("lltm_cupy.torch.lltm_sequence", "fused", fused)
-    tensors, finish = _prepared((inputs, weights, bias, h0, c0), _SEQ_NAMES,
-                                check_sequence_shapes)
-    if tensors[0].device.type == "meta":    # route 2 (lengths and direction change no shape)
-        hs, h_n, c_n = _custom_ops.sequence_forward_op(*tensors)[:3]
-        out = hs[1:], h_n, c_n
-    elif lengths is not None:               # route 1, eagerly
-        if _export.recording():
-            raise _export.refusal("lltm_sequence with lengths=")
-        out = _packed_sequence(tensors, lengths, reverse, fused)
-    else:
-        x = tensors[0].flip(0) if reverse else tensors[0]  # (every sequence full length)
-        if _export.recording():                                     # route 3
-            out = _export.sequence(x, *tensors[1:])
-        elif _compiling():                                          # route 2
-            if _needs_backward(*tensors):
-                hs, h_n, c_n = _custom_ops.sequence_forward_op(x, *tensors[1:], fused)[:3]
-                out = hs[1:], h_n, c_n
-            else:
-                out = _custom_ops.sequence_inference_op(x, *tensors[1:], fused)
-        else:                                                       # route 1
-            out = _run_sequence((x, *tensors[1:]), None, fused)
-        if reverse:
-            out = (out[0].flip(0), *out[1:])
-    return tuple(out) if finish is None else finish(out)
-
-
-@eager_only
-def _packed_sequence(tensors, lengths, reverse: bool, fused: bool = False):
-    """Variable lengths run eagerly (a graph break under torch.compile; an error with
-    fullgraph=True): the packed layout depends on the lengths' values."""
-    from .. import _packing
-
-    steps, batch = tensors[0].shape[:2]
-    _interop.use_plans((), tensors[0], lengths)     # lengths on the GPU: refused now
-    plan = _packing.cached_plan(_packing.check_lengths(lengths, steps, batch), steps, reverse,
-                                "torch")
-    _interop.use_plans((plan,), tensors[0])
-    return _run_sequence(tensors, plan, fused)
+    return _sequence((inputs, weights, bias, h0, c0), lengths, None, reverse, fused)
 
 
 def lltm_packed(data: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Tensor,
@@ -367,18 +242,51 @@ def lltm_packed(data: Tensor, weights: Tensor, bias: Tensor, h0: Tensor, c0: Ten
         if _needs_backward(data, weights, bias, h0, c0):
             return _sequence_apply(data, weights, bias, h0, c0, plan, fused)[:3]
         return sequence_inference(data, weights, bias, h0, c0, plan, fused)
-    fused = check_flag("lltm_cupy.torch.lltm_packed", "fused", fused)
-    tensors, finish = _prepared((data, weights, bias, h0, c0), _SEQ_NAMES, check_packed_shapes)
-    if _export.recording():
-        raise _export.refusal("packed variable-length input")
-    if tensors[0].device.type == "meta":                            # route 2
-        # shape inference: the N rows as one step of N sequences (the first state row each)
-        # gives every result its shape and dtype, connected to every argument for autograd
-        data, weights, bias, h0, c0 = tensors
-        rows, batch = data.shape[0], h0.shape[0]
-        hs, h_n, c_n = _custom_ops.sequence_forward_op(
-            data[None], weights, bias, h0[:1].expand(rows, -1), c0[:1].expand(rows, -1))[:3]
-        out = hs[1], h_n[:batch], c_n[:batch]
-    else:                                                           # route 1
-        out = _run_sequence(tensors, plan, fused)
+    return _sequence((data, weights, bias, h0, c0), None, plan, False, fused)
+
+
+def _sequence(tensors, lengths, plan, reverse, fused):
+    """The general path of :func:`lltm_sequence` (``lengths``: None or the sequences' lengths)
+    and :func:`lltm_packed` (``plan``: the packed rows' layout)."""
+    packed = plan is not None
+    tensors, (reverse, fused), finish = prepared(
+        tensors, _SEQ_NAMES, check_packed_shapes if packed else check_sequence_shapes,
+        f"lltm_cupy.torch.{'lltm_packed' if packed else 'lltm_sequence'}", reverse=reverse,
+        fused=fused)
+    x, weights, bias, h0, c0 = tensors
+    fixed = lengths is None and not packed    # every sequence full length
+    if fixed and reverse:
+        x = x.flip(0)
+    meta = x.device.type == "meta"
+    if _export.recording() and not meta:                            # route 3
+        if not fixed:
+            raise _export.refusal("packed variable-length input" if packed
+                                  else "lltm_sequence with lengths=")
+        out = _export.sequence(x, weights, bias, h0, c0)
+    elif meta or (fixed and _compiling()):                          # route 2
+        backward = _needs_backward(*tensors)
+        if packed:
+            # shape inference: the N rows as one step of N sequences (the first state row each)
+            # gives every result its shape and dtype, connected to every argument for autograd
+            rows, batch = x.shape[0], h0.shape[0]
+            out = _custom_ops.compiled_sequence(x[None], weights, bias, h0[:1].expand(rows, -1),
+                                                c0[:1].expand(rows, -1), fused, backward)
+            out = out[0][0], out[1][:batch], out[2][:batch]
+        else:   # (lengths and direction change no shape)
+            out = _custom_ops.compiled_sequence(x, weights, bias, h0, c0, fused, backward)
+    elif fixed:                                                     # route 1
+        out = _run_sequence((x, weights, bias, h0, c0), None, fused)
+    else:                                                           # route 1, eagerly
+        out = _variable(tensors, lengths, plan, reverse, fused)
+    if fixed and reverse:
+        out = (out[0].flip(0), *out[1:])
     return tuple(out) if finish is None else finish(out)
+
+
+@eager_only
+def _variable(tensors, lengths, plan, reverse: bool, fused: bool):
+    """Route 1 for variable lengths (see the module docstring; an error under torch.compile
+    with fullgraph=True). ``plan``: a PackedSequence's layout, or None: that of ``lengths``."""
+    if plan is None:
+        plan, = _interop.use_plans((), tensors[0], lengths, reverse)
+    return _run_sequence(tensors, plan, fused)
