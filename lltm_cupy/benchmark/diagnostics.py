@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from ._common import Config, _log
+from ._common import Config, _log, interleaved
 from .reports import SCALES
 
 
@@ -94,7 +94,7 @@ _DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12
 
 
 def _peak_bandwidth():
-    """Peak memory bandwidth in bytes/s: from the device properties, else the datasheet, else None."""
+    """Peak memory bandwidth in bytes/s: the device properties', else the datasheet's, or None."""
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
@@ -192,9 +192,10 @@ def format_blas_report(size, rep: dict, scale="us") -> str:
     parts = []
     for name, who in (("numpy", "NumPy's BLAS"), ("torch", "torch's BLAS")):
         r = rep[name]
-        parts.append(f"{who} ({rep['blas'][name]}{'; what LLTMCell runs' if name == 'torch' else ''}): "
-                     f"step {r['step_s'] * factor:.1f} {unit}, GEMMs {r['gemm_s'] * factor:.1f} {unit} "
-                     f"({r['gemm_share_pct']:.0f}%)")
+        parts.append(f"{who} ({rep['blas'][name]}"
+                     f"{'; what LLTMCell runs' if name == 'torch' else ''}): step "
+                     f"{r['step_s'] * factor:.1f} {unit}, GEMMs {r['gemm_s'] * factor:.1f} {unit}"
+                     f" ({r['gemm_share_pct']:.0f}%)")
     return (f"BLAS share at {size} (the NumPy backend's step, medians of {rep['runs']} runs): "
             + "; ".join(parts)
             + f"; torch's GEMMs / NumPy's GEMMs = {rep['torch_gemm_over_numpy_gemm']:.2f}")
@@ -256,18 +257,10 @@ def mixed_model_report(cfg: Config, runs=200, quiet=False) -> dict:
             (z.sum() + c.sum()).backward()
 
         fns = {"layers alone": layers_only, "cell alone": cell_only, "mixed": mixed}
-        samples = {k: [] for k in fns}
-        for fn in fns.values():
-            for _ in range(cfg.warmup):
-                fn()
+        interleaved(fns, 0, clock, warmup=cfg.warmup)
         for v in segments.values():
             v.clear()
-        names = list(fns)
-        for r in range(runs):
-            for k in names[r % 3:] + names[: r % 3]:
-                t0 = clock()
-                fns[k]()
-                samples[k].append(clock() - t0)
+        samples = interleaved(fns, runs, clock, warmup=0)
         med = {k: statistics.median(v) for k, v in samples.items()}
         med.update({k: statistics.median(v) for k, v in segments.items()})
         med["mixed / (layers + cell)"] = med["mixed"] / (med["layers alone"] + med["cell alone"])

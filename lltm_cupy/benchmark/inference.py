@@ -33,7 +33,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+
+from ._common import CLOCK_TEXT, interleaved, thread_clock
 
 #: (T, B, F, S) of the memory figure and of the time figures
 MEMORY_SIZES = ((500, 64, 16, 512),)
@@ -173,22 +174,6 @@ def sequence_call(module, x, train: bool):
     return run
 
 
-def _interleaved(calls: dict, rounds: int, clock) -> dict:
-    """Each call's time per round, the calls interleaved (in turn reversed every other round)
-    after two warm-up calls each."""
-    names = list(calls)
-    for name in names:
-        for _ in range(2):
-            calls[name]()
-    times = {name: [] for name in names}
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            t0 = clock()
-            calls[name]()
-            times[name].append(clock() - t0)
-    return times
-
-
 def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: bool = False,
                 rows=TIME_ROWS) -> dict:
     """Time of one no_grad forward (``train``: one forward + backward) of each of ``rows``
@@ -197,7 +182,7 @@ def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: boo
     import torch
 
     torch.set_num_threads(threads)
-    clock = time.process_time if threads == 1 else time.perf_counter
+    clock, clock_name = thread_clock(threads)
     report = {}
     for steps, batch, features, state in sizes:
         x = torch.randn(steps, batch, features)
@@ -208,12 +193,12 @@ def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: boo
         if "lstm_gemm" in rows:
             calls["lstm_gemm"] = _gemm_floor(steps, batch, features, state, 4, train)
         with torch.set_grad_enabled(train):
-            times = _interleaved(calls, rounds, clock)
+            times = interleaved(calls, rounds, clock)
         ratios = [a / b for a, b in zip(times["lltm"], times["lstm"])]
         report[str((steps, batch, features, state))] = {
             **{f"{row}_s": statistics.median(times[row]) for row in calls},
             "ratio": statistics.median(ratios), "rounds": rounds, "threads": threads,
-            "clock": "process" if threads == 1 else "wall",
+            "clock": clock_name,
             # each implementation's slowest round over its fastest
             **{f"{row}_spread": max(times[row]) / min(times[row]) for row in TIME_IMPLS
                if row in calls and min(times[row]) > 0}}
@@ -229,7 +214,7 @@ def split_report(size=SPLIT_SIZE, lengths=SPLIT_STEPS, rounds: int = 21, threads
     import torch
 
     torch.set_num_threads(threads)
-    clock = time.process_time if threads == 1 else time.perf_counter
+    clock, clock_name = thread_clock(threads)
     batch, features, state = size
     short, long = lengths
     repeat = max(1, long // short)
@@ -242,7 +227,7 @@ def split_report(size=SPLIT_SIZE, lengths=SPLIT_STEPS, rounds: int = 21, threads
                 run = sequence_call(module, torch.randn(steps, batch, features), train)
                 calls[impl, steps] = (lambda run=run, n=n: [run() for _ in range(n)])
         with torch.set_grad_enabled(train):
-            times = _interleaved(calls, rounds, clock)
+            times = interleaved(calls, rounds, clock)
         rows = {}
         for impl in INFERENCE_IMPLS:
             t_short = [t / repeat for t in times[impl, short]]
@@ -253,7 +238,7 @@ def split_report(size=SPLIT_SIZE, lengths=SPLIT_STEPS, rounds: int = 21, threads
                           "long_s": statistics.median(times[impl, long])}
         report["training" if train else "no_grad"] = rows
     return {"size": list(size), "lengths": list(lengths), "rounds": rounds, "threads": threads,
-            "clock": "process" if threads == 1 else "wall", **report}
+            "clock": clock_name, **report}
 
 
 def format_inference(memory: dict, timing: dict, training: dict = None) -> str:
@@ -272,7 +257,7 @@ def format_inference(memory: dict, timing: dict, training: dict = None) -> str:
         if not table:
             continue
         first = next(iter(table.values()))
-        clock = "process CPU time" if first.get("clock", "process") == "process" else "wall time"
+        clock = CLOCK_TEXT[first.get("clock", "process")]
         lines += ["", f"{title}, {clock}, {first['threads']} thread(s), median of "
                       f"{first['rounds']} interleaved rounds; GEMM-only: the same layer's GEMMs "
                       f"alone by torch.mm (torch's BLAS); max/min: the slowest round over the "
@@ -295,12 +280,13 @@ def format_split(split: dict) -> str:
     """The per-step / fixed split as a table (microseconds)."""
     b, f, s = split["size"]
     short, long = split["lengths"]
-    clock = "process CPU time" if split["clock"] == "process" else "wall time"
+    clock = CLOCK_TEXT[split["clock"]]
     lines = ["", f"per-step / fixed split at (B, F, S) = ({b}, {f}, {s}): T = {short} and {long} "
                  f"interleaved, per round (t_{long} - t_{short}) / {long - short} per step and "
                  f"t_{short} - {short} * per step fixed; medians of {split['rounds']} rounds, "
                  f"{clock}, {split['threads']} thread(s)",
-             f"{'':<10} {'impl':<8} {'per step us':>12} {'fixed us':>10} {'T = ' + str(long) + ' ms':>10}"]
+             f"{'':<10} {'impl':<8} {'per step us':>12} {'fixed us':>10} "
+             f"{'T = ' + str(long) + ' ms':>10}"]
     for mode in ("training", "no_grad"):
         rows = split[mode]
         for impl, r in rows.items():
