@@ -158,17 +158,11 @@ def _torch_devices(skipped: list):
 
 
 def torch_gradchecks(case=None, skipped=None, fn=None):
-    """Run torch.autograd.gradcheck of ``fn`` (default lltm_cupy.torch.lltm) per available device
-    and dtype.
-
-    Returns [(label, passed, message)]; a failing check is a False with gradcheck's message.
-    float64 with gradcheck's default tolerances; float32 with eps=1e-3 and atol=rtol=1e-2
-    (finite differences in single precision are only good to about that; gradcheck's warning
-    that a float32 check "will likely fail" at its float64 defaults is silenced, since these
-    tolerances are set for float32, and the message says so); float16 is not
-    finite-difference checked (11-bit mantissa) but compared against the reference by
-    :func:`compare_backends`.
-    """
+    """torch.autograd.gradcheck of ``fn`` (default lltm_cupy.torch.lltm) per available device,
+    in float64 at gradcheck's tolerances and in float32 at eps=1e-3, atol=rtol=1e-2 (what
+    finite differences in single precision are good to; gradcheck's warning against float32
+    at its float64 defaults is silenced, and the message names the tolerances). float16 is left
+    to :func:`compare_backends`. Returns [(label, passed, message)]."""
     import torch
     # torch.autograd.gradcheck is the function; its module holds the exception.
     from torch.autograd.gradcheck import GradcheckError

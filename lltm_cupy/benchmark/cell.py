@@ -303,12 +303,9 @@ def _check_cells(runners, ref, inputs, cfg, skipped, strict, quiet):
 
 
 def run_size(cfg: Config, impls=None, quiet=False, strict=False) -> dict:
-    """Time every implementation at one size. Returns a JSON-ready dict.
-
-    On the CPU the array API (NumPy) is timed in a block of its own after the torch
-    implementations (see :func:`timed_record`); a NumPy program without torch, the array API's
-    use, does not pay their thread contention. (lltm_cupy.torch runs its GEMMs through torch
-    for this reason.)
+    """Time every implementation at one size; the JSON-ready record. On the CPU the array API
+    is timed in a block of its own (:func:`timed_record`), as a NumPy program without torch
+    runs it.
 
     strict: the caller named ``impls``; one that cannot be set up raises ImplementationError
     (otherwise it is skipped, with the reason printed and recorded under "skipped").

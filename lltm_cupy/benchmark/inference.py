@@ -13,10 +13,8 @@ and a fixed cost per call (two lengths, :func:`split_report`).
   implementations; the median is reported.
 - **time**: in one process, at the thread count given (``scripts/benchmark.py``: torch's
   default, what a user gets, unless ``--threads`` says otherwise), implementations interleaved,
-  the median of per-round ratios and each one's slowest round over its fastest; process CPU
-  time with one thread (what a loaded machine disturbs least: the quiet-machine figure), wall
-  time with more (process time would count the threads' spin-waiting, which OpenMP does
-  between parallel regions);
+  the median of per-round ratios and each one's slowest round over its fastest, by
+  :func:`._common.thread_clock`;
 - **GEMM-only floor**: beside each implementation, the GEMMs a recurrent layer of its gate count
   (3 for the LLTM, 4 for the LSTM) does on the same sizes, alone: ``torch.mm`` on preallocated
   operands, the input projection in one call, one recurrent product per step, and for a
@@ -177,8 +175,8 @@ def sequence_call(module, x, train: bool):
 def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: bool = False,
                 rows=TIME_ROWS) -> dict:
     """Time of one no_grad forward (``train``: one forward + backward) of each of ``rows``
-    (:data:`TIME_ROWS`), interleaved: process CPU time with one thread, wall time with more;
-    medians and the median of the per-round ratio LLTM / nn.LSTM."""
+    (:data:`TIME_ROWS`), interleaved: medians and the median of the per-round ratio LLTM /
+    nn.LSTM."""
     import torch
 
     torch.set_num_threads(threads)

@@ -33,7 +33,6 @@ class _TorchSequenceRunner(_TorchRunner):
 
         self.torch = torch
         self.module, self.xs, self.h, self.c, self.mode = module, xs, h, c, mode
-        self.ones_h = torch.ones_like(h)
 
     def forward(self):
         if self.mode == "sequence":
