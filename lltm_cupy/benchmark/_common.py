@@ -118,19 +118,30 @@ def machine_name(cuda: bool) -> str:
     return f"{os.cpu_count()}-core {platform.machine()} CPU" + (f" ({model})" if model else "")
 
 
-def parse_sequence_sizes(text: str, option: str = "--sizes") -> list:
-    """Comma-separated TxBxFxS (steps, batch, features, state) of positive integers, for the
-    GPU scripts' ``--sizes`` (an argparse type: ArgumentTypeError otherwise)."""
+def parse_sequence_sizes(text: str, option: str = "--sizes", form: str = "TxBxFxS") -> list:
+    """The scripts' ``--sizes``, an argparse type: comma-separated sizes of ``form`` (TxBxFxS:
+    steps, batch, features, state), positive integers (ArgumentTypeError otherwise)."""
     import argparse
 
     sizes = []
     for item in text.split(","):
         parts = item.lower().split("x")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"{option}: expected TxBxFxS with positive integers, "
-                                              f"got {item!r}")
+        if len(parts) != len(form.split("x")) or not all(p.isdigit() and int(p) > 0
+                                                          for p in parts):
+            raise argparse.ArgumentTypeError(f"{option}: expected {form} with positive "
+                                              f"integers, got {item!r}")
         sizes.append(tuple(int(p) for p in parts))
     return sizes
+
+
+def int_list(text: str) -> list:
+    """An argparse type: '64,512' -> [64, 512], positive integers."""
+    import argparse
+
+    if not all(v.isdigit() and int(v) > 0 for v in text.split(",")):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got "
+                                          f"{text!r}")
+    return [int(v) for v in text.split(",")]
 
 
 def cupy_gpu(script: str):

@@ -157,27 +157,21 @@ def cpu_blas_report(cfg: Config, runs=100) -> dict:
     clock = time.perf_counter
     report = {}
     for name, mm in (("numpy", np.matmul), ("torch", _torch_mm)):
-        in_gemm = [0.0]
+        gemms = []              # per step, the seconds in its GEMMs
 
-        def timed_mm(a, b, mm=mm, in_gemm=in_gemm):
+        def timed_mm(a, b, mm=mm, gemms=gemms):
             t0 = clock()
             out = mm(a, b)
-            in_gemm[0] += clock() - t0
+            gemms[-1] += clock() - t0
             return out
 
         def step():
+            gemms.append(0.0)
             saved = _numpy.forward(x, W, bias, h, c, mm=timed_mm)[2]
             _numpy.backward(ones, ones, saved, needed, mm=timed_mm)
 
-        for _ in range(cfg.warmup):
-            step()
-        steps, gemms = [], []
-        for _ in range(runs):
-            in_gemm[0] = 0.0
-            t0 = clock()
-            step()
-            steps.append(clock() - t0)
-            gemms.append(in_gemm[0])
+        steps = interleaved({name: step}, runs, clock, warmup=cfg.warmup)[name]
+        del gemms[:cfg.warmup]
         step_s, gemm_s = statistics.median(steps), statistics.median(gemms)
         report[name] = {"step_s": step_s, "gemm_s": gemm_s, "gemm_share_pct": 100 * gemm_s / step_s}
         time.sleep(0.5)  # let this pool's workers go idle before the other one runs
