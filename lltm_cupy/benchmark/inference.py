@@ -155,11 +155,6 @@ def _gemm_floor(steps: int, batch: int, features: int, state: int, gates: int, t
     return run
 
 
-#: the rows of the time reports: our LLTM, nn.LSTM, the tutorial's cell stepped, and the
-#: GEMM-only floor of the first two
-TIME_ROWS = (*TIME_IMPLS, "lltm_gemm", "lstm_gemm")
-
-
 def sequence_call(module, x, train: bool):
     """One call of a sequence module on ``x``; ``train``: and the backward of the outputs'
     and final states' sums."""
@@ -172,11 +167,12 @@ def sequence_call(module, x, train: bool):
     return run
 
 
-def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: bool = False,
-                rows=TIME_ROWS) -> dict:
-    """Time of one no_grad forward (``train``: one forward + backward) of each of ``rows``
-    (:data:`TIME_ROWS`), interleaved: medians and the median of the per-round ratio LLTM /
-    nn.LSTM."""
+def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1,
+                train: bool = False) -> dict:
+    """Time of one no_grad forward (``train``: one forward + backward) of each of
+    :data:`TIME_IMPLS` and of the GEMM-only floor of ours and nn.LSTM's (``lltm_gemm``,
+    ``lstm_gemm``), interleaved: medians, the median of the per-round ratio LLTM / nn.LSTM,
+    and each implementation's slowest round over its fastest."""
     import torch
 
     torch.set_num_threads(threads)
@@ -185,11 +181,9 @@ def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: boo
     for steps, batch, features, state in sizes:
         x = torch.randn(steps, batch, features)
         calls = {impl: sequence_call(_module(impl, features, state), x, train)
-                 for impl in TIME_IMPLS if impl in rows}
-        if "lltm_gemm" in rows:
-            calls["lltm_gemm"] = _gemm_floor(steps, batch, features, state, 3, train)
-        if "lstm_gemm" in rows:
-            calls["lstm_gemm"] = _gemm_floor(steps, batch, features, state, 4, train)
+                 for impl in TIME_IMPLS}
+        for impl, gates in (("lltm", 3), ("lstm", 4)):
+            calls[f"{impl}_gemm"] = _gemm_floor(steps, batch, features, state, gates, train)
         with torch.set_grad_enabled(train):
             times = interleaved(calls, rounds, clock)
         ratios = [a / b for a, b in zip(times["lltm"], times["lstm"])]
@@ -197,9 +191,8 @@ def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: boo
             **{f"{row}_s": statistics.median(times[row]) for row in calls},
             "ratio": statistics.median(ratios), "rounds": rounds, "threads": threads,
             "clock": clock_name,
-            # each implementation's slowest round over its fastest
             **{f"{row}_spread": max(times[row]) / min(times[row]) for row in TIME_IMPLS
-               if row in calls and min(times[row]) > 0}}
+               if min(times[row]) > 0}}
     return report
 
 
@@ -255,22 +248,20 @@ def format_inference(memory: dict, timing: dict, training: dict = None) -> str:
         if not table:
             continue
         first = next(iter(table.values()))
-        clock = CLOCK_TEXT[first.get("clock", "process")]
+        clock = CLOCK_TEXT[first["clock"]]
         lines += ["", f"{title}, {clock}, {first['threads']} thread(s), median of "
                       f"{first['rounds']} interleaved rounds; GEMM-only: the same layer's GEMMs "
                       f"alone by torch.mm (torch's BLAS); max/min: the slowest round over the "
                       f"fastest, LLTM/nn.LSTM",
                   f"{'(T, B, F, S)':<22} {'LLTM ms':>9} {'nn.LSTM ms':>11} {'ratio':>6} "
-                  f"{'LLTM GEMM-only':>15} {'nn.LSTM GEMM-only':>18} {'max/min':>11}"]
+                  f"{'LLTM GEMM-only':>15} {'nn.LSTM GEMM-only':>18} {'max/min':>11} "
+                  f"{'tutorial ms':>13}"]
         for size, r in table.items():
             spread = (f"{r['lltm_spread']:.2f}/{r['lstm_spread']:.2f}"
                       if "lltm_spread" in r and "lstm_spread" in r else "")
             lines.append(f"{size:<22} {r['lltm_s'] * 1e3:>9.1f} {r['lstm_s'] * 1e3:>11.1f} "
                          f"{r['ratio']:>6.2f} {_floor(r, 'lltm'):>15} {_floor(r, 'lstm'):>18} "
-                         f"{spread:>11}"
-                         + (f" {r['reference_s'] * 1e3:>13.1f}" if "reference_s" in r else ""))
-        if any("reference_s" in r for r in table.values()):
-            lines[-len(table) - 1] += f" {'tutorial ms':>13}"
+                         f"{spread:>11} {r['reference_s'] * 1e3:>13.1f}")
     return "\n".join(lines)
 
 

@@ -153,21 +153,15 @@ def plot_inference(runs, path, title: str = "") -> tuple:
                 ax.set_axis_off()
                 continue
             first = next(iter(table.values()))
-            clock = CLOCK_TEXT[first.get("clock", "wall")]
+            clock = CLOCK_TEXT[first["clock"]]
             threads = run["threads"]
             sizes = list(table)
             for k, (row, label) in enumerate(INFERENCE_PLOT_ROWS):
-                xs = [i - 0.4 + width * (k + 0.5) for i, size in enumerate(sizes)
-                      if f"{row}_s" in table[size]]
-                ys = [table[size][f"{row}_s"] * 1e3 for size in sizes
-                      if f"{row}_s" in table[size]]
-                if not ys:
-                    continue
-                bars = ax.bar(xs, ys, width, label=label)
-                ratios = [table[size][f"{row}_s"] / table[size]["lstm_s"] for size in sizes
-                          if f"{row}_s" in table[size]]
-                ax.bar_label(bars, [f"{_ms(y)}\n{r:.2f}x" for y, r in zip(ys, ratios)],
-                             fontsize=6, padding=1)
+                seconds = [table[size][f"{row}_s"] for size in sizes]
+                bars = ax.bar([i - 0.4 + width * (k + 0.5) for i in range(len(sizes))],
+                              [t * 1e3 for t in seconds], width, label=label)
+                ax.bar_label(bars, [f"{_ms(t * 1e3)}\n{t / table[size]['lstm_s']:.2f}x"
+                                    for t, size in zip(seconds, sizes)], fontsize=6, padding=1)
             ax.set_yscale("log")
             ax.set_xticks(range(len(sizes)), [s.replace(" ", "") for s in sizes], fontsize=7)
             ax.set_xlabel("(T, B, F, S)")
