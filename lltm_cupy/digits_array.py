@@ -81,7 +81,7 @@ class _Model:
     def __init__(self, cfg: ArrayConfig, xp):
         rng = np.random.default_rng(cfg.seed)
         D = 2 if cfg.bidirectional else 1
-        self.D, self.xp, self.dtype = D, xp, cfg.dtype
+        self.D, self.xp = D, xp
         params = lltm_cupy.init_parameters(8, cfg.state_size, cfg.num_layers,
                                            bidirectional=cfg.bidirectional, rng=rng, xp=xp,
                                            dtype=cfg.dtype)
