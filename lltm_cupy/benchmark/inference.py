@@ -45,35 +45,27 @@ INFERENCE_IMPLS = ("lltm", "lstm")
 TIME_IMPLS = ("lltm", "lstm", "reference")
 
 
-class _Stepped:
-    """The tutorial's cell (``ReferenceLLTMCell``, eager torch) over a sequence, stepped from
-    Python, called as a sequence module: ``(outputs, (h_n, c_n))``."""
-
-    def __init__(self, features: int, state: int):
-        from .. import torch as lt
-
-        self.cell = lt.ReferenceLLTMCell(features, state)
-
-    def __call__(self, xs):
-        import torch
-
-        h = c = xs.new_zeros(xs.shape[1], self.cell.hidden_size)
-        outs = []
-        for x in xs:
-            h, c = self.cell(x, (h, c))
-            outs.append(h)
-        return torch.stack(outs), (h, c)
-
-
 def _module(impl, features, state):
+    """Our LLTM, nn.LSTM, or the tutorial's cell (eager torch) stepped from Python over a
+    sequence, each called as a sequence module: ``(outputs, (h_n, c_n))``."""
     import torch
 
     from .. import torch as lt
 
     torch.manual_seed(0)
-    if impl == "reference":
-        return _Stepped(features, state)
-    return lt.LLTM(features, state) if impl == "lltm" else torch.nn.LSTM(features, state)
+    if impl != "reference":
+        return lt.LLTM(features, state) if impl == "lltm" else torch.nn.LSTM(features, state)
+    cell = lt.ReferenceLLTMCell(features, state)
+
+    def stepped(xs):
+        h = c = xs.new_zeros(xs.shape[1], state)
+        outs = []
+        for x in xs:
+            h, c = cell(x, (h, c))
+            outs.append(h)
+        return torch.stack(outs), (h, c)
+
+    return stepped
 
 
 def _status(field: str) -> int:

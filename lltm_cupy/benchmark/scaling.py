@@ -64,8 +64,8 @@ def _no_gemm():
 def parts(sizes=SIZES, threads=(1, 2), rounds: int = 7, train: bool = True) -> dict:
     """For each (T, B, F, S) and thread count: the medians over ``rounds`` interleaved rounds
     of our call (``lltm_s``), its GEMM, element-wise and per-call parts (``gemm_s``,
-    ``elementwise_s``, ``per_call_s``) and ``nn.LSTM``'s call (``lstm_s``); process CPU time
-    at one thread, wall time at more. ``train``: forward + backward of the parameters, else a
+    ``elementwise_s``, ``per_call_s``) and ``nn.LSTM``'s call (``lstm_s``), by
+    :func:`._common.thread_clock`. ``train``: forward + backward of the parameters, else a
     forward under no_grad."""
     import torch
 
