@@ -91,8 +91,7 @@ def finite_difference_errors(xp=np, case=None, eps=1e-6) -> dict:
     """
     case = random_case() if case is None else case
     args = {n: xp.array(case[n], dtype=np.float64) for n in FORWARD_NAMES}
-    grad_h = xp.asarray(case["grad_h"], dtype=np.float64)
-    grad_cell = xp.asarray(case["grad_cell"], dtype=np.float64)
+    grad_h, grad_cell = (xp.asarray(case[g], dtype=np.float64) for g in ("grad_h", "grad_cell"))
     _, _, saved = lltm_cupy.forward(*(args[n] for n in FORWARD_NAMES))
     grads = lltm_cupy.backward(grad_h, grad_cell, saved)
 

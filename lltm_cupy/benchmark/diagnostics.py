@@ -3,6 +3,7 @@ GEMMs' share of a step, the CPU step's share in BLAS (NumPy's and torch's), and 
 torch layers (thread-pool contention)."""
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 
@@ -211,20 +212,17 @@ def mixed_model_report(cfg: Config, runs=200, quiet=False) -> dict:
 
     from .. import torch as lt
 
-    dtype = torch.float64 if cfg.double else torch.float32
+    dtype = cfg.torch_dtype()
     torch.manual_seed(cfg.seed)
     B, F, S = cfg.size
     pre = torch.nn.Linear(F, F, dtype=dtype)
     post = torch.nn.Linear(S, S, dtype=dtype)
-    x = torch.randn(B, F, dtype=dtype)
-    h0 = torch.randn(B, S, dtype=dtype)
-    c0 = torch.randn(B, S, dtype=dtype)
+    x, h0, c0 = (torch.randn(B, n, dtype=dtype) for n in (F, S, S))
     clock = time.perf_counter
     results = {}
     for cell_name, cell in (("cell", lt.LLTMCell(F, S, dtype=dtype)),
                             ("reference", lt.ReferenceLLTMCell(F, S, dtype=dtype))):
-        segments = {k: [] for k in ("post fwd alone", "post fwd mixed", "cell fwd alone",
-                                    "cell fwd mixed")}
+        segments = collections.defaultdict(list)     # the forwards timed inside the steps
 
         def layers_only():
             y = torch.tanh(pre(x))
@@ -252,8 +250,7 @@ def mixed_model_report(cfg: Config, runs=200, quiet=False) -> dict:
 
         fns = {"layers alone": layers_only, "cell alone": cell_only, "mixed": mixed}
         interleaved(fns, 0, clock, warmup=cfg.warmup)
-        for v in segments.values():
-            v.clear()
+        segments.clear()
         samples = interleaved(fns, runs, clock, warmup=0)
         med = {k: statistics.median(v) for k, v in samples.items()}
         med.update({k: statistics.median(v) for k, v in segments.items()})

@@ -49,8 +49,8 @@ def format_table(record: dict, scale="us") -> str:
     base = res.get(baseline, {}).get("fwd+bwd", {}).get("median_s")
     steps = f", {record['steps']} steps" if "steps" in record else ""
     lines = [f"(batch, features, state) = ({record['batch']}, {record['features']}, "
-             f"{record['state']}){steps}, {record['dtype']} on {record['device']}, {record['runs']} runs; "
-             f"times in {unit}, median / min"]
+             f"{record['state']}){steps}, {record['dtype']} on {record['device']}, "
+             f"{record['runs']} runs; times in {unit}, median / min"]
     names = [*res, *record.get("skipped", {})]
     width = max(11, max(len(n) for n in names) + 2) if names else 11
     head = (f"{'impl':<{width}}" + "".join(f"{p:>22}" for p in PHASES)
