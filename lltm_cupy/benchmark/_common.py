@@ -1,5 +1,5 @@
-"""What every benchmark run shares: the configuration, the timers, the interleaved timing loop
-and the record it returns."""
+"""What every benchmark run shares: the configuration, the output check, the timers and timing
+loops, the record they return, and the scripts' option types."""
 from __future__ import annotations
 
 import dataclasses
@@ -235,7 +235,6 @@ def _summary(samples) -> dict:
     return {name: {p: {"median_s": statistics.median(v), "min_s": min(v)}
                    for p, v in phases.items() if v}
             for name, phases in samples.items()}
-
 
 
 def timed_record(runners: dict, cfg: Config, numpy_side, skipped: dict, quiet, label="",
