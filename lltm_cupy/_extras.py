@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["MissingExtra", "require", "pyplot"]
+__all__ = ["MissingExtra", "require", "pyplot", "save_figure"]
 
 
 class MissingExtra(RuntimeError):
@@ -31,3 +31,12 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path) -> tuple:
+    """Lay out ``fig``, write it to ``path`` and close it; its size in pixels (width, height)."""
+    fig.tight_layout()
+    fig.savefig(path)
+    size = tuple(int(v) for v in fig.get_size_inches() * fig.dpi)
+    pyplot().close(fig)
+    return size

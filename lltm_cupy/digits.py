@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ._extras import MissingExtra, pyplot, require
+from ._extras import MissingExtra, pyplot, require, save_figure
 
-__all__ = ["Config", "MODELS", "LOSS_GAP_TOLERANCE", "MissingExtra", "require", "pyplot",
-           "load_data", "train", "format_table", "plot_curves", "add_training_options",
-           "add_output_options", "write_outputs"]
+__all__ = ["RunConfig", "Config", "MODELS", "LOSS_GAP_TOLERANCE", "MissingExtra", "require",
+           "pyplot", "load_data", "train", "format_table", "plot_curves", "add_options",
+           "write_outputs"]
 
 MODELS = ("LLTM (ours)", "LLTM (tutorial, stepped)", "nn.LSTM")
 #: The largest relative gap between the per-step training losses of our LLTM and the tutorial's
@@ -37,18 +37,30 @@ MODELS = ("LLTM (ours)", "LLTM (tutorial, stepped)", "nn.LSTM")
 LOSS_GAP_TOLERANCE = {"float32": 1e-4, "float64": 1e-12}
 
 
-# Apart from digits_array.ArrayConfig on purpose: each run's own fields, in its own JSON order.
 @dataclasses.dataclass
-class Config:
+class RunConfig:
+    """The settings both demos share (:class:`Config` and ``digits_array.ArrayConfig`` add
+    their own)."""
     epochs: int = 10
     batch_size: int = 32
     state_size: int = 64
     seed: int = 0
-    device: str = "cpu"
     dtype: str = "float32"
-    compile: bool = False
     lr: float = 1e-2
     progress: bool = True
+
+    @classmethod
+    def from_args(cls, args, **own):
+        """The config of a script's options (:func:`add_options`) and its ``own`` fields."""
+        return cls(epochs=args.epochs, batch_size=args.batch_size, state_size=args.state_size,
+                   seed=args.seed, dtype=args.dtype, lr=args.lr, progress=not args.no_progress,
+                   **own)
+
+
+@dataclasses.dataclass
+class Config(RunConfig):
+    device: str = "cpu"
+    compile: bool = False
 
 
 def load_data(seed: int):
@@ -100,119 +112,139 @@ def _models(cfg: Config):
 
 
 def train(cfg: Config) -> dict:
-    """Train the three models side by side; returns a JSON-ready record: per model the loss of
-    every step, the test accuracy after every epoch, the final loss, training time and time per
-    step, and the largest relative loss gap between our LLTM and the tutorial's in epoch one."""
+    """Train the three models side by side; returns a JSON-ready record (:func:`_fit`) with the
+    largest relative loss gap between our LLTM and the tutorial's in epoch one."""
     import torch
 
-    (tqdm,) = require("tqdm")
     x_tr, y_tr, x_te, y_te = load_data(cfg.seed)
     dtype = getattr(torch, cfg.dtype)
-    to = dict(device=cfg.device)
-    x_tr_t = torch.tensor(x_tr, dtype=dtype, **to).permute(1, 0, 2)   # (8, N, 8)
-    x_te_t = torch.tensor(x_te, dtype=dtype, **to).permute(1, 0, 2)
-    y_tr_t = torch.tensor(y_tr, **to)
-    y_te_t = torch.tensor(y_te, **to)
+    x_tr_t, x_te_t = (torch.tensor(x, dtype=dtype, device=cfg.device).permute(1, 0, 2)
+                      for x in (x_tr, x_te))                           # (8, N, 8)
+    y_tr_t, y_te_t = (torch.tensor(y, device=cfg.device) for y in (y_tr, y_te))
     models = _models(cfg)
     runs = {name: torch.compile(m) if cfg.compile else m for name, m in models.items()}
     optims = {name: torch.optim.Adam(m.parameters(), lr=cfg.lr) for name, m in models.items()}
     record = _new_record(models)
-    n = x_tr_t.shape[1]
-    steps_per_epoch = -(-n // cfg.batch_size)
     generator = torch.Generator().manual_seed(cfg.seed)
     sync = torch.cuda.synchronize if cfg.device.startswith("cuda") else (lambda: None)
-    bar = tqdm.tqdm(total=cfg.epochs * steps_per_epoch, desc="training", unit="step",
-                    disable=not cfg.progress)
-    for epoch in range(cfg.epochs):
-        order = torch.randperm(n, generator=generator).to(cfg.device)
-        for start in range(0, n, cfg.batch_size):
-            idx = order[start:start + cfg.batch_size]
-            xs, ys = x_tr_t[:, idx], y_tr_t[idx]
-            for name, model in runs.items():
-                sync()
-                t0 = time.perf_counter()
-                optims[name].zero_grad()
-                loss = torch.nn.functional.cross_entropy(model(xs), ys)
-                loss.backward()
-                optims[name].step()
-                sync()
-                record[name]["train_seconds"] += time.perf_counter() - t0
-                record[name]["loss"].append(loss.item())
-            bar.update(1)
-        with torch.no_grad():
-            for name, model in runs.items():
-                pred = model(x_te_t).argmax(dim=1)
-                record[name]["test_accuracy"].append((pred == y_te_t).double().mean().item())
-        bar.set_postfix({"epoch": epoch + 1,
-                         "test acc (ours)": f"{record[MODELS[0]]['test_accuracy'][-1]:.3f}"})
-    bar.close()
-    result = _result(cfg, record, int(n), int(len(y_te)), steps_per_epoch)
-    result["first_epoch_loss_gap"] = _first_epoch_loss_gap(record, MODELS[0], MODELS[1],
-                                                           steps_per_epoch)
+
+    def step(idx):
+        for name, model in runs.items():
+            _torch_step(record[name], sync, model, optims[name], x_tr_t[:, idx], y_tr_t[idx])
+
+    def evaluate():
+        for name, model in runs.items():
+            record[name]["test_accuracy"].append(_torch_accuracy(model, x_te_t, y_te_t))
+
+    result = _fit(cfg, record, len(y_tr), len(y_te), step, evaluate, "training",
+                  lambda n: torch.randperm(n, generator=generator).to(cfg.device))
+    result["first_epoch_loss_gap"] = _first_epoch_loss_gap(result, MODELS[0], MODELS[1])
     result["loss_gap_tolerance"] = LOSS_GAP_TOLERANCE[cfg.dtype]
     return result
 
 
-# The record and table helpers below serve this module and lltm_cupy.digits_array (the same
-# JSON layout and table for the torch and the array-API training).
+# The training and table helpers below serve this module and lltm_cupy.digits_array (the same
+# loop, JSON layout and table for the torch and the array-API training).
 
 def _new_record(names) -> dict:
-    """An empty training record per model name: every step's loss, the test accuracy after
-    every epoch, the seconds spent in training steps."""
+    """Per model: every step's loss, the test accuracy after every epoch, the seconds spent in
+    training steps."""
     return {name: {"loss": [], "test_accuracy": [], "train_seconds": 0.0} for name in names}
 
 
-def _result(cfg, record: dict, train_samples: int, test_samples: int,
-            steps_per_epoch: int) -> dict:
-    """The JSON-ready result of a finished run: ``record`` completed with each model's final
-    loss and seconds per step, with the config and the data's sizes."""
-    total_steps = cfg.epochs * steps_per_epoch
+def _fit(cfg: RunConfig, record: dict, train_samples: int, test_samples: int, step, evaluate,
+         desc: str, permutation) -> dict:
+    """The training loop: per epoch, ``step(indices)`` for every batch of ``permutation(n)``
+    (a progress bar counts them), then ``evaluate()``. Returns the JSON-ready result:
+    ``record`` completed with each model's final loss and seconds per step, the config and the
+    data's sizes."""
+    (tqdm,) = require("tqdm")
+    steps_per_epoch = -(-train_samples // cfg.batch_size)
+    bar = tqdm.tqdm(total=cfg.epochs * steps_per_epoch, desc=desc, unit="step",
+                    disable=not cfg.progress)
+    first = next(iter(record))
+    for epoch in range(cfg.epochs):
+        order = permutation(train_samples)
+        for start in range(0, train_samples, cfg.batch_size):
+            step(order[start:start + cfg.batch_size])
+            bar.update(1)
+        evaluate()
+        bar.set_postfix({"epoch": epoch + 1,
+                         "test acc": f"{record[first]['test_accuracy'][-1]:.3f}"})
+    bar.close()
     for r in record.values():
         r["final_loss"] = r["loss"][-1]
-        r["seconds_per_step"] = r["train_seconds"] / total_steps
+        r["seconds_per_step"] = r["train_seconds"] / (cfg.epochs * steps_per_epoch)
     return {"config": dataclasses.asdict(cfg), "train_samples": train_samples,
             "test_samples": test_samples, "steps_per_epoch": steps_per_epoch, "models": record}
 
 
-def _first_epoch_loss_gap(record: dict, name: str, reference: str, steps: int) -> float:
+def _timed(entry: dict, sync, fn):
+    """``fn()``, its seconds between two ``sync()`` (device synchronisations) added to
+    ``entry["train_seconds"]``."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    entry["train_seconds"] += time.perf_counter() - t0
+    return out
+
+
+def _torch_step(entry: dict, sync, model, optimiser, xs, ys) -> None:
+    """One timed optimiser step of the torch classifier ``model`` on the batch ``xs``, ``ys``
+    (cross-entropy); its loss appended to ``entry``."""
+    import torch
+
+    def step():
+        optimiser.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xs), ys)
+        loss.backward()
+        optimiser.step()
+        return loss
+
+    entry["loss"].append(_timed(entry, sync, step).item())
+
+
+def _torch_accuracy(model, xs, ys) -> float:
+    import torch
+
+    with torch.no_grad():
+        return (model(xs).argmax(dim=1) == ys).double().mean().item()
+
+
+def _first_epoch_loss_gap(result: dict, name: str, reference: str) -> float:
     """The largest relative gap between the per-step losses of models ``name`` and
-    ``reference`` over the first ``steps`` steps, relative to ``reference``'s."""
-    losses = np.array(record[name]["loss"][:steps])
-    reference_losses = np.array(record[reference]["loss"][:steps])
+    ``reference`` over the first epoch, relative to ``reference``'s."""
+    steps = result["steps_per_epoch"]
+    losses, reference_losses = (np.array(result["models"][k]["loss"][:steps])
+                                for k in (name, reference))
     return float(np.max(np.abs(losses - reference_losses) / np.abs(reference_losses)))
 
 
-def _model_rows(models: dict, name_width: int) -> list:
-    """The table's header, its rule and a row per model of a result's ``models``: test accuracy
-    after the last epoch, final loss, training time, time per step; the model names in a
-    column ``name_width`` wide."""
-    head = (f"{'model':<{name_width}}{'test accuracy':>15}{'final loss':>12}"
+def _table(result: dict, where: str, *notes: str) -> str:
+    """The results table: a row per model (test accuracy after the last epoch, final loss,
+    training time, time per step), a line on the run (``where`` it ran), then ``notes``."""
+    width = max(20, 2 + max(map(len, result["models"])))
+    head = (f"{'model':<{width}}{'test accuracy':>15}{'final loss':>12}"
             f"{'training time':>15}{'time per step':>15}")
     lines = [head, "-" * len(head)]
-    for name, r in models.items():
-        lines.append(f"{name:<{name_width}}{r['test_accuracy'][-1]:>15.4f}"
+    for name, r in result["models"].items():
+        lines.append(f"{name:<{width}}{r['test_accuracy'][-1]:>15.4f}"
                      f"{r['final_loss']:>12.4f}{r['train_seconds']:>14.2f}s"
                      f"{r['seconds_per_step'] * 1e3:>13.2f}ms")
-    return lines
-
-
-def _run_line(result: dict, where: str, layers: str = "") -> str:
-    """The table's line on the run: data, epochs, batch, state size (then ``layers``), dtype,
-    ``where`` it ran, learning rate and seed."""
     cfg = result["config"]
-    return (f"{result['train_samples']} training and {result['test_samples']} test images, "
-            f"{cfg['epochs']} epochs of {result['steps_per_epoch']} steps (batch "
-            f"{cfg['batch_size']}), state {cfg['state_size']}{layers}, {cfg['dtype']} on "
-            f"{where}, Adam lr {cfg['lr']}, seed {cfg['seed']}")
+    lines.append(f"{result['train_samples']} training and {result['test_samples']} test images, "
+                 f"{cfg['epochs']} epochs of {result['steps_per_epoch']} steps (batch "
+                 f"{cfg['batch_size']}), state {cfg['state_size']}{where}, Adam lr {cfg['lr']}, "
+                 f"seed {cfg['seed']}")
+    return "\n".join(lines + list(notes))
 
 
 def format_table(result: dict) -> str:
-    lines = _model_rows(result["models"], 26)
-    lines.append(_run_line(result, result["config"]["device"]))
-    lines.append(f"largest relative gap between the per-step losses of our LLTM and the "
-                 f"tutorial's over epoch one: {result['first_epoch_loss_gap']:.2e} "
-                 f"(tolerance {result['loss_gap_tolerance']:.0e})")
-    return "\n".join(lines)
+    return _table(result, f", {result['config']['dtype']} on {result['config']['device']}",
+                  f"largest relative gap between the per-step losses of our LLTM and the "
+                  f"tutorial's over epoch one: {result['first_epoch_loss_gap']:.2e} "
+                  f"(tolerance {result['loss_gap_tolerance']:.0e})")
 
 
 def plot_curves(result: dict, path, machine: str = "") -> tuple:
@@ -252,31 +284,22 @@ def plot_curves(result: dict, path, machine: str = "") -> tuple:
     fig.suptitle(f"scikit-learn digits as 8-row sequences: state {cfg['state_size']}, batch "
                  f"{cfg['batch_size']}, {cfg['dtype']} on {cfg.get('device', cfg.get('array'))}"
                  + (f"\n{machine}" if machine else ""), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    size = tuple(int(v) for v in fig.get_size_inches() * fig.dpi)
-    plt.close(fig)
-    return size
+    return save_figure(fig, path)
 
 
 # ------------------------------------------------------------------ the scripts' shared parts
 # (scripts/train_digits.py and scripts/train_digits_array.py)
 
-def add_training_options(parser, defaults=Config) -> None:
-    """--epochs, --batch-size, --state-size, --seed, --dtype and --lr on an argparse
-    ``parser``, with the defaults of the config class ``defaults`` (:class:`Config` or
-    :class:`lltm_cupy.digits_array.ArrayConfig`)."""
-    parser.add_argument("--epochs", type=int, default=defaults.epochs)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--state-size", type=int, default=defaults.state_size)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--dtype", choices=("float32", "float64"), default=defaults.dtype)
-    parser.add_argument("--lr", type=float, default=defaults.lr,
+def add_options(parser) -> None:
+    """The options both scripts share on an argparse ``parser``: :class:`RunConfig`'s, and
+    --json, --plot (see :func:`write_outputs`)."""
+    parser.add_argument("--epochs", type=int, default=RunConfig.epochs)
+    parser.add_argument("--batch-size", type=int, default=RunConfig.batch_size)
+    parser.add_argument("--state-size", type=int, default=RunConfig.state_size)
+    parser.add_argument("--seed", type=int, default=RunConfig.seed)
+    parser.add_argument("--dtype", choices=("float32", "float64"), default=RunConfig.dtype)
+    parser.add_argument("--lr", type=float, default=RunConfig.lr,
                         help="Adam learning rate (default %(default)s)")
-
-
-def add_output_options(parser) -> None:
-    """--json, --plot and --no-progress on an argparse ``parser`` (see :func:`write_outputs`)."""
     parser.add_argument("--json", metavar="FILE", help="write every loss and accuracy as JSON")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="loss and accuracy curves, one figure")

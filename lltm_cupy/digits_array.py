@@ -18,15 +18,15 @@ not judged.
 from __future__ import annotations
 
 import dataclasses
-import time
+import importlib
 
 import numpy as np
 
 import lltm_cupy
 
-from ._extras import require
-from .digits import (_first_epoch_loss_gap, _model_rows, _new_record,
-                     _result, _run_line, load_data)
+from .digits import (RunConfig, _first_epoch_loss_gap, _fit, _new_record, _table, _timed,
+                     _torch_accuracy, _torch_step, load_data)
+from .verify import to_numpy
 
 __all__ = ["ArrayConfig", "ARRAY_MODEL", "TORCH_MODEL", "SAME_PARAMETERS_TOLERANCE", "Adam",
            "train", "format_table"]
@@ -41,21 +41,13 @@ ARRAY_MODEL, TORCH_MODEL = "LLTM (array API)", "LLTM (torch)"
 SAME_PARAMETERS_TOLERANCE = {"float32": 1e-4, "float64": 1e-12}
 
 
-# Apart from digits.Config on purpose: each run's own fields, in its own JSON order.
 @dataclasses.dataclass
-class ArrayConfig:
-    epochs: int = 10
-    batch_size: int = 32
-    state_size: int = 64
+class ArrayConfig(RunConfig):
     num_layers: int = 1
     bidirectional: bool = False
-    seed: int = 0
     array: str = "numpy"          # or "cupy"
-    dtype: str = "float32"
-    lr: float = 1e-2
     compare_torch: bool = False
     nudge: bool = False           # every initial parameter moved one ulp up (numpy.nextafter)
-    progress: bool = True
 
 
 class Adam:
@@ -83,20 +75,13 @@ class Adam:
             p -= step_size * m / (v ** 0.5 / root_bc2 + self.eps)
 
 
-def _xp(name: str):
-    if name == "cupy":
-        import cupy
-        return cupy
-    return np
-
-
 class _Model:
     """forward_layers, then a linear head on the last layer's final states (both directions)."""
 
     def __init__(self, cfg: ArrayConfig, xp):
         rng = np.random.default_rng(cfg.seed)
         D = 2 if cfg.bidirectional else 1
-        self.D, self.xp, self.dtype = D, xp, cfg.dtype
+        self.D, self.xp = D, xp
         params = lltm_cupy.init_parameters(8, cfg.state_size, cfg.num_layers,
                                            bidirectional=cfg.bidirectional, rng=rng, xp=xp,
                                            dtype=cfg.dtype)
@@ -168,7 +153,7 @@ def _copy_parameters(named: dict, model: _Model) -> None:
 
     with torch.no_grad():
         for k, p in named.items():
-            p.copy_(torch.from_numpy(_host(model.params[k])).reshape(p.shape))
+            p.copy_(torch.from_numpy(to_numpy(model.params[k])).reshape(p.shape))
 
 
 def _same_parameters_gap(probe, model: _Model, xs, ys, loss: float, grads: dict) -> float:
@@ -185,108 +170,79 @@ def _same_parameters_gap(probe, model: _Model, xs, ys, loss: float, grads: dict)
     t_loss.backward()
     gap = abs(loss - t_loss.item()) / abs(t_loss.item())
     for k, p in named.items():
-        g = _host(grads[k]).reshape(p.shape)
+        g = to_numpy(grads[k]).reshape(p.shape)
         scale = max(float(np.abs(g).max()), float(np.finfo(g.dtype).tiny))
         gap = max(gap, float(np.abs(p.grad.numpy() - g).max()) / scale)
     return gap
 
 
-def _host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
-
-
 def train(cfg: ArrayConfig) -> dict:
     """Train the array model (and with ``compare_torch`` its torch twin); a JSON-ready record
-    in :func:`lltm_cupy.digits.train`'s layout (per model every step's loss, the test accuracy
-    after every epoch, times); when compared, the largest relative gap from the same parameters
-    (judged), and the first epoch's largest relative loss gap and the final accuracy gap of the
-    two trained apart (reported)."""
-    (tqdm,) = require("tqdm")
-    xp = _xp(cfg.array)
+    in :func:`lltm_cupy.digits.train`'s layout; when compared, the largest relative gap from
+    the same parameters (judged), and the first epoch's largest relative loss gap and the final
+    accuracy gap of the two trained apart (reported)."""
+    xp = importlib.import_module(cfg.array)
     x_tr, y_tr, x_te, y_te = load_data(cfg.seed)
-    x_tr = x_tr.transpose(1, 0, 2).astype(cfg.dtype)        # (8 rows, N, 8)
-    x_te = x_te.transpose(1, 0, 2).astype(cfg.dtype)
-    x_tr_d, x_te_d = xp.asarray(x_tr), xp.asarray(x_te)
-    y_tr_d = xp.asarray(y_tr)
+    x_tr, x_te = (x.transpose(1, 0, 2).astype(cfg.dtype) for x in (x_tr, x_te))  # (8 rows, N, 8)
+    x_tr_d, x_te_d, y_tr_d = xp.asarray(x_tr), xp.asarray(x_te), xp.asarray(y_tr)
     model = _Model(cfg, xp)
     adam = Adam(model.params, lr=cfg.lr)
-    names = [ARRAY_MODEL] + ([TORCH_MODEL] if cfg.compare_torch else [])
-    record = _new_record(names)
+    record = _new_record([ARRAY_MODEL] + [TORCH_MODEL] * cfg.compare_torch)
+    ours = record[ARRAY_MODEL]
     if cfg.compare_torch:
         import torch
 
         twin, twin_params = _torch_twin(model, cfg)
         twin_adam = torch.optim.Adam(list(twin_params.values()), lr=cfg.lr)
         probe = _torch_twin(model, cfg)
-        same_parameters_gap = 0.0
-        x_tr_t, x_te_t = torch.from_numpy(x_tr), torch.from_numpy(x_te)
-        y_tr_t = torch.from_numpy(y_tr)
-    n = x_tr.shape[1]
-    steps_per_epoch = -(-n // cfg.batch_size)
+        x_tr_t, x_te_t, y_tr_t, y_te_t = map(torch.from_numpy, (x_tr, x_te, y_tr, y_te))
+    same_parameters_gap = 0.0
     order_rng = np.random.default_rng(cfg.seed + 1)
     sync = (lambda: xp.cuda.Device().synchronize()) if cfg.array == "cupy" else (lambda: None)
-    bar = tqdm.tqdm(total=cfg.epochs * steps_per_epoch, desc="training (array API)",
-                    unit="step", disable=not cfg.progress)
-    for epoch in range(cfg.epochs):
-        order = order_rng.permutation(n)
-        for start in range(0, n, cfg.batch_size):
-            idx = order[start:start + cfg.batch_size]
-            sync()
-            t0 = time.perf_counter()
-            loss, grads = model.loss_and_grads(x_tr_d[:, xp.asarray(idx)], y_tr_d[xp.asarray(idx)])
-            if cfg.compare_torch:      # before the update: from the same parameters (not timed)
-                sync()
-                seconds = time.perf_counter() - t0
-                t_idx = torch.from_numpy(idx)
-                same_parameters_gap = max(same_parameters_gap, _same_parameters_gap(
-                    probe, model, x_tr_t[:, t_idx], y_tr_t[t_idx], loss, grads))
-                t0 = time.perf_counter() - seconds
-            adam.step(grads)
-            sync()
-            record[ARRAY_MODEL]["train_seconds"] += time.perf_counter() - t0
-            record[ARRAY_MODEL]["loss"].append(loss)
-            if cfg.compare_torch:
-                t0 = time.perf_counter()
-                twin_adam.zero_grad()
-                t_loss = torch.nn.functional.cross_entropy(twin(x_tr_t[:, t_idx]), y_tr_t[t_idx])
-                t_loss.backward()
-                twin_adam.step()
-                record[TORCH_MODEL]["train_seconds"] += time.perf_counter() - t0
-                record[TORCH_MODEL]["loss"].append(t_loss.item())
-            bar.update(1)
-        logits, _ = model.logits(x_te_d)
-        record[ARRAY_MODEL]["test_accuracy"].append(float((_host(logits.argmax(axis=1)) == y_te)
-                                                          .mean()))
+
+    def step(idx):
+        nonlocal same_parameters_gap
+        i = xp.asarray(idx)
+        loss, grads = _timed(ours, sync, lambda: model.loss_and_grads(x_tr_d[:, i], y_tr_d[i]))
+        if cfg.compare_torch:      # before the update: from the same parameters (not timed)
+            t_idx = torch.from_numpy(idx)
+            xs, ys = x_tr_t[:, t_idx], y_tr_t[t_idx]
+            same_parameters_gap = max(same_parameters_gap, _same_parameters_gap(
+                probe, model, xs, ys, loss, grads))
+        _timed(ours, sync, lambda: adam.step(grads))
+        ours["loss"].append(loss)
         if cfg.compare_torch:
-            with torch.no_grad():
-                pred = twin(x_te_t).argmax(dim=1).numpy()
-            record[TORCH_MODEL]["test_accuracy"].append(float((pred == y_te).mean()))
-        bar.set_postfix({"epoch": epoch + 1,
-                         "test acc": f"{record[ARRAY_MODEL]['test_accuracy'][-1]:.3f}"})
-    bar.close()
-    result = _result(cfg, record, int(n), int(len(y_te)), steps_per_epoch)
+            _torch_step(record[TORCH_MODEL], sync, twin, twin_adam, xs, ys)
+
+    def evaluate():
+        logits, _ = model.logits(x_te_d)
+        ours["test_accuracy"].append(float((to_numpy(logits.argmax(axis=1)) == y_te).mean()))
+        if cfg.compare_torch:
+            record[TORCH_MODEL]["test_accuracy"].append(_torch_accuracy(twin, x_te_t, y_te_t))
+
+    result = _fit(cfg, record, len(y_tr), len(y_te), step, evaluate, "training (array API)",
+                  order_rng.permutation)
     if cfg.compare_torch:
         result["same_parameters_gap"] = same_parameters_gap
         result["same_parameters_tolerance"] = SAME_PARAMETERS_TOLERANCE[cfg.dtype]
-        result["first_epoch_loss_gap"] = _first_epoch_loss_gap(record, ARRAY_MODEL, TORCH_MODEL,
-                                                               steps_per_epoch)
-        result["accuracy_gap"] = abs(record[ARRAY_MODEL]["test_accuracy"][-1]
+        result["first_epoch_loss_gap"] = _first_epoch_loss_gap(result, ARRAY_MODEL, TORCH_MODEL)
+        result["accuracy_gap"] = abs(ours["test_accuracy"][-1]
                                      - record[TORCH_MODEL]["test_accuracy"][-1])
         result["gap_label"] = "array API vs torch"
     return result
 
 
 def format_table(result: dict) -> str:
-    lines = _model_rows(result["models"], 20)
     cfg = result["config"]
-    lines.append(_run_line(result, cfg["array"], f", {cfg['num_layers']} layer(s)"
-                           f"{', bidirectional' if cfg['bidirectional'] else ''}"))
+    notes = []
     if "same_parameters_gap" in result:
-        lines.append(f"array API vs torch LLTM from the same parameters at every step: largest "
-                     f"relative gap in the loss and gradients {result['same_parameters_gap']:.2e}"
-                     f" (tolerance {result['same_parameters_tolerance']:.0e})")
-        lines.append(f"trained apart from the same start (not judged: rounding grows with "
-                     f"training): largest relative gap between the per-step losses over epoch "
-                     f"one {result['first_epoch_loss_gap']:.2e}; test accuracy gap "
-                     f"{result['accuracy_gap']:.4f}")
-    return "\n".join(lines)
+        notes = [f"array API vs torch LLTM from the same parameters at every step: largest "
+                 f"relative gap in the loss and gradients {result['same_parameters_gap']:.2e}"
+                 f" (tolerance {result['same_parameters_tolerance']:.0e})",
+                 f"trained apart from the same start (not judged: rounding grows with "
+                 f"training): largest relative gap between the per-step losses over epoch "
+                 f"one {result['first_epoch_loss_gap']:.2e}; test accuracy gap "
+                 f"{result['accuracy_gap']:.4f}"]
+    return _table(result, f", {cfg['num_layers']} layer(s)"
+                  f"{', bidirectional' if cfg['bidirectional'] else ''}, {cfg['dtype']} on "
+                  f"{cfg['array']}", *notes)

@@ -118,10 +118,9 @@ def max_errors(inputs, outputs, dtype, names=OUTPUTS) -> dict:
     """Largest ulp error per output over flat arrays.
 
     inputs: dict of flat arrays z_i, z_o, z_c, old_cell, grad_h, grad_cell (the rounded inputs);
-    outputs: dict of flat arrays new_h, new_cell, d_old_cell, d_input_gate, d_output_gate,
-    d_candidate (what the backend computed; only ``names`` are needed and measured). Elements whose exact values (or their error
-    scales) leave the dtype's finite range are skipped, and listed under the key "skipped".
-    Returns {output: (ulps, index)} plus {"skipped": [indices]}.
+    outputs: dict of flat arrays of what the backend computed (new_cell, and the ``names``
+    measured). Elements whose exact values (or their error scales) leave the dtype's finite
+    range are skipped. Returns {output: (ulps, index)} plus {"skipped": [indices]}.
     """
     worst = {name: (0.0, -1) for name in names}
     skipped = []

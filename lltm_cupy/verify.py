@@ -16,9 +16,9 @@ import numpy as np
 import lltm_cupy
 
 __all__ = ["FORWARD_NAMES", "GRAD_OF", "TOLERANCE", "normalised_error", "random_case",
-           "numeric_gradients", "finite_difference_errors", "available_backends", "format_table",
-           "torch_gradchecks", "report_gradients", "compare_backends", "elementwise_accuracy", "gpu_unavailable_reason",
-           "to_numpy"]
+           "numeric_gradients", "finite_difference_errors", "format_table", "torch_gradchecks",
+           "report_gradients", "compare_backends", "elementwise_accuracy",
+           "gpu_unavailable_reason", "to_numpy"]
 
 FORWARD_NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 #: LLTMGrads field -> the forward argument it is the gradient of.
@@ -48,7 +48,8 @@ def normalised_error(actual, expected) -> float:
 
 
 def random_case(batch=3, features=4, state=5, seed=0):
-    """Float64 NumPy arguments and incoming gradients of one step (weights ~ the tutorial's init)."""
+    """Float64 NumPy arguments and incoming gradients of one step (weights as the tutorial's
+    init)."""
     rng = np.random.default_rng(seed)
     bound = 1.0 / np.sqrt(state)
     return dict(
@@ -90,8 +91,7 @@ def finite_difference_errors(xp=np, case=None, eps=1e-6) -> dict:
     """
     case = random_case() if case is None else case
     args = {n: xp.array(case[n], dtype=np.float64) for n in FORWARD_NAMES}
-    grad_h = xp.asarray(case["grad_h"], dtype=np.float64)
-    grad_cell = xp.asarray(case["grad_cell"], dtype=np.float64)
+    grad_h, grad_cell = (xp.asarray(case[g], dtype=np.float64) for g in ("grad_h", "grad_cell"))
     _, _, saved = lltm_cupy.forward(*(args[n] for n in FORWARD_NAMES))
     grads = lltm_cupy.backward(grad_h, grad_cell, saved)
 
@@ -116,19 +116,18 @@ def gpu_unavailable_reason():
         return f"CuPy cannot query the GPU ({exc})"
 
 
-def available_backends(skipped: list):
-    """Yield (name, check(case, eps) -> errors) for each backend that can run here.
-
-    Backends that cannot run are appended to ``skipped`` as (name, reason).
-    """
-    yield "numpy float64", lambda case, eps: finite_difference_errors(np, case, eps)
+def _array_backends(skipped: list) -> list:
+    """(label, xp, dtypes) of each array backend that can run here: NumPy, and CuPy (float16
+    too) where a GPU is; one that cannot is appended to ``skipped`` as (label, reason)."""
+    backends = [("numpy", np, (np.float32, np.float64))]
     reason = gpu_unavailable_reason()
     if reason:
-        skipped.append(("cupy float64", reason))
+        skipped.append(("cupy", reason))
     else:
         import cupy
 
-        yield "cupy float64", lambda case, eps: finite_difference_errors(cupy, case, eps)
+        backends.append(("cupy", cupy, (np.float16, np.float32, np.float64)))
+    return backends
 
 
 def format_table(rows, tol) -> str:
@@ -158,17 +157,11 @@ def _torch_devices(skipped: list):
 
 
 def torch_gradchecks(case=None, skipped=None, fn=None):
-    """Run torch.autograd.gradcheck of ``fn`` (default lltm_cupy.torch.lltm) per available device
-    and dtype.
-
-    Returns [(label, passed, message)]; a failing check is a False with gradcheck's message.
-    float64 with gradcheck's default tolerances; float32 with eps=1e-3 and atol=rtol=1e-2
-    (finite differences in single precision are only good to about that; gradcheck's warning
-    that a float32 check "will likely fail" at its float64 defaults is silenced, since these
-    tolerances are set for float32, and the message says so); float16 is not
-    finite-difference checked (11-bit mantissa) but compared against the reference by
-    :func:`compare_backends`.
-    """
+    """torch.autograd.gradcheck of ``fn`` (default lltm_cupy.torch.lltm) per available device,
+    in float64 at gradcheck's tolerances and in float32 at eps=1e-3, atol=rtol=1e-2 (what
+    finite differences in single precision are good to; gradcheck's warning against float32
+    at its float64 defaults is silenced, and the message names the tolerances). float16 is left
+    to :func:`compare_backends`. Returns [(label, passed, message)]."""
     import torch
     # torch.autograd.gradcheck is the function; its module holds the exception.
     from torch.autograd.gradcheck import GradcheckError
@@ -202,9 +195,9 @@ def report_gradients(case, eps, tol, with_torch=True, out=print) -> list:
     differences of every available array backend (a table), then, with torch installed and
     ``with_torch``, :func:`torch_gradchecks`; what could not run is printed with the reason.
     Returns the labels of the checks that failed; None if no array backend could run."""
-    rows, skipped = [], []
-    for name, run in available_backends(skipped):
-        rows.append((name, run(case, eps)))
+    skipped = []
+    rows = [(f"{label} float64", finite_difference_errors(xp, case, eps))
+            for label, xp, _ in _array_backends(skipped)]
     for name, why in skipped:
         out(f"skipped {name}: {why}")
     if not rows:
@@ -303,16 +296,8 @@ def elementwise_accuracy(case=None, skipped=None):
     from . import exact
 
     case = random_case(16, 32, 128) if case is None else case
-    skipped = [] if skipped is None else skipped
-    backends = [("numpy", np, (np.float32, np.float64))]
-    reason = gpu_unavailable_reason()
-    if reason:
-        skipped.append(("cupy", reason))
-    else:
-        import cupy
-        backends.append(("cupy", cupy, (np.float16, np.float32, np.float64)))
     rows = []
-    for label, xp, dtypes in backends:
+    for label, xp, dtypes in _array_backends([] if skipped is None else skipped):
         for dtype in dtypes:
             rounded = {k: np.asarray(v, dtype=dtype).astype(np.float64) for k, v in case.items()}
             ulps = _elementwise_ulps(xp, rounded, dtype)
@@ -332,17 +317,12 @@ def compare_backends(case=None, skipped=None):
     rounded values, so the comparison measures the computation, not the input rounding.
     Returns [(label, dtype, {output: normalised error}, ok)].
     """
+    from . import torch as lt
+
     case = random_case(16, 32, 128) if case is None else case
     skipped = [] if skipped is None else skipped
-    runners = [("numpy", lambda c, d: _run_arrays(np, c, d), (np.float32, np.float64))]
-    reason = gpu_unavailable_reason()
-    if reason:
-        skipped.append(("cupy", reason))
-    else:
-        import cupy
-        runners.append(("cupy", lambda c, d: _run_arrays(cupy, c, d),
-                        (np.float16, np.float32, np.float64)))
-    from . import torch as lt
+    runners = [(label, lambda c, d, xp=xp: _run_arrays(xp, c, d), dtypes)
+               for label, xp, dtypes in _array_backends(skipped)]
 
     for device in _torch_devices(skipped):
         dts = (np.float32, np.float64) + ((np.float16,) if device == "cuda" else ())
@@ -356,5 +336,6 @@ def compare_backends(case=None, skipped=None):
             got = run(rounded, dtype)
             errors = {k: normalised_error(got[k], ref[k]) for k in ref}
             tol = TOLERANCE[np.dtype(dtype)]
-            rows.append((label, np.dtype(dtype).name, errors, all(e <= tol for e in errors.values())))
+            rows.append((label, np.dtype(dtype).name, errors,
+                         all(e <= tol for e in errors.values())))
     return rows

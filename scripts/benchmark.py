@@ -7,7 +7,7 @@ Examples:
     python scripts/benchmark.py --cuda --json gpu.json
     python scripts/benchmark.py --mixed               # the cell between torch layers (CPU)
     python scripts/benchmark.py --sequence            # T = 64: our LLTM vs stepped cells
-    python scripts/benchmark.py --inference           # sequences against nn.LSTM: memory, time, split
+    python scripts/benchmark.py --inference           # sequences against nn.LSTM: memory, time
     python scripts/benchmark.py --inference --threads 1,2 --plot docs/cpu_sequences.png   # one
                                                       # thread and two, and the picture
 
@@ -31,13 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from lltm_cupy import benchmark as bm  # noqa: E402
-
-
-def parse_sizes(text):
-    try:
-        return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"sizes are BxFxS[,BxFxS...], got {text!r}")
+from lltm_cupy.benchmark._common import int_list, parse_sequence_sizes  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -48,14 +42,16 @@ def main(argv=None) -> int:
     p.add_argument("-f", "--features", type=int)
     p.add_argument("-s", "--state-size", type=int)
     p.add_argument("-r", "--runs", type=int, default=None,
-                   help="timed iterations per size (default: 1000 at the smallest size, fewer above)")
+                   help="timed iterations per size (default: 1000 at the smallest size, fewer "
+                        "above)")
     p.add_argument("--scale", choices=("s", "ms", "us"), default="us")
     p.add_argument("-c", "--cuda", action="store_true", help="run on the GPU")
     p.add_argument("-d", "--double", action="store_true", help="float64 instead of float32")
     p.add_argument("--bf16", action="store_true",
                    help="bfloat16 instead of float32: the torch implementations (the array API "
                         "has no bfloat16); on the CPU our cell computes in float32")
-    p.add_argument("--sizes", type=parse_sizes, default=None, help="BxFxS[,BxFxS...] sweep")
+    p.add_argument("--sizes", type=lambda t: parse_sequence_sizes(t, form="BxFxS"), default=None,
+                   help="BxFxS[,BxFxS...] sweep")
     p.add_argument("--impl", default=None,
                    help=f"comma-separated subset of "
                         f"{','.join(bm.IMPLS + bm.GRAPH_IMPLS + bm.EXTRA_IMPLS)} "
@@ -69,11 +65,13 @@ def main(argv=None) -> int:
                         "run with one thread, OMP_NUM_THREADS=1, else every thread's time "
                         "counts)")
     p.add_argument("--all-grads", action="store_true",
-                   help="inputs and state require grad too (default: parameters only, as the tutorial)")
-    p.add_argument("--mixed", action="store_true", help="also time the cell between torch layers (CPU)")
+                   help="inputs and state require grad too (default: parameters only, as the "
+                        "tutorial)")
+    p.add_argument("--mixed", action="store_true",
+                   help="also time the cell between torch layers (CPU)")
     p.add_argument("--sequence", action="store_true",
                    help="time whole sequences instead (our LLTM vs stepped cells and nn.LSTM)")
-    p.add_argument("-t", "--steps", type=_int_list, default=[64],
+    p.add_argument("-t", "--steps", type=int_list, default=[64],
                    help="sequence length for --sequence; several separated by commas (64,512)")
     p.add_argument("--inference", action="store_true",
                    help="our LLTM against nn.LSTM and the tutorial's cell stepped (CPU): a "
@@ -84,7 +82,7 @@ def main(argv=None) -> int:
                         "interleaved, medians (process CPU time with one thread, wall time with "
                         "more); and the per-step / fixed split of a call at (B, F, S) = (16, "
                         "32, 128) (T = 4 and 64); with --plot, the times as a picture")
-    p.add_argument("--threads", type=_int_list, default=None,
+    p.add_argument("--threads", type=int_list, default=None,
                    help="torch threads (default: torch's own, what a user gets); 1 is the "
                         "quiet-machine figure: with --process-time, or with --inference, timed "
                         "by process CPU time, which other processes disturb least; with "
@@ -123,7 +121,8 @@ def main(argv=None) -> int:
     if any(v is not None for v in (args.batch_size, args.features, args.state_size)):
         sizes = [(args.batch_size or 16, args.features or 32, args.state_size or 128)]
     else:
-        default = bm.SEQUENCE_SIZES if args.sequence else bm.GPU_SIZES if args.cuda else bm.CPU_SIZES
+        default = (bm.SEQUENCE_SIZES if args.sequence else bm.GPU_SIZES if args.cuda
+                   else bm.CPU_SIZES)
         sizes = args.sizes or list(default)
     known = bm.SEQUENCE_IMPLS if args.sequence else bm.IMPLS + bm.GRAPH_IMPLS + bm.EXTRA_IMPLS
     # nn.LSTMCell (lstm) only on the GPU; whole sequences compare nn.LSTM on the CPU too
@@ -201,7 +200,8 @@ def _run_sizes(args, sizes, impls, out) -> None:
 
     _common.progress = progress
     for i, size in enumerate(sizes, 1):
-        runs = args.runs or max(30, min(1000, int(2e9 // (size[0] * size[2] * (size[1] + size[2])))))
+        work = size[0] * size[2] * (size[1] + size[2])
+        runs = args.runs or max(30, min(1000, int(2e9 // work)))
         cfg = bm.Config(*size, cuda=args.cuda, double=args.double, bf16=args.bf16, runs=runs,
                         warmup=args.warmup, all_grads=args.all_grads,
                         process_time=args.process_time)
@@ -234,17 +234,6 @@ def _run_sizes(args, sizes, impls, out) -> None:
             out["mixed"][str(size)] = rep
             print(bm.format_mixed(size, rep, args.scale), flush=True)
         _write_json(args, out)
-
-
-def _int_list(text: str) -> list:
-    """'64,512' -> [64, 512] (positive integers)."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _write_json(args, out) -> None:

@@ -18,14 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from lltm_cupy.benchmark import scaling  # noqa: E402
-from lltm_cupy.benchmark._common import machine_name, parse_sequence_sizes  # noqa: E402
-
-
-def _ints(text):
-    try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
+from lltm_cupy.benchmark._common import int_list, machine_name, parse_sequence_sizes  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,12 +27,12 @@ def main(argv=None) -> int:
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--sizes", type=parse_sequence_sizes, default=scaling.SIZES,
                    help="TxBxFxS[,...] (default: the --inference training sizes)")
-    p.add_argument("--threads", type=_ints, default=(1, 2),
+    p.add_argument("--threads", type=int_list, default=(1, 2),
                    help="thread counts measured (the prediction needs 1 and 2)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--no-grad", action="store_true", help="a forward under no_grad instead of "
                                                            "a training step")
-    p.add_argument("--cores", type=_ints, default=(8, 16), help="core counts predicted")
+    p.add_argument("--cores", type=int_list, default=(8, 16), help="core counts predicted")
     args = p.parse_args(argv)
     import numpy
     import torch

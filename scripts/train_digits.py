@@ -19,10 +19,9 @@ from lltm_cupy import digits  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    digits.add_training_options(p)
+    digits.add_options(p)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the three models")
-    digits.add_output_options(p)
     args = p.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.state_size < 1:
         p.error("--epochs, --batch-size and --state-size must be positive")
@@ -39,10 +38,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda given but torch finds no CUDA device", file=sys.stderr)
         return 2
-    cfg = digits.Config(epochs=args.epochs, batch_size=args.batch_size,
-                        state_size=args.state_size, seed=args.seed, device=args.device,
-                        dtype=args.dtype, compile=args.compile, lr=args.lr,
-                        progress=not args.no_progress)
+    cfg = digits.Config.from_args(args, device=args.device, compile=args.compile)
     result = digits.train(cfg)
     from lltm_cupy.benchmark import machine_name
 

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--array", choices=("numpy", "cupy"), default="numpy",
                    help="NumPy on the CPU or CuPy on the GPU (default numpy)")
-    digits.add_training_options(p, digits_array.ArrayConfig)
+    digits.add_options(p)
     p.add_argument("--layers", type=int, default=digits_array.ArrayConfig.num_layers)
     p.add_argument("--bidirectional", action="store_true")
     p.add_argument("--compare-torch", action="store_true",
@@ -33,7 +33,6 @@ def main(argv=None) -> int:
     p.add_argument("--nudge", action="store_true",
                    help="start from the initial parameters moved one ulp up (numpy.nextafter): "
                         "how far rounding alone carries a run")
-    digits.add_output_options(p)
     args = p.parse_args(argv)
     if min(args.epochs, args.batch_size, args.state_size, args.layers) < 1:
         p.error("--epochs, --batch-size, --state-size and --layers must be positive")
@@ -55,11 +54,9 @@ def main(argv=None) -> int:
         if reason:
             print(f"--array cupy needs a GPU: {reason}", file=sys.stderr)
             return 2
-    cfg = digits_array.ArrayConfig(
-        epochs=args.epochs, batch_size=args.batch_size, state_size=args.state_size,
-        num_layers=args.layers, bidirectional=args.bidirectional, seed=args.seed,
-        array=args.array, dtype=args.dtype, lr=args.lr, compare_torch=args.compare_torch,
-        nudge=args.nudge, progress=not args.no_progress)
+    cfg = digits_array.ArrayConfig.from_args(
+        args, num_layers=args.layers, bidirectional=args.bidirectional, array=args.array,
+        compare_torch=args.compare_torch, nudge=args.nudge)
     result = digits_array.train(cfg)
     if args.array == "cupy":
         import cupy

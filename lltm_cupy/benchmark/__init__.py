@@ -3,37 +3,31 @@
 Implementations (names used by ``--impl``):
 
 - ``reference``: the tutorial's pure-torch LLTM, eager (:class:`lltm_cupy.torch.ReferenceLLTMCell`);
-- ``compiled``: the same module under ``torch.compile`` (where it compiles on the machine);
-- ``cell``: our :class:`lltm_cupy.torch.LLTMCell`;
-- ``array``: our array API (NumPy on the CPU, CuPy on the GPU), called directly;
-- ``lstm``: ``torch.nn.LSTMCell`` of the same hidden size (different math, comparable work);
-- ``cell-graph`` / ``reference-graph`` (CUDA only): our cell / the reference with forward and
-  backward each captured in a CUDA graph (``torch.cuda.make_graphed_callables``) and replayed:
-  what a training loop that captures its step pays, with no host cost per kernel;
-- ``compiled-ro`` (CUDA only): the reference under ``torch.compile(mode="reduce-overhead")``
-  (inductor's kernels replayed from CUDA graphs);
-- ``cell-op``: our cell called through the ``lltm_cupy::step`` custom operator in eager
-  mode (the path torch.compile uses), to measure its per-call cost against ``cell``'s plain
-  ``autograd.Function`` (not run unless named in ``--impl``);
-- ``cell-floor``: the same backend inside a bare ``autograd.Function`` with no argument checks,
-  no version checks and no module (CPU only, parameters' gradients only): not a usable op, the
-  floor any NumPy-backed Function can reach (not run unless named in ``--impl``);
-- ``function-floor``: a bare ``autograd.Function`` that does no LLTM work (it returns copies of
-  the state and zero parameter gradients): the fixed cost of one timed step (Function, the
-  tutorial's loss and the autograd engine) that any ``autograd.Function``-based cell pays on top
-  of its own work (CPU only, parameters' gradients only; not run unless named in ``--impl``).
+  ``compiled``: the same under ``torch.compile``; ``compiled-ro`` (CUDA): under
+  ``mode="reduce-overhead"`` (inductor's kernels replayed from CUDA graphs);
+- ``cell``: our :class:`lltm_cupy.torch.LLTMCell`; ``array``: our array API (NumPy on the CPU,
+  CuPy on the GPU), called directly; ``lstm``: ``torch.nn.LSTMCell`` of the same hidden size
+  (different math, comparable work);
+- ``cell-graph`` / ``reference-graph`` (CUDA): our cell / the reference with forward and
+  backward captured in CUDA graphs (``torch.cuda.make_graphed_callables``) and replayed: what a
+  training loop that captures its step pays, with no host cost per kernel;
+- run only when named in ``--impl``: ``cell-op``, our cell through the ``lltm_cupy::step``
+  custom operator in eager mode (the path torch.compile uses); ``cell-floor``, the same backend
+  in a bare ``autograd.Function`` with no checks and no module, the floor any NumPy-backed
+  Function can reach; ``function-floor``, a bare Function that does no LLTM work, the fixed
+  cost of one timed step (Function, loss, autograd engine) any Function-based cell pays (the
+  floors: CPU only, parameters' gradients only).
 
-Every implementation runs the tutorial's step: ``h, c = cell(x, (h0, c0))`` then a backward of
-``h`` and ``c`` with gradient one (the tutorial's ``(h.sum() + c.sum()).backward()``), with
-gradients for the parameters only (add ``all_grads`` for the inputs and state too). Timings are
-taken in one loop, interleaved and rotated so that machine drift hits all implementations alike:
-each iteration times the forward, the backward of that forward, and a whole forward+backward.
-On the GPU each timed region is bracketed by synchronisations and timed with CUDA events.
+Every implementation runs the tutorial's step, ``h, c = cell(x, (h0, c0))``, then a backward of
+``h`` and ``c`` with gradient one, into the parameters only (``all_grads``: the inputs and state
+too). The timings are interleaved and rotated in one loop, so that machine drift hits all alike:
+each iteration times the forward, the backward of that forward, and a whole forward+backward;
+on the GPU between synchronisations, with CUDA events.
 
-Layout: ``_common`` (configuration, timers, the timing loop), ``cell`` (the one-step peers and
-:func:`run_size`), ``sequence`` (whole sequences and :func:`run_sequence`), ``reports`` (tables,
-plot), ``diagnostics`` (the GPU-kernel, CPU-BLAS and mixed-model reports). A new peer is a name and a
-branch in ``cell`` (one step) or ``sequence`` (whole sequences).
+Layout: ``_common`` (configuration, timers, timing loops, the record), ``cell`` (the one-step
+peers, :func:`run_size`), ``sequence`` (whole sequences, :func:`run_sequence`), ``reports``
+(tables, plots), ``diagnostics`` (GPU kernels, CPU BLAS, the mixed model), ``inference`` and
+``scaling`` (the CPU sequence reports of ``--inference`` and ``scripts/cpu_scaling.py``).
 """
 from __future__ import annotations
 
@@ -46,6 +40,6 @@ from .sequence import PAIRED_SEQUENCE_IMPLS, SEQUENCE_IMPLS, SEQUENCE_SIZES, run
 
 __all__ = ["Config", "IMPLS", "EXTRA_IMPLS", "GRAPH_IMPLS", "PHASES", "CPU_SIZES", "GPU_SIZES",
            "SEQUENCE_IMPLS", "PAIRED_SEQUENCE_IMPLS", "SEQUENCE_SIZES", "ImplementationError",
-           "run_size", "run_sequence", "format_table", "plot_speedups", "plot_inference", "machine_name",
-           "gpu_kernel_report", "format_gpu_report", "cpu_blas_report", "format_blas_report",
-           "blas_names", "mixed_model_report", "format_mixed"]
+           "run_size", "run_sequence", "format_table", "plot_speedups", "plot_inference",
+           "machine_name", "gpu_kernel_report", "format_gpu_report", "cpu_blas_report",
+           "format_blas_report", "blas_names", "mixed_model_report", "format_mixed"]

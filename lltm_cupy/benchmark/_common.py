@@ -1,5 +1,5 @@
-"""What every benchmark run shares: the configuration, the timers, the interleaved timing loop
-and the record it returns."""
+"""What every benchmark run shares: the configuration, the output check, the timers and timing
+loops, the record they return, and the scripts' option types."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +9,7 @@ import sys
 import time
 
 PHASES = ("forward", "backward", "fwd+bwd")
+
 
 class ImplementationError(RuntimeError):
     """An implementation named by the caller could not be set up (the cause is chained)."""
@@ -69,16 +70,6 @@ CHECK_TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 1e-1}
 CHECK_STEPS = 64
 
 
-def _as_float64(a):
-    import numpy as np
-
-    if hasattr(a, "detach"):                                    # torch
-        return a.detach().double().cpu().numpy()
-    if type(a).__module__.split(".")[0] == "cupy":
-        return a.get().astype(np.float64)
-    return np.asarray(a, dtype=np.float64)
-
-
 def check_outputs(runners: dict, pick, expected, cfg: Config, skipped: dict, strict: bool,
                   quiet: bool, steps: int = 1) -> None:
     """Before anything is timed: the outputs of each runner, ``pick(name, runner.forward())``
@@ -89,6 +80,8 @@ def check_outputs(runners: dict, pick, expected, cfg: Config, skipped: dict, str
     beyond CHECK_STEPS."""
     import numpy as np
 
+    from ..verify import to_numpy
+
     tol = CHECK_TOLERANCE[cfg.dtype_name] * max(1.0, steps / CHECK_STEPS)
     for name in list(runners):
         got = pick(name, runners[name].forward())
@@ -97,7 +90,7 @@ def check_outputs(runners: dict, pick, expected, cfg: Config, skipped: dict, str
         want = expected(name)
         assert len(got) == len(want), (name, len(got), len(want))
         for i, (a, b) in enumerate(zip(got, want)):
-            a, b = _as_float64(a), _as_float64(b)
+            a, b = (np.asarray(to_numpy(v), dtype=np.float64) for v in (a, b))
             err = (float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
                    if a.shape == b.shape and b.size else (0.0 if a.shape == b.shape else np.inf))
             if not err <= tol:
@@ -118,25 +111,37 @@ def machine_name(cuda: bool) -> str:
     model = ""
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), "")
     except OSError:
         pass
     return f"{os.cpu_count()}-core {platform.machine()} CPU" + (f" ({model})" if model else "")
 
 
-def parse_sequence_sizes(text: str, option: str = "--sizes") -> list:
-    """Comma-separated TxBxFxS (steps, batch, features, state) of positive integers, for the
-    GPU scripts' ``--sizes`` (an argparse type: ArgumentTypeError otherwise)."""
+def parse_sequence_sizes(text: str, option: str = "--sizes", form: str = "TxBxFxS") -> list:
+    """The scripts' ``--sizes``, an argparse type: comma-separated sizes of ``form`` (TxBxFxS:
+    steps, batch, features, state), positive integers (ArgumentTypeError otherwise)."""
     import argparse
 
     sizes = []
     for item in text.split(","):
         parts = item.lower().split("x")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"{option}: expected TxBxFxS with positive integers, "
-                                              f"got {item!r}")
+        if len(parts) != len(form.split("x")) or not all(p.isdigit() and int(p) > 0
+                                                          for p in parts):
+            raise argparse.ArgumentTypeError(f"{option}: expected {form} with positive "
+                                              f"integers, got {item!r}")
         sizes.append(tuple(int(p) for p in parts))
     return sizes
+
+
+def int_list(text: str) -> list:
+    """An argparse type: '64,512' -> [64, 512], positive integers."""
+    import argparse
+
+    if not all(v.isdigit() and int(v) > 0 for v in text.split(",")):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got "
+                                          f"{text!r}")
+    return [int(v) for v in text.split(",")]
 
 
 def cupy_gpu(script: str):
@@ -232,9 +237,10 @@ def _summary(samples) -> dict:
             for name, phases in samples.items()}
 
 
-
-def timed_record(runners: dict, cfg: Config, numpy_side, quiet, label="") -> tuple:
-    """Time ``runners`` with :func:`_time_loop` and summarise them: (results, separately_timed).
+def timed_record(runners: dict, cfg: Config, numpy_side, skipped: dict, quiet, label="",
+                 **fields) -> dict:
+    """Time ``runners`` with :func:`_time_loop`; the JSON-ready record of the size: ``cfg``'s,
+    the results, ``skipped`` and ``fields``.
 
     On the CPU the NumPy-side runners (``numpy_side``) are timed in a block of their own after
     the others: NumPy's OpenBLAS worker threads keep spinning for a while after each GEMM, and
@@ -259,4 +265,34 @@ def timed_record(runners: dict, cfg: Config, numpy_side, quiet, label="") -> tup
         except Exception as exc:    # e.g. saved-tensor hooks refused under torch.compile
             _log(quiet, f"  {name}: saved bytes not measured ({type(exc).__name__}: {exc})"[:200])
             results[name]["saved_bytes"] = None
-    return results, [k for g in groups[1:] for k in g]
+    return {"batch": cfg.batch, "features": cfg.features, "state": cfg.state,
+            "device": "cuda" if cfg.cuda else "cpu", "dtype": cfg.dtype_name, "runs": cfg.runs,
+            "all_grads": cfg.all_grads, "separately_timed": [k for g in groups[1:] for k in g],
+            "results": results, "skipped": skipped, **fields}
+
+
+def thread_clock(threads: int) -> tuple:
+    """(clock, its name in the records) for a measurement at ``threads`` threads: process CPU
+    time with one (what a loaded machine disturbs least), wall time with more (process time
+    would count the threads' spin-waiting, which OpenMP does between parallel regions)."""
+    return (time.process_time, "process") if threads == 1 else (time.perf_counter, "wall")
+
+
+#: a record's clock name as the tables say it
+CLOCK_TEXT = {"process": "process CPU time", "wall": "wall time"}
+
+
+def interleaved(calls: dict, rounds: int, clock, warmup: int = 2) -> dict:
+    """Each call's time per round, the calls interleaved (in turn reversed every other round)
+    after ``warmup`` calls each."""
+    names = list(calls)
+    for name in names:
+        for _ in range(warmup):
+            calls[name]()
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            t0 = clock()
+            calls[name]()
+            times[name].append(clock() - t0)
+    return times

@@ -22,7 +22,7 @@ class _TorchRunner:
     overwrite their outputs at the next replay: each forward starts a new step
     (``torch.compiler.cudagraph_mark_step_begin``), as a training loop's iteration does."""
 
-    def __init__(self, module, cfg, inputs, mark_step=False):
+    def __init__(self, module, inputs, mark_step=False):
         import torch
 
         self.torch = torch
@@ -130,25 +130,9 @@ class _ArrayRunner:
         return self.forward()[2].nbytes
 
 
-def _function_cell(ref, function):
-    """A module calling ``function.apply(x, weights, bias, h, c)`` with copies of ``ref``'s
-    parameters: the bare-Function measurements ``cell-floor`` and ``function-floor``."""
-    import torch
-
-    class FunctionCell(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weights = torch.nn.Parameter(ref.weights.detach().clone())
-            self.bias = torch.nn.Parameter(ref.bias.detach().clone())
-
-        def forward(self, x, state):
-            return function.apply(x, self.weights, self.bias, *state)
-
-    return FunctionCell()
-
-
-def _FloorCell(ref):
-    """A module running the NumPy backend in a bare autograd.Function (see ``cell-floor``)."""
+def _bare_cell(ref, name):
+    """A module calling a bare ``autograd.Function`` with copies of ``ref``'s parameters: the
+    NumPy backend with no checks (``cell-floor``), or no LLTM work (``function-floor``)."""
     import torch
 
     from .. import _numpy
@@ -168,13 +152,6 @@ def _FloorCell(ref):
                                 (False, False, True, True, False), mm=torch_mm)
             return None, torch.from_numpy(g.d_weights), torch.from_numpy(g.d_bias), None, None
 
-    return _function_cell(ref, Floor)
-
-
-def _EmptyCell(ref):
-    """A module whose autograd.Function does no LLTM work (see ``function-floor``)."""
-    import torch
-
     class Empty(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, w, b, h, c):
@@ -184,7 +161,18 @@ def _EmptyCell(ref):
         def backward(ctx, grad_h, grad_cell):
             return None, torch.zeros_like(ref.weights), torch.zeros_like(ref.bias), None, None
 
-    return _function_cell(ref, Empty)
+    function = Floor if name == "cell-floor" else Empty
+
+    class FunctionCell(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = torch.nn.Parameter(ref.weights.detach().clone())
+            self.bias = torch.nn.Parameter(ref.bias.detach().clone())
+
+        def forward(self, x, state):
+            return function.apply(x, self.weights, self.bias, *state)
+
+    return FunctionCell()
 
 
 def _graphed(module, x, h, c):
@@ -226,57 +214,50 @@ def _make_runners(cfg: Config, impls, quiet, strict=False):
 
     from .. import torch as lt
 
-    device = "cuda" if cfg.cuda else "cpu"
-    dtype = cfg.torch_dtype()
+    kw = dict(device="cuda" if cfg.cuda else "cpu", dtype=cfg.torch_dtype())
     _warmup(cfg)
     torch.manual_seed(cfg.seed)
-    ref = lt.ReferenceLLTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
-    x = torch.randn(cfg.batch, cfg.features, device=device, dtype=dtype)
-    h = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
-    c = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
+    ref = lt.ReferenceLLTMCell(cfg.features, cfg.state, **kw)
+    x, h, c = (torch.randn(cfg.batch, n, **kw) for n in (cfg.features, cfg.state, cfg.state))
     if cfg.all_grads:
         for t in (x, h, c):
             t.requires_grad_()
+
+    def like_ref(cls):          # a module of class cls with the reference's parameters
+        module = cls(cfg.features, cfg.state, **kw)
+        module.load_state_dict(ref.state_dict())
+        return module
+
     runners, skipped = {}, {}
     for name in impls:
         if cfg.bf16 and name in ("array", "cell-floor", "function-floor"):
             _not_run(name, _NO_BF16_ARRAYS, skipped, strict, quiet)
             continue
         try:
+            warm = 0            # forward+backward calls before timing (compile, record)
+            if name == "array":
+                runners[name] = _ArrayRunner(cfg, (ref.weights, ref.bias), (x, h, c))
+                continue
             if name == "reference":
-                runners[name] = _TorchRunner(ref, cfg, (x, h, c))
+                module = ref
             elif name == "compiled":
                 _log(quiet, "  compiling the reference with torch.compile ...")
-                module = lt.ReferenceLLTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
-                module.load_state_dict(ref.state_dict())
-                runner = _TorchRunner(torch.compile(module, dynamic=False), cfg, (x, h, c))
-                runner.backward(runner.forward())  # compile now, not in the timed loop
-                runners[name] = runner
+                module, warm = torch.compile(like_ref(lt.ReferenceLLTMCell), dynamic=False), 1
             elif name == "cell":
-                cell = lt.LLTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
-                cell.load_state_dict(ref.state_dict())
-                runners[name] = _TorchRunner(cell, cfg, (x, h, c))
-            elif name == "array":
-                runners[name] = _ArrayRunner(cfg, (ref.weights, ref.bias), (x, h, c))
+                module = like_ref(lt.LLTMCell)
             elif name == "lstm":
-                lstm = torch.nn.LSTMCell(cfg.features, cfg.state, device=device, dtype=dtype)
-                runners[name] = _TorchRunner(lstm, cfg, (x, h, c))
+                module = torch.nn.LSTMCell(cfg.features, cfg.state, **kw)
             elif name in GRAPH_IMPLS:
                 if not cfg.cuda:
                     raise ValueError(f"{name} needs CUDA (--cuda)")
-                cls = lt.ReferenceLLTMCell if name != "cell-graph" else lt.LLTMCell
-                module = cls(cfg.features, cfg.state, device=device, dtype=dtype)
-                module.load_state_dict(ref.state_dict())
+                module, warm = like_ref(lt.LLTMCell if name == "cell-graph"
+                                        else lt.ReferenceLLTMCell), 3
                 if name == "compiled-ro":
                     _log(quiet, "  compiling the reference with mode='reduce-overhead' ...")
                     module = torch.compile(module, mode="reduce-overhead", dynamic=False)
                 else:
                     _log(quiet, f"  capturing {name} in CUDA graphs ...")
                     module = _graphed(module, x, h, c)
-                runner = _TorchRunner(module, cfg, (x, h, c), mark_step=name == "compiled-ro")
-                for _ in range(3):  # compile / record now, not in the timed loop
-                    runner.backward(runner.forward())
-                runners[name] = runner
             elif name == "cell-op":
                 from ..torch._custom_ops import lltm_forward_op
 
@@ -287,26 +268,22 @@ def _make_runners(cfg: Config, impls, quiet, strict=False):
                         new_h, new_cell, _, _ = lltm_forward_op(*self._args(input, state))
                         return new_h, new_cell
 
-                cell = CustomOpCell(cfg.features, cfg.state, device=device, dtype=dtype)
-                cell.load_state_dict(ref.state_dict())
-                runners[name] = _TorchRunner(cell, cfg, (x, h, c))
-            elif name == "cell-floor":
+                module = like_ref(CustomOpCell)
+            elif name in ("cell-floor", "function-floor"):
                 if cfg.cuda or cfg.all_grads:
-                    raise ValueError("cell-floor measures the CPU, parameter-gradient case only")
-                runners[name] = _TorchRunner(_FloorCell(ref), cfg, (x, h, c))
-            elif name == "function-floor":
-                if cfg.cuda or cfg.all_grads:
-                    raise ValueError("function-floor measures the CPU, parameter-gradient case only")
-                runners[name] = _TorchRunner(_EmptyCell(ref), cfg, (x, h, c))
+                    raise ValueError(f"{name} measures the CPU, parameter-gradient case only")
+                module = _bare_cell(ref, name)
             else:
                 raise ValueError(f"unknown implementation {name!r}; choose from "
                                  f"{IMPLS + EXTRA_IMPLS + GRAPH_IMPLS}")
+            runner = _TorchRunner(module, (x, h, c), mark_step=name == "compiled-ro")
+            for _ in range(warm):
+                runner.backward(runner.forward())
+            runners[name] = runner
         except Exception as exc:  # e.g. torch.compile without a working compiler
             _not_run(name, exc, skipped, strict, quiet)
     _check_cells(runners, ref, (x, h, c), cfg, skipped, strict, quiet)
     return runners, skipped
-
-
 #: one-step runners whose outputs are not the LLTM cell's: the measurement floors, and
 #: nn.LSTMCell (another cell, with its own parameters)
 _UNCHECKED = ("cell-floor", "function-floor", "lstm")
@@ -325,24 +302,13 @@ def _check_cells(runners, ref, inputs, cfg, skipped, strict, quiet):
                   lambda name: list(want), cfg, skipped, strict, quiet)
 
 
-
-
 def run_size(cfg: Config, impls=None, quiet=False, strict=False) -> dict:
-    """Time every implementation at one size. Returns a JSON-ready dict.
-
-    On the CPU the array API (NumPy) is timed in a block of its own after the torch
-    implementations (see :func:`timed_record`); a NumPy program without torch, the array API's
-    use, does not pay their thread contention. (lltm_cupy.torch runs its GEMMs through torch
-    for this reason.)
+    """Time every implementation at one size; the JSON-ready record. On the CPU the array API
+    is timed in a block of its own (:func:`timed_record`), as a NumPy program without torch
+    runs it.
 
     strict: the caller named ``impls``; one that cannot be set up raises ImplementationError
     (otherwise it is skipped, with the reason printed and recorded under "skipped").
     """
-    impls = list(impls or IMPLS)
-    runners, skipped = _make_runners(cfg, impls, quiet, strict)
-    results, separate = timed_record(runners, cfg, ("array",), quiet)
-    return {"batch": cfg.batch, "features": cfg.features, "state": cfg.state,
-            "device": "cuda" if cfg.cuda else "cpu",
-            "dtype": cfg.dtype_name, "runs": cfg.runs,
-            "all_grads": cfg.all_grads, "separately_timed": separate,
-            "results": results, "skipped": skipped}
+    runners, skipped = _make_runners(cfg, list(impls or IMPLS), quiet, strict)
+    return timed_record(runners, cfg, ("array",), skipped, quiet)

@@ -3,12 +3,13 @@ GEMMs' share of a step, the CPU step's share in BLAS (NumPy's and torch's), and 
 torch layers (thread-pool contention)."""
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 
 import numpy as np
 
-from ._common import Config, _log
+from ._common import Config, _log, interleaved
 from .reports import SCALES
 
 
@@ -94,7 +95,7 @@ _DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12
 
 
 def _peak_bandwidth():
-    """Peak memory bandwidth in bytes/s: from the device properties, else the datasheet, else None."""
+    """Peak memory bandwidth in bytes/s: the device properties', else the datasheet's, or None."""
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
@@ -157,27 +158,21 @@ def cpu_blas_report(cfg: Config, runs=100) -> dict:
     clock = time.perf_counter
     report = {}
     for name, mm in (("numpy", np.matmul), ("torch", _torch_mm)):
-        in_gemm = [0.0]
+        gemms = []              # per step, the seconds in its GEMMs
 
-        def timed_mm(a, b, mm=mm, in_gemm=in_gemm):
+        def timed_mm(a, b, mm=mm, gemms=gemms):
             t0 = clock()
             out = mm(a, b)
-            in_gemm[0] += clock() - t0
+            gemms[-1] += clock() - t0
             return out
 
         def step():
+            gemms.append(0.0)
             saved = _numpy.forward(x, W, bias, h, c, mm=timed_mm)[2]
             _numpy.backward(ones, ones, saved, needed, mm=timed_mm)
 
-        for _ in range(cfg.warmup):
-            step()
-        steps, gemms = [], []
-        for _ in range(runs):
-            in_gemm[0] = 0.0
-            t0 = clock()
-            step()
-            steps.append(clock() - t0)
-            gemms.append(in_gemm[0])
+        steps = interleaved({name: step}, runs, clock, warmup=cfg.warmup)[name]
+        del gemms[:cfg.warmup]
         step_s, gemm_s = statistics.median(steps), statistics.median(gemms)
         report[name] = {"step_s": step_s, "gemm_s": gemm_s, "gemm_share_pct": 100 * gemm_s / step_s}
         time.sleep(0.5)  # let this pool's workers go idle before the other one runs
@@ -192,9 +187,10 @@ def format_blas_report(size, rep: dict, scale="us") -> str:
     parts = []
     for name, who in (("numpy", "NumPy's BLAS"), ("torch", "torch's BLAS")):
         r = rep[name]
-        parts.append(f"{who} ({rep['blas'][name]}{'; what LLTMCell runs' if name == 'torch' else ''}): "
-                     f"step {r['step_s'] * factor:.1f} {unit}, GEMMs {r['gemm_s'] * factor:.1f} {unit} "
-                     f"({r['gemm_share_pct']:.0f}%)")
+        parts.append(f"{who} ({rep['blas'][name]}"
+                     f"{'; what LLTMCell runs' if name == 'torch' else ''}): step "
+                     f"{r['step_s'] * factor:.1f} {unit}, GEMMs {r['gemm_s'] * factor:.1f} {unit}"
+                     f" ({r['gemm_share_pct']:.0f}%)")
     return (f"BLAS share at {size} (the NumPy backend's step, medians of {rep['runs']} runs): "
             + "; ".join(parts)
             + f"; torch's GEMMs / NumPy's GEMMs = {rep['torch_gemm_over_numpy_gemm']:.2f}")
@@ -216,20 +212,17 @@ def mixed_model_report(cfg: Config, runs=200, quiet=False) -> dict:
 
     from .. import torch as lt
 
-    dtype = torch.float64 if cfg.double else torch.float32
+    dtype = cfg.torch_dtype()
     torch.manual_seed(cfg.seed)
     B, F, S = cfg.size
     pre = torch.nn.Linear(F, F, dtype=dtype)
     post = torch.nn.Linear(S, S, dtype=dtype)
-    x = torch.randn(B, F, dtype=dtype)
-    h0 = torch.randn(B, S, dtype=dtype)
-    c0 = torch.randn(B, S, dtype=dtype)
+    x, h0, c0 = (torch.randn(B, n, dtype=dtype) for n in (F, S, S))
     clock = time.perf_counter
     results = {}
     for cell_name, cell in (("cell", lt.LLTMCell(F, S, dtype=dtype)),
                             ("reference", lt.ReferenceLLTMCell(F, S, dtype=dtype))):
-        segments = {k: [] for k in ("post fwd alone", "post fwd mixed", "cell fwd alone",
-                                    "cell fwd mixed")}
+        segments = collections.defaultdict(list)     # the forwards timed inside the steps
 
         def layers_only():
             y = torch.tanh(pre(x))
@@ -256,18 +249,9 @@ def mixed_model_report(cfg: Config, runs=200, quiet=False) -> dict:
             (z.sum() + c.sum()).backward()
 
         fns = {"layers alone": layers_only, "cell alone": cell_only, "mixed": mixed}
-        samples = {k: [] for k in fns}
-        for fn in fns.values():
-            for _ in range(cfg.warmup):
-                fn()
-        for v in segments.values():
-            v.clear()
-        names = list(fns)
-        for r in range(runs):
-            for k in names[r % 3:] + names[: r % 3]:
-                t0 = clock()
-                fns[k]()
-                samples[k].append(clock() - t0)
+        interleaved(fns, 0, clock, warmup=cfg.warmup)
+        segments.clear()
+        samples = interleaved(fns, runs, clock, warmup=0)
         med = {k: statistics.median(v) for k, v in samples.items()}
         med.update({k: statistics.median(v) for k, v in segments.items()})
         med["mixed / (layers + cell)"] = med["mixed"] / (med["layers alone"] + med["cell alone"])

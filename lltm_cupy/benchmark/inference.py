@@ -13,10 +13,8 @@ and a fixed cost per call (two lengths, :func:`split_report`).
   implementations; the median is reported.
 - **time**: in one process, at the thread count given (``scripts/benchmark.py``: torch's
   default, what a user gets, unless ``--threads`` says otherwise), implementations interleaved,
-  the median of per-round ratios and each one's slowest round over its fastest; process CPU
-  time with one thread (what a loaded machine disturbs least: the quiet-machine figure), wall
-  time with more (process time would count the threads' spin-waiting, which OpenMP does
-  between parallel regions);
+  the median of per-round ratios and each one's slowest round over its fastest, by
+  :func:`._common.thread_clock`;
 - **GEMM-only floor**: beside each implementation, the GEMMs a recurrent layer of its gate count
   (3 for the LLTM, 4 for the LSTM) does on the same sizes, alone: ``torch.mm`` on preallocated
   operands, the input projection in one call, one recurrent product per step, and for a
@@ -33,7 +31,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+
+from ._common import CLOCK_TEXT, interleaved, thread_clock
 
 #: (T, B, F, S) of the memory figure and of the time figures
 MEMORY_SIZES = ((500, 64, 16, 512),)
@@ -46,35 +45,27 @@ INFERENCE_IMPLS = ("lltm", "lstm")
 TIME_IMPLS = ("lltm", "lstm", "reference")
 
 
-class _Stepped:
-    """The tutorial's cell (``ReferenceLLTMCell``, eager torch) over a sequence, stepped from
-    Python, called as a sequence module: ``(outputs, (h_n, c_n))``."""
-
-    def __init__(self, features: int, state: int):
-        from .. import torch as lt
-
-        self.cell = lt.ReferenceLLTMCell(features, state)
-
-    def __call__(self, xs):
-        import torch
-
-        h = c = xs.new_zeros(xs.shape[1], self.cell.hidden_size)
-        outs = []
-        for x in xs:
-            h, c = self.cell(x, (h, c))
-            outs.append(h)
-        return torch.stack(outs), (h, c)
-
-
 def _module(impl, features, state):
+    """Our LLTM, nn.LSTM, or the tutorial's cell (eager torch) stepped from Python over a
+    sequence, each called as a sequence module: ``(outputs, (h_n, c_n))``."""
     import torch
 
     from .. import torch as lt
 
     torch.manual_seed(0)
-    if impl == "reference":
-        return _Stepped(features, state)
-    return lt.LLTM(features, state) if impl == "lltm" else torch.nn.LSTM(features, state)
+    if impl != "reference":
+        return lt.LLTM(features, state) if impl == "lltm" else torch.nn.LSTM(features, state)
+    cell = lt.ReferenceLLTMCell(features, state)
+
+    def stepped(xs):
+        h = c = xs.new_zeros(xs.shape[1], state)
+        outs = []
+        for x in xs:
+            h, c = cell(x, (h, c))
+            outs.append(h)
+        return torch.stack(outs), (h, c)
+
+    return stepped
 
 
 def _status(field: str) -> int:
@@ -156,11 +147,6 @@ def _gemm_floor(steps: int, batch: int, features: int, state: int, gates: int, t
     return run
 
 
-#: the rows of the time reports: our LLTM, nn.LSTM, the tutorial's cell stepped, and the
-#: GEMM-only floor of the first two
-TIME_ROWS = (*TIME_IMPLS, "lltm_gemm", "lstm_gemm")
-
-
 def sequence_call(module, x, train: bool):
     """One call of a sequence module on ``x``; ``train``: and the backward of the outputs'
     and final states' sums."""
@@ -173,50 +159,32 @@ def sequence_call(module, x, train: bool):
     return run
 
 
-def _interleaved(calls: dict, rounds: int, clock) -> dict:
-    """Each call's time per round, the calls interleaved (in turn reversed every other round)
-    after two warm-up calls each."""
-    names = list(calls)
-    for name in names:
-        for _ in range(2):
-            calls[name]()
-    times = {name: [] for name in names}
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            t0 = clock()
-            calls[name]()
-            times[name].append(clock() - t0)
-    return times
-
-
-def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1, train: bool = False,
-                rows=TIME_ROWS) -> dict:
-    """Time of one no_grad forward (``train``: one forward + backward) of each of ``rows``
-    (:data:`TIME_ROWS`), interleaved: process CPU time with one thread, wall time with more;
-    medians and the median of the per-round ratio LLTM / nn.LSTM."""
+def time_report(sizes=TIME_SIZES, rounds: int = 15, threads: int = 1,
+                train: bool = False) -> dict:
+    """Time of one no_grad forward (``train``: one forward + backward) of each of
+    :data:`TIME_IMPLS` and of the GEMM-only floor of ours and nn.LSTM's (``lltm_gemm``,
+    ``lstm_gemm``), interleaved: medians, the median of the per-round ratio LLTM / nn.LSTM,
+    and each implementation's slowest round over its fastest."""
     import torch
 
     torch.set_num_threads(threads)
-    clock = time.process_time if threads == 1 else time.perf_counter
+    clock, clock_name = thread_clock(threads)
     report = {}
     for steps, batch, features, state in sizes:
         x = torch.randn(steps, batch, features)
         calls = {impl: sequence_call(_module(impl, features, state), x, train)
-                 for impl in TIME_IMPLS if impl in rows}
-        if "lltm_gemm" in rows:
-            calls["lltm_gemm"] = _gemm_floor(steps, batch, features, state, 3, train)
-        if "lstm_gemm" in rows:
-            calls["lstm_gemm"] = _gemm_floor(steps, batch, features, state, 4, train)
+                 for impl in TIME_IMPLS}
+        for impl, gates in (("lltm", 3), ("lstm", 4)):
+            calls[f"{impl}_gemm"] = _gemm_floor(steps, batch, features, state, gates, train)
         with torch.set_grad_enabled(train):
-            times = _interleaved(calls, rounds, clock)
+            times = interleaved(calls, rounds, clock)
         ratios = [a / b for a, b in zip(times["lltm"], times["lstm"])]
         report[str((steps, batch, features, state))] = {
             **{f"{row}_s": statistics.median(times[row]) for row in calls},
             "ratio": statistics.median(ratios), "rounds": rounds, "threads": threads,
-            "clock": "process" if threads == 1 else "wall",
-            # each implementation's slowest round over its fastest
+            "clock": clock_name,
             **{f"{row}_spread": max(times[row]) / min(times[row]) for row in TIME_IMPLS
-               if row in calls and min(times[row]) > 0}}
+               if min(times[row]) > 0}}
     return report
 
 
@@ -229,7 +197,7 @@ def split_report(size=SPLIT_SIZE, lengths=SPLIT_STEPS, rounds: int = 21, threads
     import torch
 
     torch.set_num_threads(threads)
-    clock = time.process_time if threads == 1 else time.perf_counter
+    clock, clock_name = thread_clock(threads)
     batch, features, state = size
     short, long = lengths
     repeat = max(1, long // short)
@@ -242,7 +210,7 @@ def split_report(size=SPLIT_SIZE, lengths=SPLIT_STEPS, rounds: int = 21, threads
                 run = sequence_call(module, torch.randn(steps, batch, features), train)
                 calls[impl, steps] = (lambda run=run, n=n: [run() for _ in range(n)])
         with torch.set_grad_enabled(train):
-            times = _interleaved(calls, rounds, clock)
+            times = interleaved(calls, rounds, clock)
         rows = {}
         for impl in INFERENCE_IMPLS:
             t_short = [t / repeat for t in times[impl, short]]
@@ -253,7 +221,7 @@ def split_report(size=SPLIT_SIZE, lengths=SPLIT_STEPS, rounds: int = 21, threads
                           "long_s": statistics.median(times[impl, long])}
         report["training" if train else "no_grad"] = rows
     return {"size": list(size), "lengths": list(lengths), "rounds": rounds, "threads": threads,
-            "clock": "process" if threads == 1 else "wall", **report}
+            "clock": clock_name, **report}
 
 
 def format_inference(memory: dict, timing: dict, training: dict = None) -> str:
@@ -272,22 +240,20 @@ def format_inference(memory: dict, timing: dict, training: dict = None) -> str:
         if not table:
             continue
         first = next(iter(table.values()))
-        clock = "process CPU time" if first.get("clock", "process") == "process" else "wall time"
+        clock = CLOCK_TEXT[first["clock"]]
         lines += ["", f"{title}, {clock}, {first['threads']} thread(s), median of "
                       f"{first['rounds']} interleaved rounds; GEMM-only: the same layer's GEMMs "
                       f"alone by torch.mm (torch's BLAS); max/min: the slowest round over the "
                       f"fastest, LLTM/nn.LSTM",
                   f"{'(T, B, F, S)':<22} {'LLTM ms':>9} {'nn.LSTM ms':>11} {'ratio':>6} "
-                  f"{'LLTM GEMM-only':>15} {'nn.LSTM GEMM-only':>18} {'max/min':>11}"]
+                  f"{'LLTM GEMM-only':>15} {'nn.LSTM GEMM-only':>18} {'max/min':>11} "
+                  f"{'tutorial ms':>13}"]
         for size, r in table.items():
             spread = (f"{r['lltm_spread']:.2f}/{r['lstm_spread']:.2f}"
                       if "lltm_spread" in r and "lstm_spread" in r else "")
             lines.append(f"{size:<22} {r['lltm_s'] * 1e3:>9.1f} {r['lstm_s'] * 1e3:>11.1f} "
                          f"{r['ratio']:>6.2f} {_floor(r, 'lltm'):>15} {_floor(r, 'lstm'):>18} "
-                         f"{spread:>11}"
-                         + (f" {r['reference_s'] * 1e3:>13.1f}" if "reference_s" in r else ""))
-        if any("reference_s" in r for r in table.values()):
-            lines[-len(table) - 1] += f" {'tutorial ms':>13}"
+                         f"{spread:>11} {r['reference_s'] * 1e3:>13.1f}")
     return "\n".join(lines)
 
 
@@ -295,12 +261,13 @@ def format_split(split: dict) -> str:
     """The per-step / fixed split as a table (microseconds)."""
     b, f, s = split["size"]
     short, long = split["lengths"]
-    clock = "process CPU time" if split["clock"] == "process" else "wall time"
+    clock = CLOCK_TEXT[split["clock"]]
     lines = ["", f"per-step / fixed split at (B, F, S) = ({b}, {f}, {s}): T = {short} and {long} "
                  f"interleaved, per round (t_{long} - t_{short}) / {long - short} per step and "
                  f"t_{short} - {short} * per step fixed; medians of {split['rounds']} rounds, "
                  f"{clock}, {split['threads']} thread(s)",
-             f"{'':<10} {'impl':<8} {'per step us':>12} {'fixed us':>10} {'T = ' + str(long) + ' ms':>10}"]
+             f"{'':<10} {'impl':<8} {'per step us':>12} {'fixed us':>10} "
+             f"{'T = ' + str(long) + ' ms':>10}"]
     for mode in ("training", "no_grad"):
         rows = split[mode]
         for impl, r in rows.items():

@@ -2,7 +2,7 @@
 disturbed) and the plot; the diagnostics printed beside them are :mod:`.diagnostics`'."""
 from __future__ import annotations
 
-from ._common import PHASES
+from ._common import CLOCK_TEXT, PHASES
 
 #: --scale: (factor from seconds, unit)
 SCALES = {"s": (1.0, "s"), "ms": (1e3, "ms"), "us": (1e6, "us")}
@@ -48,12 +48,13 @@ def format_table(record: dict, scale="us") -> str:
     baseline = record.get("baseline", "reference")
     base = res.get(baseline, {}).get("fwd+bwd", {}).get("median_s")
     steps = f", {record['steps']} steps" if "steps" in record else ""
-    lines = [f"(batch, features, state) = ({record['batch']}, {record['features']}, {record['state']})"
-             f"{steps}, {record['dtype']} on {record['device']}, {record['runs']} runs; "
-             f"times in {unit}, median / min"]
+    lines = [f"(batch, features, state) = ({record['batch']}, {record['features']}, "
+             f"{record['state']}){steps}, {record['dtype']} on {record['device']}, "
+             f"{record['runs']} runs; times in {unit}, median / min"]
     names = [*res, *record.get("skipped", {})]
     width = max(11, max(len(n) for n in names) + 2) if names else 11
-    head = f"{'impl':<{width}}" + "".join(f"{p:>22}" for p in PHASES) + f"{'vs ' + baseline:>20}{'saved':>12}"
+    head = (f"{'impl':<{width}}" + "".join(f"{p:>22}" for p in PHASES)
+            + f"{'vs ' + baseline:>20}{'saved':>12}")
     lines += [head, "-" * len(head)]
     for name, r in res.items():
         cells = "".join(f"{r[p]['median_s'] * factor:>12.1f} /{r[p]['min_s'] * factor:>8.1f}"
@@ -81,7 +82,6 @@ def format_table(record: dict, scale="us") -> str:
     return "\n".join(lines)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Plot
 
@@ -89,7 +89,7 @@ def plot_speedups(records: list, path, machine: str = "") -> tuple:
     """The fwd+bwd speed-up of every implementation over the run's baseline (the eager reference;
     for sequences our cell stepped from Python), per size, as grouped bars in one PNG. Needs
     matplotlib (the examples extra). Returns the image size in pixels (width, height)."""
-    from .._extras import pyplot
+    from .._extras import pyplot, save_figure
 
     plt = pyplot()
     impls = []
@@ -122,11 +122,7 @@ def plot_speedups(records: list, path, machine: str = "") -> tuple:
     ax.set_ylim(0, top * 1.35)   # room for the legend above the bars
     ax.legend(fontsize=7, ncol=min(3, max(1, len(impls))), loc="upper left")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    size = tuple(int(v) for v in fig.get_size_inches() * fig.dpi)
-    plt.close(fig)
-    return size
+    return save_figure(fig, path)
 
 
 #: the implementations of the --inference picture: (row, label)
@@ -142,7 +138,7 @@ def plot_inference(runs, path, title: str = "") -> tuple:
     ``threads``, ``time`` and ``training`` (the reports of :func:`lltm_cupy.benchmark.
     inference.time_report`; either may be empty). ``title``: the machine and versions. Needs
     matplotlib (the examples extra). Returns the image size in pixels (width, height)."""
-    from .._extras import pyplot
+    from .._extras import pyplot, save_figure
 
     plt = pyplot()
     modes = [m for m in (("training", "training step (forward + backward)"),
@@ -157,21 +153,15 @@ def plot_inference(runs, path, title: str = "") -> tuple:
                 ax.set_axis_off()
                 continue
             first = next(iter(table.values()))
-            clock = "process CPU time" if first.get("clock") == "process" else "wall time"
+            clock = CLOCK_TEXT[first["clock"]]
             threads = run["threads"]
             sizes = list(table)
             for k, (row, label) in enumerate(INFERENCE_PLOT_ROWS):
-                xs = [i - 0.4 + width * (k + 0.5) for i, size in enumerate(sizes)
-                      if f"{row}_s" in table[size]]
-                ys = [table[size][f"{row}_s"] * 1e3 for size in sizes
-                      if f"{row}_s" in table[size]]
-                if not ys:
-                    continue
-                bars = ax.bar(xs, ys, width, label=label)
-                ratios = [table[size][f"{row}_s"] / table[size]["lstm_s"] for size in sizes
-                          if f"{row}_s" in table[size]]
-                ax.bar_label(bars, [f"{_ms(y)}\n{r:.2f}x" for y, r in zip(ys, ratios)],
-                             fontsize=6, padding=1)
+                seconds = [table[size][f"{row}_s"] for size in sizes]
+                bars = ax.bar([i - 0.4 + width * (k + 0.5) for i in range(len(sizes))],
+                              [t * 1e3 for t in seconds], width, label=label)
+                ax.bar_label(bars, [f"{_ms(t * 1e3)}\n{t / table[size]['lstm_s']:.2f}x"
+                                    for t, size in zip(seconds, sizes)], fontsize=6, padding=1)
             ax.set_yscale("log")
             ax.set_xticks(range(len(sizes)), [s.replace(" ", "") for s in sizes], fontsize=7)
             ax.set_xlabel("(T, B, F, S)")
@@ -184,11 +174,7 @@ def plot_inference(runs, path, title: str = "") -> tuple:
             ax.grid(axis="y", alpha=0.3, which="both")
     if title:
         fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    size = tuple(int(v) for v in fig.get_size_inches() * fig.dpi)
-    plt.close(fig)
-    return size
+    return save_figure(fig, path)
 
 
 def _ms(value: float) -> str:

@@ -21,14 +21,12 @@ small to use many cores, memory bandwidth shared by the cores, or another BLAS's
 from __future__ import annotations
 
 import statistics
-import time
 
 import numpy as np
 
-from .inference import sequence_call
+from ._common import interleaved, thread_clock
+from .inference import TRAIN_SIZES as SIZES, sequence_call      # those of --inference training
 
-#: (T, B, F, S) measured by default: those of the --inference training table
-SIZES = ((64, 16, 32, 128), (128, 32, 128, 256), (64, 64, 256, 512), (32, 256, 512, 1024))
 #: the state and input size of the per-call measurement
 TINY = 8
 
@@ -66,8 +64,8 @@ def _no_gemm():
 def parts(sizes=SIZES, threads=(1, 2), rounds: int = 7, train: bool = True) -> dict:
     """For each (T, B, F, S) and thread count: the medians over ``rounds`` interleaved rounds
     of our call (``lltm_s``), its GEMM, element-wise and per-call parts (``gemm_s``,
-    ``elementwise_s``, ``per_call_s``) and ``nn.LSTM``'s call (``lstm_s``); process CPU time
-    at one thread, wall time at more. ``train``: forward + backward of the parameters, else a
+    ``elementwise_s``, ``per_call_s``) and ``nn.LSTM``'s call (``lstm_s``), by
+    :func:`._common.thread_clock`. ``train``: forward + backward of the parameters, else a
     forward under no_grad."""
     import torch
 
@@ -100,25 +98,15 @@ def parts(sizes=SIZES, threads=(1, 2), rounds: int = 7, train: bool = True) -> d
                      "lstm": sequence_call(lstm, x, train)}
             for n in threads:
                 torch.set_num_threads(n)
-                clock = time.process_time if n == 1 else time.perf_counter
-                with torch.set_grad_enabled(train):
-                    for call in calls.values():     # warm-up (and real values in the buffers)
-                        call()
-                        call()
-                    times = {name: [] for name in calls}
-                    for r in range(rounds):
-                        names = list(calls) if r % 2 == 0 else list(calls)[::-1]
-                        for name in names:
-                            t0 = clock()
-                            calls[name]()
-                            times[name].append(clock() - t0)
+                clock, clock_name = thread_clock(n)
+                with torch.set_grad_enabled(train):   # its warm-up fills the buffers
+                    times = interleaved(calls, rounds, clock)
                 m = {name: statistics.median(v) for name, v in times.items()}
                 report[str((steps, batch, features, state)), n] = {
                     "lltm_s": m["lltm"], "lstm_s": m["lstm"],
                     "gemm_s": m["lltm"] - m["no_gemm"],
                     "elementwise_s": m["no_gemm"] - m["tiny_no_gemm"],
-                    "per_call_s": m["tiny_no_gemm"], "threads": n,
-                    "clock": "process" if n == 1 else "wall"}
+                    "per_call_s": m["tiny_no_gemm"], "threads": n, "clock": clock_name}
     finally:
         torch.set_num_threads(before)
         _interop.CPU_CALL.gemm = real

@@ -33,7 +33,6 @@ class _TorchSequenceRunner(_TorchRunner):
 
         self.torch = torch
         self.module, self.xs, self.h, self.c, self.mode = module, xs, h, c, mode
-        self.ones_h = torch.ones_like(h)
 
     def forward(self):
         if self.mode == "sequence":
@@ -94,7 +93,7 @@ class _ArraySequenceRunner:
         return out[3].nbytes if not self.stepped else sum(s.nbytes for s in out)
 
 
-class _LayeredRunner(_TorchRunner):
+class _LayeredRunner(_TorchSequenceRunner):
     """An nn.LSTM-shaped module over xs (T, B, F), or over xs as a PackedSequence of
     ``lengths``; backward of the output's sum and the final states'."""
 
@@ -114,9 +113,6 @@ class _LayeredRunner(_TorchRunner):
         if self.lengths is not None and self.pad:
             return [pad_packed_sequence(out, total_length=len(self.xs))[0], h, c]
         return [out.data if self.lengths is not None else out, h, c]
-
-    def backward(self, out):
-        self.torch.autograd.backward(out, [self.torch.ones_like(t) for t in out])
 
     def _inputs(self):
         return (self.xs,)
@@ -218,13 +214,9 @@ def _check_sequences(runners, seq, xs, h, c, cfg, skipped, strict, quiet):
             return [torch.stack(out[:-1])]
         if name == "array-stepped":
             return [out[-1].new_cell]
-        if name in ("lltm-2x-bidir", "cells-2x-bidir", "ragged-padded"):
+        if name in ("lltm-2x-bidir", "cells-2x-bidir", "ragged-padded", "ragged-user"):
             return [out[0], out[1]]
-        if name == "ragged":
-            return [out[1]]
-        if name == "ragged-user":
-            return [out[0], out[1]]
-        return None
+        return [out[1]] if name == "ragged" else None
 
     def expected(name):
         if name in ("sequence", "cell-stepped", "reference-stepped", "array-sequence"):
@@ -249,13 +241,11 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
     from .. import torch as lt
 
     impls = list(impls or [i for i in SEQUENCE_IMPLS if i != "fused" or cfg.cuda])
-    device = "cuda" if cfg.cuda else "cpu"
-    dtype = cfg.torch_dtype()
+    kw = dict(device="cuda" if cfg.cuda else "cpu", dtype=cfg.torch_dtype())
     torch.manual_seed(cfg.seed)
-    seq = lt.LLTM(cfg.features, cfg.state, device=device, dtype=dtype)
-    xs = torch.randn(steps, cfg.batch, cfg.features, device=device, dtype=dtype)
-    h = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
-    c = torch.randn(cfg.batch, cfg.state, device=device, dtype=dtype)
+    seq = lt.LLTM(cfg.features, cfg.state, **kw)
+    xs = torch.randn(steps, cfg.batch, cfg.features, **kw)
+    h, c = (torch.randn(cfg.batch, cfg.state, **kw) for _ in range(2))
     _warmup(cfg)
     runners, skipped, tokens = {}, {}, None
     for name in impls:
@@ -264,13 +254,13 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
         elif name == "fused" and not cfg.cuda:
             _not_run(name, "the fused sequence kernels run on CUDA only", skipped, strict, quiet)
         elif name == "fused":
-            fused = lt.LLTM(cfg.features, cfg.state, device=device, dtype=dtype, fused=True)
+            fused = lt.LLTM(cfg.features, cfg.state, **kw, fused=True)
             fused.load_state_dict(seq.state_dict())
             runners[name] = _TorchSequenceRunner(fused, xs, h, c, "sequence")
             check_fused(seq, fused, xs, h, c, cfg.dtype_name)
         elif name in ("cell-stepped", "reference-stepped"):
             cls = lt.LLTMCell if name == "cell-stepped" else lt.ReferenceLLTMCell
-            cell = cls(cfg.features, cfg.state, device=device, dtype=dtype)
+            cell = cls(cfg.features, cfg.state, **kw)
             cell.load_state_dict(seq.state_dict())
             runners[name] = _TorchSequenceRunner(cell, xs, h, c, "stepped")
         elif name in ("array-sequence", "array-stepped") and cfg.bf16:
@@ -279,11 +269,10 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
             runners[name] = _ArraySequenceRunner(cfg, (seq.weights, seq.bias), xs, h, c,
                                                  stepped=(name == "array-stepped"))
         elif name == "lstm":
-            lstm = torch.nn.LSTM(cfg.features, cfg.state, device=device, dtype=dtype)
+            lstm = torch.nn.LSTM(cfg.features, cfg.state, **kw)
             runners[name] = _TorchSequenceRunner(lstm, xs, h, c, "lstm")
         elif name in ("lltm-2x-bidir", "cells-2x-bidir"):
-            deep = lt.LLTM(cfg.features, cfg.state, num_layers=2, bidirectional=True,
-                           device=device, dtype=dtype)
+            deep = lt.LLTM(cfg.features, cfg.state, num_layers=2, bidirectional=True, **kw)
             module = deep if name == "lltm-2x-bidir" else _StackedCells(deep)
             runners[name] = _LayeredRunner(module, xs)
             runners[name].module_reference = deep      # its parameters, for the output check
@@ -294,17 +283,17 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
             runners[name] = _LayeredRunner(seq, xs, None if name == "ragged-padded" else lengths,
                                            pad=name == "ragged-user")
         else:
-            raise ValueError(f"unknown sequence implementation {name!r}; choose from {SEQUENCE_IMPLS}")
+            raise ValueError(f"unknown sequence implementation {name!r}; choose from "
+                             f"{SEQUENCE_IMPLS}")
     _check_sequences(runners, seq, xs, h, c, cfg, skipped, strict, quiet)
-    numpy_side = [k for k in runners if k.startswith("array")]
-    results, separate = timed_record(runners, cfg, numpy_side, quiet, label=f"T={steps} ")
-    return {"batch": cfg.batch, "features": cfg.features, "state": cfg.state, "steps": steps,
-            "device": device, "dtype": cfg.dtype_name, "runs": cfg.runs,
-            "all_grads": False, "separately_timed": separate,
-            "results": results, "skipped": skipped, "baseline": "cell-stepped",
-            "pairs": {a: b for a, b in PAIRED_SEQUENCE_IMPLS.items()
-                      if a in results and b in results},
-            **({"ragged_tokens": tokens} if tokens is not None else {})}
+    record = timed_record(runners, cfg, [k for k in runners if k.startswith("array")], skipped,
+                          quiet, label=f"T={steps} ", steps=steps, all_grads=False,
+                          baseline="cell-stepped")
+    record["pairs"] = {a: b for a, b in PAIRED_SEQUENCE_IMPLS.items()
+                       if a in record["results"] and b in record["results"]}
+    if tokens is not None:
+        record["ragged_tokens"] = tokens
+    return record
 
 
 
@@ -312,13 +301,11 @@ def check_fused(default, fused, xs, h, c, dtype_name: str) -> float:
     """Run both modules and the default module in float64 once (forward, and backward of the
     outputs' and final states' sum) and raise unless the fused outputs and parameter gradients
     are about as close to the float64 run as the default path's are: within four times the
-    default path's error or FUSED_TOLERANCE (normalised by max(1, max |float64|)), whichever is larger. Over
-    long sequences both paths drift from float64 (their recurrent sums round in different
-    orders and the cell state grows), so a fixed tolerance between the two would refuse a
-    correct kernel; a wrong one is off by far more than the default path. (On an H200 at
-    B = 16, S = 128, T = 512 in float32 the fused path was 2.8e-4 off, the default path
-    1.3e-4, for one set of inputs; on the CPU build six sets gave 1.1e-4 to 1.7e-3 on both
-    paths, either one the worse: docs/performance.md.) Returns the fused path's largest error."""
+    default path's error or FUSED_TOLERANCE (normalised by max(1, max |float64|)), whichever
+    is larger. Over long sequences both paths drift from float64 (their recurrent sums round in
+    different orders and the cell state grows), so a fixed tolerance between the two would
+    refuse a correct kernel; a wrong one is off by far more than the default path (figures:
+    docs/performance.md). Returns the fused path's largest error."""
     import copy
 
     import torch
