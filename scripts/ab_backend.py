@@ -298,7 +298,7 @@ def main(argv=None) -> int:
                    help="with --sequence: torch threads (default: torch's own)")
     args = p.parse_args(argv)
     if args.sequence:
-        from lltm_cupy.benchmark._common import parse_sequence_sizes
+        from lltm_bench._common import parse_sequence_sizes
 
         import torch
 

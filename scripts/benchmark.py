@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from lltm_cupy import benchmark as bm  # noqa: E402
-from lltm_cupy.benchmark._common import int_list, parse_sequence_sizes  # noqa: E402
+import lltm_bench as bm  # noqa: E402
+from lltm_bench._common import int_list, parse_sequence_sizes  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
 
 
 def _inference(args, torch) -> int:
-    from lltm_cupy.benchmark import inference
+    from lltm_bench import inference
 
     if args.cuda:
         print("--inference measures the CPU (nn.LSTM's CPU path against ours)", file=sys.stderr)
@@ -196,7 +196,7 @@ def _run_sizes(args, sizes, impls, out) -> None:
         _write_json(args, out)
         del out["in_progress"]
 
-    from lltm_cupy.benchmark import _common
+    from lltm_bench import _common
 
     _common.progress = progress
     for i, size in enumerate(sizes, 1):

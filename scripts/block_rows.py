@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 import lltm_cupy  # noqa: E402
-from lltm_cupy.benchmark._common import cupy_gpu, parse_sequence_sizes  # noqa: E402
+from lltm_bench._common import cupy_gpu, parse_sequence_sizes  # noqa: E402
 from lltm_cupy._cuda import sequence as _sequence  # noqa: E402
 from lltm_cupy._packing import block_steps  # noqa: E402
 

@@ -2,7 +2,7 @@
 """Where a CPU call of our LLTM spends its time (GEMM, element-wise passes, per-call work) at
 one and two threads against nn.LSTM's, and the ratio that predicts for more cores.
 
-The three parts are measured in one process, interleaved (lltm_cupy/benchmark/scaling.py says
+The three parts are measured in one process, interleaved (scripts/lltm_bench/scaling.py says
 how); the prediction fits Amdahl's law to the one- and two-thread times of our GEMMs and of
 nn.LSTM, with our element-wise and per-call work serial. Process CPU time at one thread, wall
 time at more: run it on a quiet machine.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from lltm_cupy.benchmark import scaling  # noqa: E402
-from lltm_cupy.benchmark._common import int_list, machine_name, parse_sequence_sizes  # noqa: E402
+from lltm_bench import scaling  # noqa: E402
+from lltm_bench._common import int_list, machine_name, parse_sequence_sizes  # noqa: E402
 
 
 def main(argv=None) -> int:

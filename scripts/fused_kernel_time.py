@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from lltm_cupy import _cuda  # noqa: E402
-from lltm_cupy.benchmark._common import cupy_gpu, parse_sequence_sizes  # noqa: E402
+from lltm_bench._common import cupy_gpu, parse_sequence_sizes  # noqa: E402
 from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, fused as _fused  # noqa: E402
 from lltm_cupy._cuda import fused_kernels as _fused_kernels, fused_mma as _mma  # noqa: E402
 from lltm_cupy._cuda import group_kernels as _group_kernels, kernels as _kernels  # noqa: E402

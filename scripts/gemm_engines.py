@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from lltm_cupy.benchmark._common import machine_name, parse_sequence_sizes  # noqa: E402
+from lltm_bench._common import machine_name, parse_sequence_sizes  # noqa: E402
 
 SIZES = "64x16x32x128,128x32x128x256,64x64x256x512,32x256x512x1024"
 

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from lltm_cupy import benchmark as bm
+    import lltm_bench as bm
     from lltm_cupy.torch import LLTM, LLTMCell
 
     if args.cuda and not torch.cuda.is_available():

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
         return 2
     cfg = digits.Config.from_args(args, device=args.device, compile=args.compile)
     result = digits.train(cfg)
-    from lltm_cupy.benchmark import machine_name
+    from lltm_bench import machine_name
 
     result["machine"] = machine_name(args.device == "cuda")
     print(digits.format_table(result))

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         result["machine"] = cupy.cuda.runtime.getDeviceProperties(
             cupy.cuda.Device().id)["name"].decode()
     else:
-        from lltm_cupy.benchmark import machine_name
+        from lltm_bench import machine_name
 
         result["machine"] = machine_name(False)
     print(digits_array.format_table(result))

@@ -18,6 +18,9 @@ _TESTS = Path(__file__).resolve().parent
 for _folder in sorted({p.parent for p in _TESTS.glob("*/test_*.py")}, reverse=True):
     if str(_folder) not in sys.path:
         sys.path.insert(1, str(_folder))
+# and scripts/, for the benchmark harness beside the scripts (scripts/lltm_bench)
+if str(_TESTS.parent / "scripts") not in sys.path:
+    sys.path.append(str(_TESTS.parent / "scripts"))
 
 from lltm_cupy import reference, verify  # noqa: E402
 from helpers import host_kernels

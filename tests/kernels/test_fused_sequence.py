@@ -696,7 +696,7 @@ def test_benchmark_checks_the_fused_outputs_before_timing():
     whose weights differ by a realistic error is refused before anything is timed."""
     torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
     import lltm_cupy.torch as lt
-    from lltm_cupy.benchmark.sequence import check_fused
+    from lltm_bench.sequence import check_fused
 
     torch.manual_seed(0)
     default, other = lt.LLTM(3, 5), lt.LLTM(3, 5)

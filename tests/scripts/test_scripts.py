@@ -85,8 +85,8 @@ def test_benchmark_runs_and_writes_json(tmp_path):
 def test_benchmark_table_warns_when_medians_sit_far_above_minimums():
     """A median 100x its minimum (a loaded machine) gets a warning under the table that suggests
     one thread; medians near their minimums get none."""
-    from lltm_cupy.benchmark import PHASES, format_table
-    from lltm_cupy.benchmark.reports import SPREAD_LIMIT
+    from lltm_bench import PHASES, format_table
+    from lltm_bench.reports import SPREAD_LIMIT
 
     def record(ratio):
         times = {p: {"median_s": 1e-4 * ratio, "min_s": 1e-4} for p in PHASES}
@@ -183,7 +183,7 @@ def test_benchmark_skips_an_unnamed_implementation_with_the_reason(capsys):
     """Only implementations the caller did not name may be skipped, and the reason is printed
     and recorded."""
     pytest.importorskip("torch")
-    from lltm_cupy import benchmark as bm
+    import lltm_bench as bm
 
     cfg = bm.Config(4, 3, 5, bf16=True, runs=2, warmup=1)
     record = bm.run_size(cfg, ["reference", "array"], quiet=True)
@@ -200,7 +200,7 @@ def test_output_check_allows_rounding_that_grows_with_the_steps():
     steps on the CPU), and refuses an O(1) error at any length."""
     import numpy as np
 
-    from lltm_cupy.benchmark import _common
+    from lltm_bench import _common
 
     cfg = _common.Config(4, 3, 5)
     want = np.linspace(1, 2, 12).reshape(3, 4)
@@ -424,7 +424,7 @@ def test_inference_benchmark_measures_both_in_fresh_processes():
     """--inference's library: peak added RSS per implementation (each in a fresh process) and
     interleaved CPU times, at tiny sizes; the script's --inference flag is wired to them."""
     pytest.importorskip("torch")
-    from lltm_cupy.benchmark import inference
+    from lltm_bench import inference
 
     memory = inference.memory_report(sizes=((40, 8, 3, 64),), rounds=1)
     for impl in ("lltm", "lstm"):
@@ -454,7 +454,7 @@ def test_inference_picture_is_a_png(tmp_path):
     no_grad), the title given; a column per thread count."""
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib", reason="the examples extra is not installed")
-    from lltm_cupy.benchmark import inference, plot_inference
+    from lltm_bench import inference, plot_inference
 
     sizes = ((3, 2, 3, 4), (2, 3, 2, 5))
     timing = inference.time_report(sizes=sizes, rounds=1)
@@ -478,7 +478,7 @@ def test_inference_benchmark_runs_at_torchs_threads_unless_told(monkeypatch, tmp
     import importlib.util
     import json
 
-    from lltm_cupy.benchmark import inference
+    from lltm_bench import inference
 
     spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
     bench = importlib.util.module_from_spec(spec)
@@ -529,6 +529,7 @@ def test_every_scripts_help_says_what_it_does_in_whole_sentences():
     first line cut where the docstring wraps. One process imports them all."""
     code = (
         "import contextlib, io, runpy, sys\n"
+        "sys.path.insert(0, 'scripts')   # as `python scripts/X.py` puts it (scripts/lltm_bench)\n"
         "for path in sys.argv[1:]:\n"
         "    out = io.StringIO()\n"
         "    sys.argv = [path, '--help']\n"
@@ -566,7 +567,7 @@ def test_cpu_scaling_splits_a_call_and_predicts_more_cores():
     torch = pytest.importorskip("torch")
     import numpy as np
 
-    from lltm_cupy.benchmark import scaling
+    from lltm_bench import scaling
 
     engine = scaling._no_gemm()
     a = np.ones((2, 3), np.float32)

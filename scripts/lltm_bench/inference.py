@@ -32,7 +32,12 @@ import statistics
 import subprocess
 import sys
 
+import lltm_cupy
+
 from ._common import CLOCK_TEXT, interleaved, thread_clock
+
+#: this package's folder's parent (scripts/): a child process imports the package from there
+_SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: (T, B, F, S) of the memory figure and of the time figures
 MEMORY_SIZES = ((500, 64, 16, 512),)
@@ -50,7 +55,7 @@ def _module(impl, features, state):
     sequence, each called as a sequence module: ``(outputs, (h_n, c_n))``."""
     import torch
 
-    from .. import torch as lt
+    import lltm_cupy.torch as lt
 
     torch.manual_seed(0)
     if impl != "reference":
@@ -102,10 +107,10 @@ def memory_report(sizes=MEMORY_SIZES, rounds: int = 3, threads: int = 1) -> dict
         runs = {impl: [] for impl in INFERENCE_IMPLS}
         for r in range(rounds):
             for impl in (INFERENCE_IMPLS if r % 2 == 0 else INFERENCE_IMPLS[::-1]):
-                code = (f"import json; from lltm_cupy.benchmark.inference import _child; "
+                code = (f"import json; from lltm_bench.inference import _child; "
                         f"print(json.dumps(_child({impl!r}, *{tuple(size)!r}, {threads})))")
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                    [os.path.dirname(os.path.dirname(os.path.dirname(__file__)))]
+                    [_SCRIPTS, os.path.dirname(os.path.dirname(lltm_cupy.__file__))]
                     + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
                 done = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                       capture_output=True, text=True)

@@ -123,7 +123,7 @@ def _StackedCells(lltm):
     LLTMCells stepped from Python: what the layer replaces."""
     import torch
 
-    from .. import torch as lt
+    import lltm_cupy.torch as lt
 
     class Stacked(torch.nn.Module):
         def __init__(self):
@@ -162,7 +162,7 @@ def _reference_run(model, xs, h0=None, c0=None, lengths=None):
     zero past a length; h_n (L * D, B, S); c_n)."""
     import torch
 
-    from ..torch.reference import lltm_reference
+    from lltm_cupy.torch.reference import lltm_reference
 
     steps, batch = xs.shape[:2]
     f64 = dict(dtype=torch.float64)
@@ -238,7 +238,7 @@ def run_sequence(cfg: Config, steps: int, impls=None, quiet=False, strict=False)
     as for :func:`run_size`)."""
     import torch
 
-    from .. import torch as lt
+    import lltm_cupy.torch as lt
 
     impls = list(impls or [i for i in SEQUENCE_IMPLS if i != "fused" or cfg.cuda])
     kw = dict(device="cuda" if cfg.cuda else "cpu", dtype=cfg.torch_dtype())

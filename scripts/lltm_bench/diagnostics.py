@@ -25,7 +25,7 @@ def gpu_kernel_report(cfg: Config, runs=50) -> dict:
     """
     import cupy
 
-    from .._cuda import elementwise as _kernels
+    from lltm_cupy._cuda import elementwise as _kernels
 
     dtype = np.float64 if cfg.double else np.float32
     B, F, S = cfg.size
@@ -144,8 +144,8 @@ def cpu_blas_report(cfg: Config, runs=100) -> dict:
     The two are timed one after the other, not interleaved (two BLAS thread pools taking turns
     would measure their contention). Returns medians in seconds and the GEMM share in percent.
     """
-    from .. import _numpy
-    from ..torch._torch_gemm import torch_mm as _torch_mm
+    from lltm_cupy import _numpy
+    from lltm_cupy.torch._torch_gemm import torch_mm as _torch_mm
 
     dtype = np.float64 if cfg.double else np.float32
     B, F, S = cfg.size
@@ -210,7 +210,7 @@ def mixed_model_report(cfg: Config, runs=200, quiet=False) -> dict:
     """
     import torch
 
-    from .. import torch as lt
+    import lltm_cupy.torch as lt
 
     dtype = cfg.torch_dtype()
     torch.manual_seed(cfg.seed)

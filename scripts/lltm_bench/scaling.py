@@ -36,7 +36,7 @@ def _no_gemm():
     as they are (new ones uninitialised)."""
     import torch
 
-    from ..torch._torch_gemm import TorchGemm
+    from lltm_cupy.torch._torch_gemm import TorchGemm
 
     class _NoGemm(TorchGemm):
         __call__ = staticmethod(lambda a, b: np.empty((a.shape[0], b.shape[1]), a.dtype))
@@ -69,8 +69,8 @@ def parts(sizes=SIZES, threads=(1, 2), rounds: int = 7, train: bool = True) -> d
     forward under no_grad."""
     import torch
 
-    from .. import torch as lt
-    from ..torch import _interop
+    import lltm_cupy.torch as lt
+    from lltm_cupy.torch import _interop
 
     real = _interop.CPU_CALL.gemm
     none = _no_gemm()

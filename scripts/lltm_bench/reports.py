@@ -89,7 +89,7 @@ def plot_speedups(records: list, path, machine: str = "") -> tuple:
     """The fwd+bwd speed-up of every implementation over the run's baseline (the eager reference;
     for sequences our cell stepped from Python), per size, as grouped bars in one PNG. Needs
     matplotlib (the examples extra). Returns the image size in pixels (width, height)."""
-    from .._extras import pyplot, save_figure
+    from lltm_cupy._extras import pyplot, save_figure
 
     plt = pyplot()
     impls = []
@@ -135,10 +135,10 @@ def plot_inference(runs, path, title: str = "") -> tuple:
     --inference reports, as grouped bars on a log scale, each labelled with its time and its
     ratio to nn.LSTM's: one column per thread count, side by side, the training step (forward
     + backward) above the forward under no_grad. ``runs``: one dict per thread count, with
-    ``threads``, ``time`` and ``training`` (the reports of :func:`lltm_cupy.benchmark.
-    inference.time_report`; either may be empty). ``title``: the machine and versions. Needs
+    ``threads``, ``time`` and ``training`` (the reports of :func:`lltm_bench.inference.
+    time_report`; either may be empty). ``title``: the machine and versions. Needs
     matplotlib (the examples extra). Returns the image size in pixels (width, height)."""
-    from .._extras import pyplot, save_figure
+    from lltm_cupy._extras import pyplot, save_figure
 
     plt = pyplot()
     modes = [m for m in (("training", "training step (forward + backward)"),

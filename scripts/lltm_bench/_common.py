@@ -80,7 +80,7 @@ def check_outputs(runners: dict, pick, expected, cfg: Config, skipped: dict, str
     beyond CHECK_STEPS."""
     import numpy as np
 
-    from ..verify import to_numpy
+    from lltm_cupy.verify import to_numpy
 
     tol = CHECK_TOLERANCE[cfg.dtype_name] * max(1.0, steps / CHECK_STEPS)
     for name in list(runners):

@@ -96,7 +96,7 @@ def _array_side(cfg):
         import cupy
         import torch
 
-        from ..torch import _interop
+        from lltm_cupy.torch import _interop
 
         def on_torch_stream():
             return _interop.launching(torch.device("cuda", torch.cuda.current_device()))
@@ -135,8 +135,8 @@ def _bare_cell(ref, name):
     NumPy backend with no checks (``cell-floor``), or no LLTM work (``function-floor``)."""
     import torch
 
-    from .. import _numpy
-    from ..torch._torch_gemm import torch_mm
+    from lltm_cupy import _numpy
+    from lltm_cupy.torch._torch_gemm import torch_mm
 
     class Floor(torch.autograd.Function):
         @staticmethod
@@ -212,7 +212,7 @@ def _warmup(cfg: Config) -> None:
 def _make_runners(cfg: Config, impls, quiet, strict=False):
     import torch
 
-    from .. import torch as lt
+    import lltm_cupy.torch as lt
 
     kw = dict(device="cuda" if cfg.cuda else "cpu", dtype=cfg.torch_dtype())
     _warmup(cfg)
@@ -259,7 +259,7 @@ def _make_runners(cfg: Config, impls, quiet, strict=False):
                     _log(quiet, f"  capturing {name} in CUDA graphs ...")
                     module = _graphed(module, x, h, c)
             elif name == "cell-op":
-                from ..torch._custom_ops import lltm_forward_op
+                from lltm_cupy.torch._custom_ops import lltm_forward_op
 
                 class CustomOpCell(lt.LLTMCell):
                     """LLTMCell through the custom operator even in eager mode."""
@@ -293,7 +293,7 @@ def _check_cells(runners, ref, inputs, cfg, skipped, strict, quiet):
     """Every runner's (h, c) against the float64 reference on ``ref``'s parameters."""
     import torch
 
-    from ..torch.reference import lltm_reference
+    from lltm_cupy.torch.reference import lltm_reference
 
     with torch.no_grad():
         want = lltm_reference(*(t.detach().double() for t in (inputs[0], ref.weights, ref.bias,

@@ -1,4 +1,6 @@
-"""Benchmark library behind scripts/benchmark.py: our LLTM against the peers a user would pick.
+"""The benchmark harness behind scripts/benchmark.py (and the other timing scripts beside it):
+our LLTM against the peers a user would pick. It lives beside the scripts, outside the
+installed package: run it from a checkout (``python scripts/benchmark.py``).
 
 Implementations (names used by ``--impl``):
 
