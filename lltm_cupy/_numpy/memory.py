@@ -23,6 +23,7 @@ own: parent and child never write each other's memory.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import sys
 import threading
@@ -244,9 +245,7 @@ def recycled(dtype, *shapes) -> list:
     dtype = np.dtype(dtype)
     out = []
     for shape in shapes:
-        count = 1
-        for n in shape:
-            count *= n
+        count = math.prod(shape)
         if count * dtype.itemsize < RECYCLE_BYTES:
             out.append(np.empty(shape, dtype))
         else:

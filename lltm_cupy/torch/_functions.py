@@ -7,10 +7,10 @@ it, and saves every tensor the backward reads with ``ctx.save_for_backward`` as 
 ``torch.utils.checkpoint``, ``save_on_cpu`` and any saved-tensor hooks see, drop, move or
 compress it; no state is kept on ``ctx`` by other means):
 
-- one step on the CPU: the NumPy backend's step on ``Tensor.numpy()`` views, into NumPy arrays
-  the results are views of (``torch.from_numpy``); the backward's four factors (4, batch,
-  state) are kept, [old_h, input] is not (the backward concatenates it again if the weights
-  need a gradient);
+- one step on the CPU: the NumPy backend's step on arrays over the tensors' memory
+  (``_cpu_arrays.view``), into ``torch.empty_like`` tensors; the backward's four factors (4,
+  batch, state) are kept, [old_h, input] is not (the backward concatenates it again if the
+  weights need a gradient);
 - one step on CUDA: the kernels of ``cuda_src/lltm.cu`` launched on the tensors' device
   pointers, on torch's current stream, into ``torch.empty`` tensors (torch's allocator owns
   every byte), the GEMMs torch's; X = [old_h, input], the gate pre-activations and new_cell
@@ -96,19 +96,8 @@ def batched(*grads) -> bool:
     ``vectorize=True``): a tensor without memory of its own, which the backends cannot read
     and torch's operations take (the backwards then run the formulas as torch operations).
     Asked only after a backend refused the gradients, so it costs a call nothing."""
-    check = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor", None)
-    for g in grads:
-        if g is None:
-            continue
-        if check is not None:
-            if check(g):
-                return True
-        else:                       # (a torch without the check: no storage, no pointer)
-            try:
-                g.data_ptr()
-            except RuntimeError:
-                return True
-    return False
+    check = torch._C._functorch.is_legacy_batchedtensor
+    return any(g is not None and check(g) for g in grads)
 
 
 def _refuse_vmap(info, in_dims, *args):
