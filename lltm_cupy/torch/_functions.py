@@ -202,7 +202,7 @@ def _step_backward(grad_h, grad_cell, saved, needed):
     from ``saved`` = the five arguments and :func:`kept_for_backward`'s. With grad mode off the
     backend's backward; with it on (``create_graph=True``, ``torch.func``), and for a batch of
     gradients (which the backends cannot read), docs/derivation.md's formulas in torch
-    operations, differentiable."""
+    operations, differentiable (backpropagation through time for a sequence)."""
     input, weights, bias, old_h, old_cell = saved[:5]
     if not torch.is_grad_enabled():
         try:
@@ -224,8 +224,7 @@ step_backward = without_autocast(_step_backward, "step_backward")
 
 def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, old_h=None,
                       input=None, X=None):
-    """One step's gradients on the CPU, in the forward's argument order (None where
-    ``needed``, in that order, says so): the NumPy backend's element-wise backward, torch's
+    """:func:`_step_backward` on the CPU: the NumPy backend's element-wise backward, torch's
     GEMMs; [old_h, input] as ``X`` or concatenated here if the weights need it."""
     need_x, need_w, need_b, need_h, need_c = needed
     # the gradients returned: torch's own tensors, the backend writing into their memory
@@ -277,8 +276,7 @@ def cuda_step_forward(input, weights, bias, old_h, old_cell, keep=True):
 
 
 def cuda_step_backward(grad_h, grad_cell, X, gates, new_cell, weights, bias_shape, needed):
-    """One step's gradients on CUDA, in the forward's argument order (None where ``needed``, in
-    that order, says so): the backward kernel on device pointers, torch's GEMMs."""
+    """:func:`_step_backward` on CUDA: the backward kernel on device pointers, torch's GEMMs."""
     need_x, need_w, need_b, need_h, need_c = needed
     batch, state = new_cell.shape
     new = new_cell.new_empty
