@@ -48,7 +48,7 @@ class LLTMSaved:
 
     def __repr__(self) -> str:
         b, s = self.new_cell.shape
-        return (f"LLTMSaved(backend={self.backend!r}, batch={b}, state={s}, "
+        return (f"{type(self).__name__}(backend={self.backend!r}, batch={b}, state={s}, "
                 f"dtype={self.new_cell.dtype}, nbytes={self.nbytes})")
 
 
@@ -167,7 +167,4 @@ class LLTMCellSaved:
     def nbytes(self) -> int:
         return int(self.gates.nbytes + self.new_cell.nbytes)
 
-    def __repr__(self) -> str:
-        b, s = self.new_cell.shape
-        return (f"LLTMCellSaved(backend={self.backend!r}, batch={b}, state={s}, "
-                f"dtype={self.new_cell.dtype}, nbytes={self.nbytes})")
+    __repr__ = LLTMSaved.__repr__
