@@ -222,10 +222,9 @@ def _step_backward(grad_h, grad_cell, saved, needed):
 step_backward = without_autocast(_step_backward, "step_backward")
 
 
-def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, old_h=None,
-                      input=None, X=None):
+def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, old_h, input):
     """:func:`_step_backward` on the CPU: the NumPy backend's element-wise backward, torch's
-    GEMMs; [old_h, input] as ``X`` or concatenated here if the weights need it."""
+    GEMMs; [old_h, input] concatenated again if the weights need it."""
     need_x, need_w, need_b, need_h, need_c = needed
     # the gradients returned: torch's own tensors, the backend writing into their memory
     d_old_cell = factors.new_empty(factors.shape[1:]) if need_c else None
@@ -249,7 +248,7 @@ def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, o
         d_old_h = mm(rows, weights[:, :state]) if need_h else None
         d_input = mm(rows, weights[:, state:]) if need_x else None
     if need_w:
-        d_weights = mm(rows.t(), _cat((old_h, input), 1) if X is None else X)
+        d_weights = mm(rows.t(), _cat((old_h, input), 1))
     return (d_input, d_weights if need_w else None,
             d_bias.reshape(bias_shape) if need_b else None, d_old_h,
             d_old_cell if need_c else None)
