@@ -47,7 +47,7 @@ from . import cluster_kernels, fused_cluster, fused_kernels, fused_mma, group_ke
 from .fused_kernels import THREADS, acc_size, wt_stride
 from .gemm import gemm, parameter_grads
 from .kernels import cupy_module, on_device
-from .packed import _index, hidden_inputs
+from .packed import _index, hidden_inputs, unpermuted
 from .._packing import block_steps, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 
@@ -215,9 +215,7 @@ def forward_fused(inputs, weights, bias, h0, c0, plan, keep=True, block_rows=204
                                       tuple(bias.shape), fused=True) if keep else None
         else:
             outputs = unpack_rows(out, plan, cupy, *index)
-            h_n, c_n = cupy.empty_like(h_prev), cupy.empty_like(c_prev)
-            h_n[perm] = h_prev
-            c_n[perm] = c_prev
+            h_n, c_n = unpermuted(cupy, h_prev, perm), unpermuted(cupy, c_prev, perm)
             saved = LLTMSequenceSaved("cupy", x, out, gates, cells, weights, tuple(bias.shape),
                                       plan=plan, h0=h0s, fused=True) if keep else None
     return outputs, h_n, c_n, saved
@@ -266,10 +264,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, size=None):
             h_in = hs[:-1].reshape(rows, state)
         else:
             h_in = hidden_inputs(cupy, plan, d, saved.h0, hs)
-            d_h0s, d_c0s = d_h0, d_c0
-            d_h0, d_c0 = cupy.empty_like(d_h0s), cupy.empty_like(d_c0s)
-            d_h0[perm] = d_h0s
-            d_c0[perm] = d_c0s
+            d_h0, d_c0 = unpermuted(cupy, d_h0, perm), unpermuted(cupy, d_c0, perm)
         need_x, need_w, need_b, need_h0, need_c0 = needed
         d_inputs, d_weights, d_bias = parameter_grads(cupy, d_gates, h_in, x, weights,
                                                       saved.bias_shape, needed)

@@ -69,6 +69,16 @@ def _permuted(a, perm):
     return a if perm is None or a is None else a[perm]
 
 
+def unpermuted(xp, a, perm):
+    """``a`` (batch, ...) in a plan's sorted order, back in the caller's order: a new array
+    (``xp.empty_like``), or ``a`` itself where ``perm`` is None (the identity)."""
+    if perm is None:
+        return a
+    out = xp.empty_like(a)
+    out[perm] = a
+    return out
+
+
 #: Forward only, where the outputs need a scatter: the hidden states of this many steps of the
 #: whole batch (rows) are gathered before one scatter puts them into the outputs
 SCATTER_STEPS = 4
@@ -185,12 +195,7 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, plan, keep=True, block_r
                              cells.data.ptr, bias_c.data.ptr, c0_c.data.ptr, dtype, state)
             outputs = unpack_rows(out, plan, cupy, *index)
             h_sorted, c_sorted = final_states(plan, d, out, cells, h0s, c0s, cupy.ndarray.copy)
-        if d.perm is None:
-            h_n, c_n = h_sorted, c_sorted
-        else:
-            h_n, c_n = cupy.empty_like(h_sorted), cupy.empty_like(c_sorted)
-            h_n[d.perm] = h_sorted
-            c_n[d.perm] = c_sorted
+        h_n, c_n = unpermuted(cupy, h_sorted, d.perm), unpermuted(cupy, c_sorted, d.perm)
     if not keep:
         return outputs, h_n, c_n, None
     saved = LLTMSequenceSaved("cupy", x, out, gates, cells, weights, tuple(bias.shape),
@@ -247,12 +252,7 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed):
         if sizes:
             d_h0s[: sizes[0]] = d_h_first
             d_c0s[: sizes[0]] = d_c
-        if perm is None:
-            d_h0, d_c0 = d_h0s, d_c0s
-        else:
-            d_h0, d_c0 = cupy.empty_like(d_h0s), cupy.empty_like(d_c0s)
-            d_h0[perm] = d_h0s
-            d_c0[perm] = d_c0s
+        d_h0, d_c0 = unpermuted(cupy, d_h0s, perm), unpermuted(cupy, d_c0s, perm)
         need_x, need_w, need_b, need_h0, need_c0 = needed
         d_weights = d_bias = d_inputs = None
         if need_w:
