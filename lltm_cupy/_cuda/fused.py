@@ -169,7 +169,7 @@ def forward_fused(inputs, weights, bias, h0, c0, plan, keep=True, block_rows=204
             h_prev, c_prev = hs[0], cupy.ascontiguousarray(c0)
             offsets, packed = cupy.zeros(1, np.int64), np.int32(0)   # not read
         else:
-            d = _device_arrays(cupy, plan)
+            d = _index(cupy, plan, inputs.data.device_id)
             index, perm = (d.t_index, d.b_index, d.data_index), d.order
             steps, batch = len(plan.batch_sizes), len(plan.perm)
             x = cupy.ascontiguousarray(pack_rows(inputs, plan, *index))
@@ -186,14 +186,14 @@ def forward_fused(inputs, weights, bias, h0, c0, plan, keep=True, block_rows=204
         finals = [(cupy.empty((batch, state), dtype), cupy.empty((batch, state), dtype))
                   for _ in range(min(len(spans), 2))]
         w_x_t = weights[:, state:].T
+
+        def project(r0, r1):    # the input projection of a span's steps, one GEMM
+            gemm(x[r0:r1], w_x_t, gates[: r1 - r0])
+
         if batch and spans:
             h_prev, c_prev = cupy.ascontiguousarray(h_prev), cupy.ascontiguousarray(c_prev)
             w = cupy.ascontiguousarray(weights)
             bias_c = cupy.ascontiguousarray(bias.reshape(-1))
-
-            def project(r0, r1):    # the input projection of a span's steps, one GEMM
-                gemm(x[r0:r1], w_x_t, gates[: r1 - r0])
-
             last = launch_forward(
                 launched, spans, starts, project,
                 w.data.ptr, weights.shape[1], bias_c.data.ptr, gates.data.ptr, h_prev.data.ptr,
@@ -204,7 +204,7 @@ def forward_fused(inputs, weights, bias, h0, c0, plan, keep=True, block_rows=204
             assert last == (h_prev.data.ptr, c_prev.data.ptr)
         elif spans:                      # no batch: nothing to launch, the input projections
             for t0, t1 in spans:
-                gemm(x[starts[t0]: starts[t1]], w_x_t, gates[: starts[t1] - starts[t0]])
+                project(starts[t0], starts[t1])
             h_prev, c_prev = finals[(len(spans) - 1) % 2]
         else:                            # no step: the final state is the initial one
             h_prev, c_prev = cupy.array(h_prev), cupy.array(c_prev)
@@ -236,7 +236,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, size=None):
             grad_out = None if grad_outputs is None else cupy.ascontiguousarray(grad_outputs)
             ghn, gcn = grad_h_n, grad_c_n
         else:
-            d = _device_arrays(cupy, plan)
+            d = _index(cupy, plan, hs.data.device_id)
             index, perm = (d.t_index, d.b_index, d.data_index), d.order
             steps, batch = len(plan.batch_sizes), len(plan.perm)
             grad_out = (None if grad_outputs is None
@@ -316,8 +316,3 @@ def launch_backward(variant, w, features_and_state, gates, cells, grad_out, grad
         np.int32(grad_out is not None), np.int32(grad_h_n is not None),
         np.int32(grad_c_n is not None), np.int32(steps), np.int32(batch), np.int32(state),
         np.int32(tile)), shared_mem=smem)
-
-
-def _device_arrays(cupy, plan):
-    """The plan's index arrays on the current device (uploaded once per plan and device)."""
-    return _index(cupy, plan, cupy.cuda.Device().id)

@@ -270,16 +270,16 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed):
 
 
 # ------------------------------------------------- the loops, on pointers (any engine)
+# (on the current device and CuPy's current stream; the array API's and the torch layer's)
 
 def forward_rows(plan, blocks, project, first, recurrent, gates, hs, cells, bias, c0, dtype,
                  state, h_rows=None, finals=None, after=(), scatter=None) -> None:
-    """The steps of a packed forward on pointers, on the current device and CuPy's current
-    stream: each step's rows of the buffers at their offsets, one GEMM and one launch, no view
-    or allocation. Per block (tau0, tau1) of ``blocks``: ``project(r0, r1)``, the input
-    projection of its packed rows into ``gates``; per step ``recurrent(i, j, n)`` (gates[j:j + n]
-    += hs[i:i + n] @ W_h.T: the previous step's hidden state), or for step 0 ``first(n)``
-    (gates[:n] += h0s[:n] @ W_h.T), then the forward kernel from the previous step's cell
-    (``c0`` first).
+    """The steps of a packed forward: each step's rows of the buffers at their offsets, one GEMM
+    and one launch, no view or allocation. Per block (tau0, tau1) of ``blocks``:
+    ``project(r0, r1)``, the input projection of its packed rows into ``gates``; per step
+    ``recurrent(i, j, n)`` (gates[j:j + n] += hs[i:i + n] @ W_h.T: the previous step's hidden
+    state), or for step 0 ``first(n)`` (gates[:n] += h0s[:n] @ W_h.T), then the forward kernel
+    from the previous step's cell (``c0`` first).
 
     ``gates``, ``hs``: (device pointer, bytes a row), ``cells``, ``bias``, ``c0``: pointers.
     Every packed row kept (``h_rows`` None): ``gates``, ``hs``, ``cells`` (rows, ...) at the
@@ -287,8 +287,7 @@ def forward_rows(plan, blocks, project, first, recurrent, gates, hs, cells, bias
     at row ``h_rows[tau]`` of ``hs``; its cell in two (batch, state) buffers at ``cells`` taken
     in turn; where sequences end, their rows of h and c copied device to device to the (h, c)
     pointers ``finals`` (each sorted sequence's final state); after a step tau in ``after``,
-    ``scatter(*after[tau])``. Shared by the array API (CuPy arrays, cuBLAS) and the torch
-    layer (torch tensors, torch's GEMMs)."""
+    ``scatter(*after[tau])``."""
     sizes, offsets = plan.batch_sizes, plan.offsets
     batch, taus, keep = len(plan.perm), len(sizes), h_rows is None
     g_at, g_row = gates
@@ -327,19 +326,19 @@ def forward_rows(plan, blocks, project, first, recurrent, gates, hs, cells, bias
 
 def backward_rows(plan, recurrent, incoming, grad_h, cells, gates, d_gates, buffers, dtype,
                   state):
-    """The recurrence of a packed backward on pointers, last step first, on the current device
-    and CuPy's current stream: each step's rows of the packed buffers at their offsets, one
-    launch and (but for step 0) ``recurrent(i, j, n)`` (grad_h[j:j + n] += d_gates[i:i + n] @
-    W_h: into the previous step's rows), no view or allocation but where sequences end:
-    ``incoming(last, n, nxt)``, the cell gradient entering such a step's ``n`` rows, of which
-    the first ``nxt`` run on (``last``: which of ``buffers`` holds what the step after passed
-    back, None before the first), as (pointer, its owner) or None (zero).
+    """The recurrence of a packed backward, last step first: each step's rows of the packed
+    buffers at their offsets, one launch and (but for step 0) ``recurrent(i, j, n)``
+    (grad_h[j:j + n] += d_gates[i:i + n] @ W_h: into the previous step's rows), no view or
+    allocation but where sequences end: ``incoming(last, n, nxt)``, the cell gradient entering
+    such a step's ``n`` rows, of which the first ``nxt`` run on (``last``: which of ``buffers``
+    holds what the step after passed back, None before the first), as (pointer, its owner) or
+    None (zero).
 
     ``grad_h`` (rows, S), the outputs' gradient (accumulated into), ``gates`` (rows, 3S) and
     ``d_gates`` (rows, 3S), written: (pointer, bytes a row) (``d_gates`` rows as ``gates``');
     ``cells`` (rows, S) and ``buffers`` (2, batch, S), the cell gradient each step passes back
     (never the one read as grad_cell: restrict): pointers. Returns which buffer holds step 0's
-    cell gradient. Shared by the array API and the torch layer."""
+    cell gradient."""
     sizes, offsets = plan.batch_sizes, plan.offsets
     gh_at, row = grad_h
     g_at, g_row = gates

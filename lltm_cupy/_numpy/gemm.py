@@ -9,8 +9,8 @@ array ``a @ b``), the sequence loops use:
   with unit column stride, such as a column block of the weights' gradient; returned);
 - ``operand(a)``: the array ``a`` as the GEMM calls take it (NumPy: the array itself; torch: a
   tensor over the same memory); ``kept(a)``: the same for an operand a workspace keeps between
-  calls (torch: an ordinary tensor even when made under ``inference_mode``); ``gate_weights(w)``: the (3S, K) weights' gate-major copy
-  (3, K, S) as an operand;
+  calls (torch: an ordinary tensor even under ``inference_mode``); ``gate_weights(w)``: the
+  (3S, K) weights' gate-major copy (3, K, S) as an operand;
 - per-step operands, made in one call before a loop, not one per step: ``steps_of(op,
   sizes)``, consecutive pieces of ``op``'s rows (its second-to-last axis); ``row_blocks(op,
   starts, sizes)``, the rows ``op[s:s + n]``; ``gate_inputs(op, starts, sizes)``, the same as

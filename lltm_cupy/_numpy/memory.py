@@ -170,8 +170,8 @@ class Workspace:
         return found
 
     def forward(self, i: int, rows: int, derivatives: bool, mm) -> tuple:
-        """Slot ``i``'s forward step on ``rows`` rows, ``(step, z as mm's kept operand, z)`` (kept in
-        :attr:`made` under ``((i, rows), (derivatives, mm))``)."""
+        """Slot ``i``'s forward step on ``rows`` rows, ``(step, z as mm's kept operand, z)``
+        (kept in :attr:`made` under ``((i, rows), (derivatives, mm))``)."""
         key = ((i, rows), (derivatives, mm))
         found = self.made.get(key)
         if found is None:
