@@ -129,33 +129,6 @@ def forward_only_outputs(xp, plan, d, state, dtype):
     return outputs, hs, h_rows, scatter, after
 
 
-def _forward_only_steps(cupy, plan, d, blocks, x, w_x_t, w_h_t, bias, h0s, c0s):
-    """The steps of a packed forward only: (outputs, h_sorted, c_sorted), the latter two each
-    sorted sequence's state after its last step (h0s, c0s for length 0), by
-    :func:`forward_rows` into one block's gate pre-activations, the hidden states where
-    :func:`forward_only_outputs` says and two (batch, state) cell buffers taken in turn."""
-    batch, state = len(plan.perm), h0s.shape[1]
-    dtype = x.dtype
-    outputs, hs, h_rows, scatter, after = forward_only_outputs(cupy, plan, d, state, dtype)
-    h_sorted, c_sorted = h0s.copy(), c0s.copy()
-    if not plan.rows:
-        return outputs, h_sorted, c_sorted
-    offsets = plan.offsets
-    gates = cupy.empty((max(offsets[b] - offsets[a] for a, b in blocks), 3 * state), dtype)
-    cells = cupy.empty((2, batch, state), dtype)
-    c0_c = cupy.ascontiguousarray(c0s)
-
-    def project(r0, r1):        # a block's input projection, into the first rows of gates
-        gemm(x[r0:r1], w_x_t, gates[: r1 - r0])
-
-    with row_steps(hs, w_h_t, gates, accumulate=True) as recurrent:
-        forward_rows(plan, blocks, project, _first(h0s, w_h_t, gates), recurrent,
-                     (gates.data.ptr, gates.strides[0]), (hs.data.ptr, hs.strides[0]),
-                     cells.data.ptr, bias.data.ptr, c0_c.data.ptr, dtype, state, h_rows,
-                     (h_sorted.data.ptr, c_sorted.data.ptr), after, scatter)
-    return outputs, h_sorted, c_sorted
-
-
 def _first(h0s, w_h_t, gates):
     """Step 0's recurrent GEMM, ``first(n)``: gates[:n] += h0s[:n] @ W_h.T."""
     return lambda n: gemm(h0s[:n], w_h_t, gates[:n], accumulate=True)
@@ -166,33 +139,38 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, plan, keep=True, block_r
 
     state = h0.shape[1]
     dtype = inputs.dtype
-    rows = plan.rows
+    rows, offsets = plan.rows, plan.offsets
     with on_device(inputs.data.device_id):
         d = _index(cupy, plan, inputs.device.id)
         index = (d.t_index, d.b_index, d.data_index)
         x = cupy.ascontiguousarray(pack_rows(inputs, plan, *index))      # (N, F)
-        blocks = step_blocks(plan.offsets, block_rows)
+        blocks = step_blocks(offsets, block_rows)
         h0s, c0s = _permuted(h0, d.perm), _permuted(c0, d.perm)
         w_x_t, w_h_t = weights[:, state:].T, weights[:, :state].T
         bias_c = cupy.ascontiguousarray(bias.reshape(-1))
-        if not keep:
-            outputs, h_sorted, c_sorted = _forward_only_steps(
-                cupy, plan, d, blocks, x, w_x_t, w_h_t, bias_c, h0s, c0s)
-        else:
-            # every packed row's gate pre-activations, hidden state and cell (the backward reads
-            # them)
-            gates = cupy.empty((rows, 3 * state), dtype)
-            out = cupy.empty((rows, state), dtype)
-            cells = cupy.empty((rows, state), dtype)
+        if keep:    # every packed row's gate pre-activations, hidden state and cell (kept)
+            out, cells, gate_rows, extra = (cupy.empty((rows, state), dtype),
+                                            cupy.empty((rows, state), dtype), rows, ())
+        else:       # one block's gates, two (batch, state) cells in turn, h where the outputs say
+            outputs, out, h_rows, scatter, after = forward_only_outputs(cupy, plan, d, state,
+                                                                        dtype)
+            h_sorted, c_sorted = h0s.copy(), c0s.copy()
+            cells = cupy.empty((2, len(plan.perm), state), dtype)
+            gate_rows = max((offsets[b] - offsets[a] for a, b in blocks), default=0)
+            extra = (h_rows, (h_sorted.data.ptr, c_sorted.data.ptr), after, scatter)
+        gates = cupy.empty((gate_rows, 3 * state), dtype)
+
+        def project(r0, r1):    # a block's input projection (forward only: from row 0)
+            gemm(x[r0:r1], w_x_t, gates[r0:r1] if keep else gates[: r1 - r0])
+
+        if rows:
             c0_c = cupy.ascontiguousarray(c0s)
-
-            def project(r0, r1):    # a block's input projection
-                gemm(x[r0:r1], w_x_t, gates[r0:r1])
-
             with row_steps(out, w_h_t, gates, accumulate=True) as recurrent:
                 forward_rows(plan, blocks, project, _first(h0s, w_h_t, gates), recurrent,
                              (gates.data.ptr, gates.strides[0]), (out.data.ptr, out.strides[0]),
-                             cells.data.ptr, bias_c.data.ptr, c0_c.data.ptr, dtype, state)
+                             cells.data.ptr, bias_c.data.ptr, c0_c.data.ptr, dtype, state,
+                             *extra)
+        if keep:
             outputs = unpack_rows(out, plan, cupy, *index)
             h_sorted, c_sorted = final_states(plan, d, out, cells, h0s, c0s, cupy.ndarray.copy)
         h_n, c_n = unpermuted(cupy, h_sorted, d.perm), unpermuted(cupy, c_sorted, d.perm)
