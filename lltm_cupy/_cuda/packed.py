@@ -24,7 +24,7 @@ the torch layer too (torch tensors, torch's GEMMs: ``lltm_cupy.torch._cuda_packe
 from __future__ import annotations
 
 from .elementwise import FLAG, launch
-from .gemm import d_bias as bias_gradient, gemm, row_steps
+from .gemm import gemm, parameter_grads, row_steps
 from .kernels import cupy_module, on_device
 from .._packing import incoming_cell_grad, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
@@ -185,7 +185,7 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed):
     plan, x, gates, cells, out, weights = (saved.plan, saved.inputs, saved.gates, saved.cells,
                                            saved.hs, saved.weights)
     rows, state = out.shape
-    batch, features = len(plan.perm), x.shape[1]
+    batch = len(plan.perm)
     dtype = out.dtype
     with on_device(out.data.device_id):
         d = _index(cupy, plan, out.device.id)
@@ -232,17 +232,11 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed):
             d_c0s[: sizes[0]] = d_c
         d_h0, d_c0 = unpermuted(cupy, d_h0s, perm), unpermuted(cupy, d_c0s, perm)
         need_x, need_w, need_b, need_h0, need_c0 = needed
-        d_weights = d_bias = d_inputs = None
-        if need_w:
-            h_in = hidden_inputs(cupy, plan, d, saved.h0, out)
-            d_weights = cupy.empty(weights.shape, dtype)
-            gemm(flat.T, h_in, d_weights[:, :state])
-            gemm(flat.T, x, d_weights[:, state:])
-        if need_b:
-            d_bias = bias_gradient(cupy, flat, saved.bias_shape)
+        h_in = hidden_inputs(cupy, plan, d, saved.h0, out) if need_w else None
+        d_inputs, d_weights, d_bias = parameter_grads(cupy, flat, h_in, x, weights,
+                                                      saved.bias_shape, needed)
         if need_x:
-            d_inputs = unpack_rows(gemm(flat, weights[:, state:],
-                                        cupy.empty((rows, features), dtype)), plan, cupy, *index)
+            d_inputs = unpack_rows(d_inputs, plan, cupy, *index)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)
 
