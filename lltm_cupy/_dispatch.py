@@ -40,7 +40,6 @@ def _needed(needed) -> tuple:
 
 
 def _flag(name: str, value) -> bool:
-    """A boolean keyword (Python or NumPy bool); TypeError naming it otherwise."""
     return check_flag("lltm_cupy", name, value)
 
 
@@ -104,28 +103,19 @@ def forward_sequence(inputs, weights, bias, h0, c0, lengths=None, reverse=False,
     lengths: optional (batch,) integers in [0, steps] (a list, NumPy or CuPy array, or torch
         tensor): sequence b runs its first ``lengths[b]`` steps; its outputs past them are zero
         and its ``h_n``, ``c_n`` are its state after its last step (``h0``, ``c0`` for length 0).
-        The layout is made on the host: lengths given on a GPU (CuPy array, CUDA tensor) are
-        copied to the host first, which waits for the device; give them on the host to avoid
-        that. On the GPU the layout's index arrays are uploaded once per distinct ``lengths``
-        (the last 64 are kept), so recurring lengths copy nothing. Under CUDA-graph capture the
-        same ``lengths`` must have run once before the capture (else ``RuntimeError``), and the
-        graph replays that layout: it is valid for those lengths only.
+        Lengths on a GPU are copied to the host first (a wait); under CUDA-graph capture the
+        same ``lengths`` must have run once before (docs/gpu-training.md).
     reverse: run each sequence from its own last valid step back to step 0 (the reverse
         direction of a bidirectional layer); outputs stay at their time positions
     return_saved: False for a forward only (inference): ``saved`` is ``None`` (the result still
-        unpacks into four) and nothing is kept for a backward: no derivative factors are
-        computed, the cell state is one (batch, state) array updated step by step, and the
-        gate pre-activations live in one buffer of a block of steps (the input projection runs
-        one GEMM per block of steps), so that memory beyond the outputs does not grow with
-        ``steps``. The outputs and final states are bit for bit those of ``return_saved=True``.
+        unpacks into four), nothing is kept for a backward, and memory beyond the outputs does
+        not grow with ``steps``; the outputs and final states are bit for bit the same.
 
     ``outputs`` (steps, batch, state) holds the hidden state after every step; ``h_n`` and
-    ``c_n`` (batch, state) are the final state. Equal to stepping :func:`forward` ``steps`` times,
-    but with the input projection of all steps in one GEMM and per step one recurrent GEMM plus
-    the fused kernel. Same array, dtype and device rules as :func:`forward`; steps may be 0.
-    With ``lengths`` (or ``reverse``) the batch runs packed, as ``PackedSequence`` lays it out
-    (sorted by length once; the caller's order comes back): each step's GEMM and kernel run on
-    the sequences still running only, so padded positions cost nothing.
+    ``c_n`` (batch, state) are the final state: :func:`forward` stepped ``steps`` times, with
+    the input projection of all steps in one GEMM. Same array, dtype and device rules as
+    :func:`forward`; steps may be 0. With ``lengths`` (or ``reverse``) the batch runs packed
+    (as ``PackedSequence``): padded positions cost nothing.
 
     fused: GPU only (CuPy arrays; the CPU backend ignores it): run all steps in one launch of
         the fused sequence kernel per call, the recurrent weights held in shared memory for every
@@ -205,19 +195,13 @@ def warmup(dtypes=("float32",), device=None, *, fused=False) -> None:
     fused: also the fused sequence kernels (``fused=True`` of the sequence calls), on the
         same paths (a compile of their own module per dtype)
 
-    The GPU backend otherwise compiles its kernels (NVRTC) and loads them at their first use,
-    and so does CuPy for the few of its own kernels the calls use. Call this before capturing
-    CUDA graphs (``torch.cuda.graph``, ``make_graphed_callables``,
-    ``torch.compile(mode="reduce-overhead")``), so that no compilation or module load happens
-    inside a capture, or to take the compile time out of a benchmark. It runs every code path of
-    the four calls once on tiny arrays of each dtype (C-contiguous arguments, as the torch layer
-    always passes) and synchronises the device: kernels are cached per device and dtype, so it
-    is needed once per process, device and dtype. Where torch is imported, it also makes torch's
-    cuBLAS handles of the calling thread and of autograd's thread for the device, which the
-    torch layer's GEMMs use (creating them inside a capture fails), and binds both threads' CUDA
-    context. The fused kernels' plans for state sizes past one block's shared memory depend on
-    the shapes, which it does not know: run such a call eagerly once before capturing it.
-    Needs CuPy and a GPU (RuntimeError otherwise).
+    Otherwise kernels compile (NVRTC) and load at their first use. Call this once per process,
+    device and dtype before capturing CUDA graphs, so that nothing compiles or loads inside a
+    capture (docs/gpu-training.md), or to take the compile time out of a benchmark: it runs
+    every code path of the four calls on tiny arrays and synchronises; where torch is imported
+    it also makes torch's cuBLAS handles and CUDA context for the calling thread and autograd's.
+    Fused plans past one block's shared memory depend on shapes it does not know: run such a
+    call eagerly once before capturing it. Needs CuPy and a GPU (RuntimeError otherwise).
     """
     from . import _cuda
 

@@ -22,16 +22,12 @@ class LLTMGrads(NamedTuple):
 class LLTMSaved:
     """What :func:`lltm_cupy.backward` needs from a forward call. Pass it back untouched.
 
-    Holds ``X = [old_h, input]`` (batch, state + features), the backend's gate values and
-    ``new_cell`` (batch, state, the forward's output itself). The gate values are what the
-    backend's backward reads: on the GPU the three pre-activations with the bias added, (batch,
-    3 * state) as the GEMM wrote them (the kernel recomputes every activation and derivative from
-    them): X plus 4 * batch * state values in all; on the CPU the four products the backward
-    multiplies by, gate-major (4, batch, state) (see
-    ``lltm_cupy._numpy.elementwise.step_factors``; four cheap contiguous NumPy passes in the
-    backward instead of sixteen): X plus 5 * batch * state values.
-    It also keeps a reference to ``weights`` (not a copy): do not modify the weights in place
-    between forward and backward.
+    Holds ``X = [old_h, input]`` (batch, state + features), ``new_cell`` (batch, state, the
+    forward's output itself) and the gate values the backend's backward reads: on the GPU the
+    pre-activations, bias added (batch, 3 * state), from which the kernel recomputes every
+    activation and derivative; on the CPU the four products the backward multiplies by,
+    gate-major (4, batch, state) (``lltm_cupy._numpy.elementwise.step_factors``). It refers to
+    ``weights`` (not a copy): do not modify them in place between forward and backward.
     """
 
     backend: str  # "numpy" or "cupy"
@@ -48,7 +44,7 @@ class LLTMSaved:
 
     def __repr__(self) -> str:
         b, s = self.new_cell.shape
-        return (f"LLTMSaved(backend={self.backend!r}, batch={b}, state={s}, "
+        return (f"{type(self).__name__}(backend={self.backend!r}, batch={b}, state={s}, "
                 f"dtype={self.new_cell.dtype}, nbytes={self.nbytes})")
 
 
@@ -167,7 +163,4 @@ class LLTMCellSaved:
     def nbytes(self) -> int:
         return int(self.gates.nbytes + self.new_cell.nbytes)
 
-    def __repr__(self) -> str:
-        b, s = self.new_cell.shape
-        return (f"LLTMCellSaved(backend={self.backend!r}, batch={b}, state={s}, "
-                f"dtype={self.new_cell.dtype}, nbytes={self.nbytes})")
+    __repr__ = LLTMSaved.__repr__

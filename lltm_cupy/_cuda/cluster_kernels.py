@@ -88,17 +88,13 @@ def refuse_under_capture(what: str) -> None:
 
 
 def max_active_clusters(kernel, size: int, threads: int, shared: int):
-    """How many clusters of ``size`` blocks of ``kernel`` (a ``cupy.RawKernel`` of the cluster
-    kernels, whose cluster shape is its compile-time ``__cluster_dims__``: no launch attribute
-    given, as cuOccupancyMaxActiveClusters asks of such a function) the current device can hold
-    at once, each block of ``threads`` threads with ``shared`` bytes of dynamic shared memory;
-    the driver's answer (``cuOccupancyMaxActiveClusters`` on the function CuPy loaded for the
-    current device: ``RawKernel.kernel.ptr``, after ``kernels.ensure_context``), cached per
-    (device, function, threads, bytes). None where the query fails (no driver library, an error
-    status); the reason is kept in ``kernels.cluster_failures``, and a failure is not cached (the
-    next call asks again: a failure may be the calling thread's, not the device's). Raises
-    ``lltm_cupy._packing.CaptureError`` where the answer is not kept and the current stream is
-    being captured (:func:`refuse_under_capture`)."""
+    """How many clusters of ``size`` blocks of ``kernel`` (a cluster kernel's RawKernel: its
+    cluster shape is its ``__cluster_dims__``, so no launch attribute is given) the current
+    device holds at once, each block of ``threads`` threads and ``shared`` bytes: the driver's
+    cuOccupancyMaxActiveClusters, after ``kernels.ensure_context``, cached per (device,
+    function, threads, bytes). None where the query fails (the reason in
+    ``kernels.cluster_failures``; not cached: it may be the thread's failure, not the device's).
+    CaptureError for an answer not kept yet under capture (:func:`refuse_under_capture`)."""
     device = current_device()
     try:
         handle = kernel.kernel.ptr
@@ -144,11 +140,10 @@ REFUSALS = (1, 701, 801, 912)
 
 def guarded(kernel, size: int):
     """A launch handle for the cluster kernel ``kernel`` of a non-portable ``size`` (no NVIDIA
-    document says that every device whose occupancy query holds such a cluster accepts its
-    launch): a launch that the driver refuses (a ``CUDADriverError`` of :data:`REFUSALS`, raised
-    by the launch call itself) is recorded and raises :class:`LaunchRefused`, which the sequence
-    calls answer by running on the stepped path; the size is not planned again on the device. The
-    guard is a ``try`` around the launch (no cost where nothing is raised), kept on every launch."""
+    document says that a device whose occupancy query holds such a cluster accepts its launch):
+    a launch the driver refuses (a ``CUDADriverError`` of :data:`REFUSALS`) is recorded and
+    raises :class:`LaunchRefused` (the call runs on the stepped path; the size is not planned
+    again on the device). A ``try`` around the launch: no cost where nothing is raised."""
     def launch(grid, block, args, shared_mem=0):
         try:
             kernel(grid, block, args, shared_mem=shared_mem)

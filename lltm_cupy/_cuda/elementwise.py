@@ -19,13 +19,11 @@ import numpy as np
 from . import kernels
 from .kernels import ELEMENTWISE as FAMILY, Kernels, current_device
 
-__all__ = ["FAMILY", "SOURCE_NAME", "KERNEL_NAMES", "Kernels", "INDEX_TYPE", "source",
+__all__ = ["FAMILY", "SOURCE_NAME", "KERNEL_NAMES", "Kernels", "source",
            "name_expression", "get_kernels", "Launch", "FLAG", "launch", "launch_config",
            "needs_wide_index", "compile_offline"]
 
 SOURCE_NAME, KERNEL_NAMES = FAMILY.files[-1], FAMILY.kernels
-#: Index type of the kernels: 32-bit unless an index could pass 2**32 (see ``launch_config``).
-INDEX_TYPE = FAMILY.instances
 #: ``get_kernels(dtype, wide)``: the :class:`~.kernels.Kernels` of that index width (``wide``:
 #: the 64-bit instance) on the current device, compiled once per (device, dtype).
 source, name_expression, get_kernels = FAMILY.source, FAMILY.name_expression, FAMILY.get_kernels

@@ -47,7 +47,7 @@ from . import cluster_kernels, fused_cluster, fused_kernels, fused_mma, group_ke
 from .fused_kernels import THREADS, acc_size, wt_stride
 from .gemm import gemm, parameter_grads
 from .kernels import cupy_module, on_device
-from .packed import _index, hidden_inputs
+from .packed import _index, hidden_inputs, unpermuted
 from .._packing import block_steps, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
 
@@ -96,14 +96,12 @@ def cluster_size(state: int, dtype):
 
 
 def variant(batch: int, state: int, dtype, backward: bool, size=None, buffers=None):
-    """(kernel, blocks, threads, tile, shared bytes) of the variant that runs ``state`` (``size``:
-    that many blocks per tile instead of the launcher's choice; ``buffers``: what makes the group
-    variant's exchange buffer and counters, ``group_kernels.group_launch``'s). A cluster launch of a
-    non-portable size raises cluster_kernels.LaunchRefused where the driver refuses it; so
-    does this call where no variant runs ``state`` now: past one block's shared memory with no
-    cluster (or group) size chosen, as after a non-portable size was refused since the forward
-    ran in it, or while an occupancy query fails (a one-block launch would ask for more shared
-    memory than a block has, and the driver's refusal of that is no error a caller expects)."""
+    """(kernel, blocks, threads, tile, shared bytes) of the variant that runs ``state``
+    (``size``: blocks per tile instead of the launcher's choice; ``buffers``: as
+    ``group_kernels.group_launch``'s).
+    cluster_kernels.LaunchRefused where no variant runs ``state`` now (past one block's shared
+    memory with no cluster or group size chosen: one was refused, or a query fails), and from a
+    non-portable cluster launch the driver refuses."""
     size = cluster_size(state, dtype) if size is None else size
     if size is None and fused_mma.usable(state, dtype, backward):          # tensor cores
         fns = fused_mma.get_kernels(dtype)
@@ -149,16 +147,11 @@ def _geometry(cupy, batch: int, state: int, dtype, backward: bool):
 
 
 def forward_fused(inputs, weights, bias, h0, c0, plan, keep=True, block_rows=2048, size=None):
-    """The fused forward of one layer and direction. ``keep``: everything the backward reads is
-    kept (one input-projection GEMM and one launch); forward only (``keep=False``): the steps
-    run in blocks of the stepped path's size, one GEMM and one launch per block, into one reused
-    block of pre-activations and cells, so that memory beyond the outputs does not grow with
-    the number of steps (one launch for sequences of up to 2048 / batch steps). ``size``: the
-    blocks per tile to run instead of the launcher's choice (warmup). Raises
-    cluster_kernels.LaunchRefused where the driver refuses a non-portable cluster launch (the
-    caller runs the call on the stepped path instead). The launch is planned first, before any
-    work is queued (under CUDA-graph capture a plan that needs the driver's query is refused
-    there: ``cluster_kernels.refuse_under_capture``)."""
+    """The fused forward of one layer and direction: one input-projection GEMM and one launch;
+    forward only (``keep=False``) one of each per block of the stepped path's steps, into one
+    reused block, so that memory beyond the outputs does not grow with the steps. ``size``: the
+    blocks per tile instead of the launcher's choice (warmup). The launch is planned before any
+    work is queued; cluster_kernels.LaunchRefused (the caller then runs the stepped path)."""
     cupy = cupy_module()
     dtype = inputs.dtype
     state = h0.shape[1]
@@ -176,7 +169,7 @@ def forward_fused(inputs, weights, bias, h0, c0, plan, keep=True, block_rows=204
             h_prev, c_prev = hs[0], cupy.ascontiguousarray(c0)
             offsets, packed = cupy.zeros(1, np.int64), np.int32(0)   # not read
         else:
-            d = _device_arrays(cupy, plan)
+            d = _index(cupy, plan, inputs.data.device_id)
             index, perm = (d.t_index, d.b_index, d.data_index), d.order
             steps, batch = len(plan.batch_sizes), len(plan.perm)
             x = cupy.ascontiguousarray(pack_rows(inputs, plan, *index))
@@ -193,14 +186,14 @@ def forward_fused(inputs, weights, bias, h0, c0, plan, keep=True, block_rows=204
         finals = [(cupy.empty((batch, state), dtype), cupy.empty((batch, state), dtype))
                   for _ in range(min(len(spans), 2))]
         w_x_t = weights[:, state:].T
+
+        def project(r0, r1):    # the input projection of a span's steps, one GEMM
+            gemm(x[r0:r1], w_x_t, gates[: r1 - r0])
+
         if batch and spans:
             h_prev, c_prev = cupy.ascontiguousarray(h_prev), cupy.ascontiguousarray(c_prev)
             w = cupy.ascontiguousarray(weights)
             bias_c = cupy.ascontiguousarray(bias.reshape(-1))
-
-            def project(r0, r1):    # the input projection of a span's steps, one GEMM
-                gemm(x[r0:r1], w_x_t, gates[: r1 - r0])
-
             last = launch_forward(
                 launched, spans, starts, project,
                 w.data.ptr, weights.shape[1], bias_c.data.ptr, gates.data.ptr, h_prev.data.ptr,
@@ -211,7 +204,7 @@ def forward_fused(inputs, weights, bias, h0, c0, plan, keep=True, block_rows=204
             assert last == (h_prev.data.ptr, c_prev.data.ptr)
         elif spans:                      # no batch: nothing to launch, the input projections
             for t0, t1 in spans:
-                gemm(x[starts[t0]: starts[t1]], w_x_t, gates[: starts[t1] - starts[t0]])
+                project(starts[t0], starts[t1])
             h_prev, c_prev = finals[(len(spans) - 1) % 2]
         else:                            # no step: the final state is the initial one
             h_prev, c_prev = cupy.array(h_prev), cupy.array(c_prev)
@@ -222,19 +215,15 @@ def forward_fused(inputs, weights, bias, h0, c0, plan, keep=True, block_rows=204
                                       tuple(bias.shape), fused=True) if keep else None
         else:
             outputs = unpack_rows(out, plan, cupy, *index)
-            h_n, c_n = cupy.empty_like(h_prev), cupy.empty_like(c_prev)
-            h_n[perm] = h_prev
-            c_n[perm] = c_prev
+            h_n, c_n = unpermuted(cupy, h_prev, perm), unpermuted(cupy, c_prev, perm)
             saved = LLTMSequenceSaved("cupy", x, out, gates, cells, weights, tuple(bias.shape),
                                       plan=plan, h0=h0s, fused=True) if keep else None
     return outputs, h_n, c_n, saved
 
 
 def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, size=None):
-    """The fused backward of one layer and direction (``size`` as in :func:`forward_fused`);
-    raises cluster_kernels.LaunchRefused as it does, before any launch where no variant runs
-    the state size now (the saved values are the stepped path's: the caller runs the stepped
-    backward on them instead)."""
+    """The fused backward of one layer and direction, as :func:`forward_fused` (the saved values
+    are the stepped path's: on LaunchRefused the caller runs the stepped backward on them)."""
     cupy = cupy_module()
     plan, x, hs, weights = saved.plan, saved.inputs, saved.hs, saved.weights
     state = weights.shape[0] // 3
@@ -247,7 +236,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, size=None):
             grad_out = None if grad_outputs is None else cupy.ascontiguousarray(grad_outputs)
             ghn, gcn = grad_h_n, grad_c_n
         else:
-            d = _device_arrays(cupy, plan)
+            d = _index(cupy, plan, hs.data.device_id)
             index, perm = (d.t_index, d.b_index, d.data_index), d.order
             steps, batch = len(plan.batch_sizes), len(plan.perm)
             grad_out = (None if grad_outputs is None
@@ -275,10 +264,7 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, size=None):
             h_in = hs[:-1].reshape(rows, state)
         else:
             h_in = hidden_inputs(cupy, plan, d, saved.h0, hs)
-            d_h0s, d_c0s = d_h0, d_c0
-            d_h0, d_c0 = cupy.empty_like(d_h0s), cupy.empty_like(d_c0s)
-            d_h0[perm] = d_h0s
-            d_c0[perm] = d_c0s
+            d_h0, d_c0 = unpermuted(cupy, d_h0, perm), unpermuted(cupy, d_c0, perm)
         need_x, need_w, need_b, need_h0, need_c0 = needed
         d_inputs, d_weights, d_bias = parameter_grads(cupy, d_gates, h_in, x, weights,
                                                       saved.bias_shape, needed)
@@ -293,16 +279,12 @@ def backward_fused(grad_outputs, grad_h_n, grad_c_n, saved, needed, size=None):
 
 def launch_forward(variant, spans, starts, project, w, features_and_state, bias, gates, h0, c0,
                    out, out_row, cells, finals, offsets, packed, batch, state):
-    """The fused forward's launches, on device pointers (ints) of C-contiguous buffers, on the
-    current device and CuPy's current stream: per span (t0, t1) of steps, ``project(r0, r1)``
-    (the input projection of its rows r0 = starts[t0] .. r1 into ``gates``' first rows), then
-    one launch of ``variant`` (:func:`variant`'s (kernel, blocks, threads, tile,
-    shared bytes)) from the (h, c) the span before ended with (``h0``, ``c0`` first) into the
-    span's rows of ``out`` (``out_row`` bytes a row), ``cells``' first rows and the pair of
-    ``finals`` taken in turn; returns the last span's final (h, c). w: the weights (3S, S + F)
-    with ``features_and_state`` = S + F columns, bias (3S); ``offsets``: the plan's step
-    offsets (int64) where ``packed`` is 1, else any pointer (not read). Shared by the array API
-    (CuPy arrays, cuBLAS) and the torch layer (torch tensors, torch's GEMMs)."""
+    """The fused forward's launches on device pointers (ints) of C-contiguous buffers, current
+    device and CuPy's current stream, for the array API and the torch layer alike: per span
+    (t0, t1) of steps, ``project(r0, r1)`` (its rows' input projection into ``gates``), then
+    one launch of ``variant`` (:func:`variant`'s tuple) from the previous span's final (h, c)
+    into its rows of ``out`` (``out_row`` bytes a row), ``cells`` and ``finals``' pair taken in
+    turn; returns the last (h, c). ``offsets``: the plan's step offsets where ``packed``."""
     kernel, blocks, threads, tile, smem = variant
     columns, b32, s32, t32 = np.int64(features_and_state), np.int32(batch), np.int32(state), \
         np.int32(tile)
@@ -321,10 +303,8 @@ def launch_forward(variant, spans, starts, project, w, features_and_state, bias,
 
 def launch_backward(variant, w, features_and_state, gates, cells, grad_out, grad_h_n, grad_c_n,
                     d_gates, d_h0, d_c0, offsets, packed, steps, batch, state) -> None:
-    """The fused backward's launch, on device pointers (ints) of C-contiguous buffers, on the
-    current device and CuPy's current stream: d_gates (rows, 3S), d_h0, d_c0 (B, S) from the
-    forward's gates and cells and the gradients (None: zero) of the outputs (rows, S) and of
-    the final state (B, S); ``offsets`` as in :func:`launch_forward`."""
+    """The fused backward's launch, as :func:`launch_forward`: d_gates (rows, 3S), d_h0, d_c0
+    (B, S) from the forward's gates and cells and the gradients (None: zero)."""
     kernel, blocks, threads, tile, smem = variant
     present = [a for a in (grad_out, grad_h_n, grad_c_n) if a is not None]
     placeholder = cells if not present else present[0]      # read only where flagged
@@ -336,9 +316,3 @@ def launch_backward(variant, w, features_and_state, gates, cells, grad_out, grad
         np.int32(grad_out is not None), np.int32(grad_h_n is not None),
         np.int32(grad_c_n is not None), np.int32(steps), np.int32(batch), np.int32(state),
         np.int32(tile)), shared_mem=smem)
-
-
-def _device_arrays(cupy, plan):
-    """The plan's index arrays on the current device (uploaded once per plan and device, so
-    that a call in steady state, and under CUDA-graph capture, copies nothing from the host)."""
-    return _index(cupy, plan, cupy.cuda.Device().id)

@@ -109,9 +109,8 @@ PORTABLE_SIZES = tuple(p for p in cluster_kernels.SIZES if p <= cluster_kernels.
 
 
 def cluster_size(state: int, dtype, limit: int, group: bool = False):
-    """The smallest portable cluster size (:data:`PORTABLE_SIZES`) that runs ``state`` in
-    ``dtype`` with ``limit`` bytes of shared memory per block (a one-row tile both ways; ``group``:
-    in the group kernels); None if none does."""
+    """The smallest of :data:`PORTABLE_SIZES` whose one-row tiles of ``state`` fit ``limit``
+    bytes per block both ways (``group``: in the group kernels); None if none does."""
     return next((p for p in PORTABLE_SIZES if _fits(state, dtype, p, limit, group)), None)
 
 
@@ -128,10 +127,9 @@ def max_state(limit: int, dtype, size: int = cluster_kernels.PORTABLE_SIZE,
 
 
 def held(state: int, dtype, size: int):
-    """The clusters of ``size`` blocks of the kernels for ``dtype`` that the current device holds
-    at once with one-row tiles of ``state`` (the occupancy query, the fewer of the two
-    directions); None where a query fails or the driver refused a launch of that size on the
-    device (``kernels.cluster_failures`` says why)."""
+    """The clusters of ``size`` blocks that the current device holds at once with one-row tiles
+    of ``state`` (the occupancy query, the fewer of the two directions); None where a query
+    fails (``kernels.cluster_failures`` says why) or the driver refused that size."""
     if (kernels.current_device(), size) in kernels.refused_sizes:
         return None
     fns = cluster_kernels.get_kernels(dtype, size)
@@ -142,10 +140,8 @@ def held(state: int, dtype, size: int):
 
 
 def _runs(state: int, dtype, size: int) -> bool:
-    """Whether the current device may launch clusters of ``size`` blocks of the kernels for
-    ``dtype`` (one-row tiles of ``state``): a non-portable size only where the occupancy query
-    says at least one such cluster fits (and no launch of it was refused), a portable one unless
-    the query answers that none fits (a failed query leaves it to the launch); groups always."""
+    """Whether the current device may launch clusters of ``size`` blocks (the module docstring's
+    rule; groups always)."""
     if not uses_clusters(kernels.current_device()):
         return True
     found = held(state, dtype, size)
@@ -181,11 +177,8 @@ def usable(state: int, dtype) -> bool:
 
 
 def chosen_size(state: int, dtype) -> int:
-    """The blocks per tile the launcher runs: FORCED_SIZE if set (RuntimeError on a device older
-    than sm_80, for a size above 8 before sm_90, naming the largest state sizes each size runs if
-    that size cannot run ``state``, and where the occupancy query says the device holds no such
-    cluster, or for a non-portable size does not say it holds one), else the smallest that runs
-    it (None if none does)."""
+    """The blocks per tile the launcher runs: FORCED_SIZE if set (RuntimeError, saying why,
+    where it cannot run ``state`` on this device), else the launcher's own choice (or None)."""
     device = kernels.current_device()
     limit = kernels.shared_memory_limit(device)
     if FORCED_SIZE is None:
@@ -230,15 +223,8 @@ def _launch_shape(state: int, dtype, backward: bool, size: int, tile: int, group
 
 def geometry(batch: int, state: int, dtype, backward: bool, size: int, kernel=None):
     """(blocks, threads, tile, shared bytes) of a cluster launch (a group launch on a device
-    without clusters, in the group kernels' layout); blocks = tiles * size.
-
-    The batch is spread over the device's clusters, one tile each (at most SMs / size of them,
-    one block per SM), as many rows per tile as shared memory holds. With ``kernel`` (the
-    function to launch), the tile is then grown until the device can hold every cluster at once
-    (``cluster_kernels.max_active_clusters``: a cluster's blocks must all fit one GPC, which may
-    leave fewer clusters than SMs / size), as far as shared memory allows; past that the
-    clusters run in waves. Where the query fails the spread above stands (its reason in
-    ``kernels.cluster_failures``)."""
+    without clusters); blocks = tiles * size. The tile as the module docstring says; ``kernel``
+    (the function to launch) for the occupancy query that grows it (none: the first spread)."""
     device = kernels.current_device()
     limit = kernels.shared_memory_limit(device)
     group = not uses_clusters(device)

@@ -33,13 +33,10 @@ _resident: dict = {}
 def resident_blocks(kernel, threads: int, shared: int) -> int:
     """How many blocks of ``kernel`` (a RawKernel of :func:`get_kernels`) with ``threads``
     threads and ``shared`` bytes of dynamic shared memory the current device holds at once: the
-    driver's cuOccupancyMaxActiveBlocksPerMultiprocessor times the SMs (what CuPy checks a
-    cooperative launch against, cupy/cuda/function.pyx v14.2, which, for a one-dimensional grid
-    past it, shrinks the grid with a warning instead of failing: the launcher never launches one
-    past it). Cached per (device, kernel, threads, shared); the query made after
-    ``kernels.ensure_context`` (CuPy's driver call binds no context to the calling thread), and
-    refused while the current stream is being captured
-    (:func:`.cluster_kernels.refuse_under_capture`)."""
+    driver's cuOccupancyMaxActiveBlocksPerMultiprocessor times the SMs, the figure CuPy checks
+    a cooperative launch against (cupy/cuda/function.pyx v14.2). Cached per (device, kernel,
+    threads, shared); asked after ``kernels.ensure_context`` (CuPy's driver call binds no
+    context), never under capture (:func:`.cluster_kernels.refuse_under_capture`)."""
     import cupy
 
     device = current_device()
@@ -72,19 +69,13 @@ def _cupy_buffers(exchange: int, acc, tiles: int):
 
 
 def group_launch(kernel, size: int, dtype, state: int, backward: bool, buffers=None):
-    """A launch handle for the group kernel ``kernel`` (a RawKernel of :func:`get_kernels`,
-    ``size`` blocks per tile) with the calling convention of the cluster kernels'
-    (``launch(grid, block, args, shared_mem)``, the same arguments): it adds the exchange buffer,
-    the tiles' counters (zeroed) and the first tile of each launch, and runs the grid in launches
-    of at most as many tiles as the device holds at once (:func:`resident_blocks`; RuntimeError
-    if not even one tile fits, rather than a launch that would wait for blocks that never run).
-    Each launch's grid is checked against that figure right before the launch (RuntimeError past
-    it): CuPy's cooperative launch does not fail for a grid past the device's figure but shrinks
-    it with a warning, and the blocks of the tiles cut off would be waited for forever.
-    ``buffers(elements, acc, tiles)`` makes the exchange buffer (``elements`` of the arithmetic
-    type ``acc``) and the counters (``tiles`` zeroed uint32) on the current device, as (pointer,
-    pointer, owners kept until the launches are queued): CuPy arrays by default, torch tensors
-    for the torch layer."""
+    """A launch handle for the group kernel ``kernel`` (``size`` blocks per tile) with the
+    cluster kernels' calling convention (``launch(grid, block, args, shared_mem)``): it adds the
+    exchange buffer, the tiles' zeroed counters and each launch's first tile, and runs the grid
+    in launches the device holds at once, each checked right before it (RuntimeError, never a
+    grid CuPy would shrink: see :mod:`.fused_cluster`). ``buffers(elements, acc, tiles)`` makes
+    the exchange buffer and counters on the current device as (pointer, pointer, owners kept
+    until the launches are queued): CuPy arrays by default, torch tensors for the torch layer."""
     acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
     def launch(grid, block, args, shared_mem=0):

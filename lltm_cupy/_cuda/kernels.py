@@ -150,12 +150,10 @@ def compute_capability(device_id: int) -> int:
 
 
 def ensure_context() -> None:
-    """Make sure the calling host thread has a current CUDA context before a call to the driver
-    that CuPy does not wrap (or wraps without binding one): CuPy binds the device's primary
-    context lazily, inside its own runtime calls, so a thread that has made none yet (autograd's
-    backward thread, for one) has no context, and such a call fails with
-    CUDA_ERROR_INVALID_CONTEXT. ``cudaMemGetInfo`` (``cupy.cuda.runtime.memGetInfo``) is a
-    runtime call that needs the context and so binds it; it enqueues nothing on a stream."""
+    """Bind the device's primary context to the calling thread before a driver call CuPy does
+    not bind one for: CuPy binds it lazily in its runtime calls, so a thread that made none
+    (autograd's, for one) would get CUDA_ERROR_INVALID_CONTEXT. ``cudaMemGetInfo`` needs the
+    context, so binds it, and enqueues nothing."""
     import cupy
 
     cupy.cuda.runtime.memGetInfo()
@@ -185,11 +183,9 @@ def note_cluster_failure(device: int, kernel, what, exc: Exception) -> None:
 
 
 def allow_cluster_size(fns, size: int) -> None:
-    """Set the non-portable cluster size attribute (to 1) on the functions ``fns`` (RawKernels)
-    of clusters of ``size`` blocks, where ``size`` is past the portable size: without it a
-    launch (and the occupancy query) refuses the size. A failure is kept in
-    :data:`cluster_failures`; the occupancy query then refuses the size, and the launcher
-    does not use it."""
+    """Set the non-portable cluster size attribute on the RawKernels ``fns`` where ``size`` is
+    past the portable size (without it launches and the occupancy query refuse the size); a
+    failure is kept in :data:`cluster_failures`, and the launcher then does not use the size."""
     if size <= PORTABLE_SIZE:
         return
     import cupy
@@ -260,12 +256,10 @@ def nvrtc(code: str, filename: str, names, arch: int, output: str = "cubin") -> 
 
 
 def load(code: str, names, whole_shared_memory: bool = True, cooperative: bool = False) -> list:
-    """The functions ``names`` (RawKernels) of a module compiled by NVRTC from ``code`` on the
-    current device. ``whole_shared_memory``: each allowed the device's whole opt-in shared
-    memory per block (``max_dynamic_shared_size_bytes``, needed above 48 KB); ``cooperative``:
-    launched with cuLaunchCooperativeKernel (CuPy's ``enable_cooperative_groups``, which
-    RawModule hands to the RawKernels it gives and they to every launch: cupy/_core/raw.pyx and
-    cupy/cuda/function.pyx, v14.2)."""
+    """The RawKernels ``names`` of a module NVRTC compiles from ``code`` on the current device.
+    ``whole_shared_memory``: each allowed the device's opt-in shared memory per block (needed
+    above 48 KB); ``cooperative``: launched by cuLaunchCooperativeKernel (CuPy's
+    ``enable_cooperative_groups``, which RawModule passes to its kernels' launches, v14.2)."""
     import cupy
 
     extra = {"enable_cooperative_groups": True} if cooperative else {}

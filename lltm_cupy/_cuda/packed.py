@@ -24,7 +24,7 @@ the torch layer too (torch tensors, torch's GEMMs: ``lltm_cupy.torch._cuda_packe
 from __future__ import annotations
 
 from .elementwise import FLAG, launch
-from .gemm import d_bias as bias_gradient, gemm, row_steps
+from .gemm import gemm, parameter_grads, row_steps
 from .kernels import cupy_module, on_device
 from .._packing import incoming_cell_grad, pack_rows, unpack_rows
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
@@ -67,6 +67,16 @@ def final_states(plan, d, out, cells, h0s, c0s, copy):
 
 def _permuted(a, perm):
     return a if perm is None or a is None else a[perm]
+
+
+def unpermuted(xp, a, perm):
+    """``a`` (batch, ...) in a plan's sorted order, back in the caller's order: a new array
+    (``xp.empty_like``), or ``a`` itself where ``perm`` is None (the identity)."""
+    if perm is None:
+        return a
+    out = xp.empty_like(a)
+    out[perm] = a
+    return out
 
 
 #: Forward only, where the outputs need a scatter: the hidden states of this many steps of the
@@ -119,33 +129,6 @@ def forward_only_outputs(xp, plan, d, state, dtype):
     return outputs, hs, h_rows, scatter, after
 
 
-def _forward_only_steps(cupy, plan, d, blocks, x, w_x_t, w_h_t, bias, h0s, c0s):
-    """The steps of a packed forward only: (outputs, h_sorted, c_sorted), the latter two each
-    sorted sequence's state after its last step (h0s, c0s for length 0), by
-    :func:`forward_rows` into one block's gate pre-activations, the hidden states where
-    :func:`forward_only_outputs` says and two (batch, state) cell buffers taken in turn."""
-    batch, state = len(plan.perm), h0s.shape[1]
-    dtype = x.dtype
-    outputs, hs, h_rows, scatter, after = forward_only_outputs(cupy, plan, d, state, dtype)
-    h_sorted, c_sorted = h0s.copy(), c0s.copy()
-    if not plan.rows:
-        return outputs, h_sorted, c_sorted
-    offsets = plan.offsets
-    gates = cupy.empty((max(offsets[b] - offsets[a] for a, b in blocks), 3 * state), dtype)
-    cells = cupy.empty((2, batch, state), dtype)
-    c0_c = cupy.ascontiguousarray(c0s)
-
-    def project(r0, r1):        # a block's input projection, into the first rows of gates
-        gemm(x[r0:r1], w_x_t, gates[: r1 - r0])
-
-    with row_steps(hs, w_h_t, gates, accumulate=True) as recurrent:
-        forward_rows(plan, blocks, project, _first(h0s, w_h_t, gates), recurrent,
-                     (gates.data.ptr, gates.strides[0]), (hs.data.ptr, hs.strides[0]),
-                     cells.data.ptr, bias.data.ptr, c0_c.data.ptr, dtype, state, h_rows,
-                     (h_sorted.data.ptr, c_sorted.data.ptr), after, scatter)
-    return outputs, h_sorted, c_sorted
-
-
 def _first(h0s, w_h_t, gates):
     """Step 0's recurrent GEMM, ``first(n)``: gates[:n] += h0s[:n] @ W_h.T."""
     return lambda n: gemm(h0s[:n], w_h_t, gates[:n], accumulate=True)
@@ -156,41 +139,41 @@ def forward_packed(cupy, inputs, weights, bias, h0, c0, plan, keep=True, block_r
 
     state = h0.shape[1]
     dtype = inputs.dtype
-    rows = plan.rows
+    rows, offsets = plan.rows, plan.offsets
     with on_device(inputs.data.device_id):
         d = _index(cupy, plan, inputs.device.id)
         index = (d.t_index, d.b_index, d.data_index)
         x = cupy.ascontiguousarray(pack_rows(inputs, plan, *index))      # (N, F)
-        blocks = step_blocks(plan.offsets, block_rows)
+        blocks = step_blocks(offsets, block_rows)
         h0s, c0s = _permuted(h0, d.perm), _permuted(c0, d.perm)
         w_x_t, w_h_t = weights[:, state:].T, weights[:, :state].T
         bias_c = cupy.ascontiguousarray(bias.reshape(-1))
-        if not keep:
-            outputs, h_sorted, c_sorted = _forward_only_steps(
-                cupy, plan, d, blocks, x, w_x_t, w_h_t, bias_c, h0s, c0s)
-        else:
-            # every packed row's gate pre-activations, hidden state and cell (the backward reads
-            # them)
-            gates = cupy.empty((rows, 3 * state), dtype)
-            out = cupy.empty((rows, state), dtype)
-            cells = cupy.empty((rows, state), dtype)
+        if keep:    # every packed row's gate pre-activations, hidden state and cell (kept)
+            out, cells, gate_rows, extra = (cupy.empty((rows, state), dtype),
+                                            cupy.empty((rows, state), dtype), rows, ())
+        else:       # one block's gates, two (batch, state) cells in turn, h where the outputs say
+            outputs, out, h_rows, scatter, after = forward_only_outputs(cupy, plan, d, state,
+                                                                        dtype)
+            h_sorted, c_sorted = h0s.copy(), c0s.copy()
+            cells = cupy.empty((2, len(plan.perm), state), dtype)
+            gate_rows = max((offsets[b] - offsets[a] for a, b in blocks), default=0)
+            extra = (h_rows, (h_sorted.data.ptr, c_sorted.data.ptr), after, scatter)
+        gates = cupy.empty((gate_rows, 3 * state), dtype)
+
+        def project(r0, r1):    # a block's input projection (forward only: from row 0)
+            gemm(x[r0:r1], w_x_t, gates[r0:r1] if keep else gates[: r1 - r0])
+
+        if rows:
             c0_c = cupy.ascontiguousarray(c0s)
-
-            def project(r0, r1):    # a block's input projection
-                gemm(x[r0:r1], w_x_t, gates[r0:r1])
-
             with row_steps(out, w_h_t, gates, accumulate=True) as recurrent:
                 forward_rows(plan, blocks, project, _first(h0s, w_h_t, gates), recurrent,
                              (gates.data.ptr, gates.strides[0]), (out.data.ptr, out.strides[0]),
-                             cells.data.ptr, bias_c.data.ptr, c0_c.data.ptr, dtype, state)
+                             cells.data.ptr, bias_c.data.ptr, c0_c.data.ptr, dtype, state,
+                             *extra)
+        if keep:
             outputs = unpack_rows(out, plan, cupy, *index)
             h_sorted, c_sorted = final_states(plan, d, out, cells, h0s, c0s, cupy.ndarray.copy)
-        if d.perm is None:
-            h_n, c_n = h_sorted, c_sorted
-        else:
-            h_n, c_n = cupy.empty_like(h_sorted), cupy.empty_like(c_sorted)
-            h_n[d.perm] = h_sorted
-            c_n[d.perm] = c_sorted
+        h_n, c_n = unpermuted(cupy, h_sorted, d.perm), unpermuted(cupy, c_sorted, d.perm)
     if not keep:
         return outputs, h_n, c_n, None
     saved = LLTMSequenceSaved("cupy", x, out, gates, cells, weights, tuple(bias.shape),
@@ -202,7 +185,7 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed):
     plan, x, gates, cells, out, weights = (saved.plan, saved.inputs, saved.gates, saved.cells,
                                            saved.hs, saved.weights)
     rows, state = out.shape
-    batch, features = len(plan.perm), x.shape[1]
+    batch = len(plan.perm)
     dtype = out.dtype
     with on_device(out.data.device_id):
         d = _index(cupy, plan, out.device.id)
@@ -247,39 +230,28 @@ def backward_packed(cupy, grad_outputs, grad_h_n, grad_c_n, saved, needed):
         if sizes:
             d_h0s[: sizes[0]] = d_h_first
             d_c0s[: sizes[0]] = d_c
-        if perm is None:
-            d_h0, d_c0 = d_h0s, d_c0s
-        else:
-            d_h0, d_c0 = cupy.empty_like(d_h0s), cupy.empty_like(d_c0s)
-            d_h0[perm] = d_h0s
-            d_c0[perm] = d_c0s
+        d_h0, d_c0 = unpermuted(cupy, d_h0s, perm), unpermuted(cupy, d_c0s, perm)
         need_x, need_w, need_b, need_h0, need_c0 = needed
-        d_weights = d_bias = d_inputs = None
-        if need_w:
-            h_in = hidden_inputs(cupy, plan, d, saved.h0, out)
-            d_weights = cupy.empty(weights.shape, dtype)
-            gemm(flat.T, h_in, d_weights[:, :state])
-            gemm(flat.T, x, d_weights[:, state:])
-        if need_b:
-            d_bias = bias_gradient(cupy, flat, saved.bias_shape)
+        h_in = hidden_inputs(cupy, plan, d, saved.h0, out) if need_w else None
+        d_inputs, d_weights, d_bias = parameter_grads(cupy, flat, h_in, x, weights,
+                                                      saved.bias_shape, needed)
         if need_x:
-            d_inputs = unpack_rows(gemm(flat, weights[:, state:],
-                                        cupy.empty((rows, features), dtype)), plan, cupy, *index)
+            d_inputs = unpack_rows(d_inputs, plan, cupy, *index)
     return LLTMSequenceGrads(d_inputs, d_weights, d_bias, d_h0 if need_h0 else None,
                              d_c0 if need_c0 else None)
 
 
 # ------------------------------------------------- the loops, on pointers (any engine)
+# (on the current device and CuPy's current stream; the array API's and the torch layer's)
 
 def forward_rows(plan, blocks, project, first, recurrent, gates, hs, cells, bias, c0, dtype,
                  state, h_rows=None, finals=None, after=(), scatter=None) -> None:
-    """The steps of a packed forward on pointers, on the current device and CuPy's current
-    stream: each step's rows of the buffers at their offsets, one GEMM and one launch, no view
-    or allocation. Per block (tau0, tau1) of ``blocks``: ``project(r0, r1)``, the input
-    projection of its packed rows into ``gates``; per step ``recurrent(i, j, n)`` (gates[j:j + n]
-    += hs[i:i + n] @ W_h.T: the previous step's hidden state), or for step 0 ``first(n)``
-    (gates[:n] += h0s[:n] @ W_h.T), then the forward kernel from the previous step's cell
-    (``c0`` first).
+    """The steps of a packed forward: each step's rows of the buffers at their offsets, one GEMM
+    and one launch, no view or allocation. Per block (tau0, tau1) of ``blocks``:
+    ``project(r0, r1)``, the input projection of its packed rows into ``gates``; per step
+    ``recurrent(i, j, n)`` (gates[j:j + n] += hs[i:i + n] @ W_h.T: the previous step's hidden
+    state), or for step 0 ``first(n)`` (gates[:n] += h0s[:n] @ W_h.T), then the forward kernel
+    from the previous step's cell (``c0`` first).
 
     ``gates``, ``hs``: (device pointer, bytes a row), ``cells``, ``bias``, ``c0``: pointers.
     Every packed row kept (``h_rows`` None): ``gates``, ``hs``, ``cells`` (rows, ...) at the
@@ -287,8 +259,7 @@ def forward_rows(plan, blocks, project, first, recurrent, gates, hs, cells, bias
     at row ``h_rows[tau]`` of ``hs``; its cell in two (batch, state) buffers at ``cells`` taken
     in turn; where sequences end, their rows of h and c copied device to device to the (h, c)
     pointers ``finals`` (each sorted sequence's final state); after a step tau in ``after``,
-    ``scatter(*after[tau])``. Shared by the array API (CuPy arrays, cuBLAS) and the torch
-    layer (torch tensors, torch's GEMMs)."""
+    ``scatter(*after[tau])``."""
     sizes, offsets = plan.batch_sizes, plan.offsets
     batch, taus, keep = len(plan.perm), len(sizes), h_rows is None
     g_at, g_row = gates
@@ -327,19 +298,19 @@ def forward_rows(plan, blocks, project, first, recurrent, gates, hs, cells, bias
 
 def backward_rows(plan, recurrent, incoming, grad_h, cells, gates, d_gates, buffers, dtype,
                   state):
-    """The recurrence of a packed backward on pointers, last step first, on the current device
-    and CuPy's current stream: each step's rows of the packed buffers at their offsets, one
-    launch and (but for step 0) ``recurrent(i, j, n)`` (grad_h[j:j + n] += d_gates[i:i + n] @
-    W_h: into the previous step's rows), no view or allocation but where sequences end:
-    ``incoming(last, n, nxt)``, the cell gradient entering such a step's ``n`` rows, of which
-    the first ``nxt`` run on (``last``: which of ``buffers`` holds what the step after passed
-    back, None before the first), as (pointer, its owner) or None (zero).
+    """The recurrence of a packed backward, last step first: each step's rows of the packed
+    buffers at their offsets, one launch and (but for step 0) ``recurrent(i, j, n)``
+    (grad_h[j:j + n] += d_gates[i:i + n] @ W_h: into the previous step's rows), no view or
+    allocation but where sequences end: ``incoming(last, n, nxt)``, the cell gradient entering
+    such a step's ``n`` rows, of which the first ``nxt`` run on (``last``: which of ``buffers``
+    holds what the step after passed back, None before the first), as (pointer, its owner) or
+    None (zero).
 
     ``grad_h`` (rows, S), the outputs' gradient (accumulated into), ``gates`` (rows, 3S) and
     ``d_gates`` (rows, 3S), written: (pointer, bytes a row) (``d_gates`` rows as ``gates``');
     ``cells`` (rows, S) and ``buffers`` (2, batch, S), the cell gradient each step passes back
     (never the one read as grad_cell: restrict): pointers. Returns which buffer holds step 0's
-    cell gradient. Shared by the array API and the torch layer."""
+    cell gradient."""
     sizes, offsets = plan.batch_sizes, plan.offsets
     gh_at, row = grad_h
     g_at, g_row = gates

@@ -149,18 +149,17 @@ def backward_sequence(grad_outputs, grad_h_n, grad_c_n, saved, needed=(True,) * 
 
 
 # ---------------------------------------------- the per-step loops, on pointers (any engine)
+# (on the current device and CuPy's current stream; the array API's and the torch layer's)
 
 def forward_steps(run, steps, block, keep, project, recurrent, gates, hs, cells, bias,
                   c0) -> None:
-    """The fixed-length forward's loop, on the current device and CuPy's current stream: per
-    block of ``block`` steps ``project(t0, k, j0)`` (the input projection of steps t0 .. t0 + k
-    into the gate rows j0 .., bias not included), then per step ``recurrent(t, j)`` (gates[j]
-    += hs[t] @ W_h.T) and the fused kernel of ``run`` (a :class:`kernels.Launch`). ``gates``,
-    ``hs``, ``cells``: (device pointer, stride in bytes) of the (steps or a block, B, 3S)
-    pre-activations, the (steps + 1, B, S) hidden states [h0, h_1, ...] and the (steps or 2,
-    B, S) cells; ``keep``: every step's gates and cell kept (else one block's gates, two cells
-    in turn); ``bias``, ``c0``: pointers. Shared by the array API (CuPy arrays, cuBLAS) and the
-    torch layer (torch tensors, torch's GEMMs)."""
+    """The fixed-length forward's loop: per block of ``block`` steps ``project(t0, k, j0)`` (the
+    input projection of steps t0 .. t0 + k into the gate rows j0 .., bias not included), then
+    per step ``recurrent(t, j)`` (gates[j] += hs[t] @ W_h.T) and the fused kernel of ``run``
+    (an ``elementwise.Launch``). ``gates``, ``hs``, ``cells``: (device pointer, stride in
+    bytes) of the (steps or a block, B, 3S) pre-activations, the (steps + 1, B, S) hidden
+    states [h0, h_1, ...] and the (steps or 2, B, S) cells; ``keep``: every step's gates and
+    cell kept (else one block's gates, two cells in turn); ``bias``, ``c0``: pointers."""
     fwd, grid, block_dim, n64, s32 = run.kernels.fwd, run.grid, run.block, run.n, run.state
     g_at, g_step = gates
     h_at, h_step = hs
@@ -180,13 +179,12 @@ def forward_steps(run, steps, block, keep, project, recurrent, gates, hs, cells,
 
 def backward_steps(run, steps, recurrent, grad_h, cells, gates, d_gates, buffers,
                    grad_c) -> None:
-    """The fixed-length backward's loop, on the current device and CuPy's current stream: per
-    step, last first, the backward kernel of ``run`` and (but for step 0) ``recurrent(t, t -
-    1)`` (grad_h[t - 1] += d_gates[t] @ W_h). (pointer, stride) pairs: ``grad_h`` (steps, B, S),
-    the outputs' gradient with the final state's added (accumulated into), ``cells``,
-    ``gates`` (steps, B, 3S), ``d_gates`` (steps, B, 3S), written, ``buffers`` (2, B, S), the
-    cell gradient of each step in turn (the last step 0's); ``grad_c``: the pointer of the
-    final cell state's gradient, or None (zero)."""
+    """The fixed-length backward's loop: per step, last first, the backward kernel of ``run`` and
+    (but for step 0) ``recurrent(t, t - 1)`` (grad_h[t - 1] += d_gates[t] @ W_h). (pointer,
+    stride) pairs: ``grad_h`` (steps, B, S), the outputs' gradient with the final state's added
+    (accumulated into), ``cells``, ``gates`` (steps, B, 3S), ``d_gates`` (steps, B, 3S),
+    written, ``buffers`` (2, B, S), the cell gradient of each step in turn (the last step 0's);
+    ``grad_c``: the pointer of the final cell state's gradient, or None (zero)."""
     bwd, grid, block, n64, s32 = run.kernels.bwd, run.grid, run.block, run.n, run.state
     gh_at, gh_step = grad_h
     cell_at, cell_step = cells

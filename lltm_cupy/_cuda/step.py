@@ -16,10 +16,8 @@ Device work per call (the launch budget ``tests/budgets/test_launch_budget.py`` 
 bfloat16 has no CuPy dtype: it arrives as uint16 arrays of its bits (``kernels.BFLOAT16``),
 which the kernels, ``gemm`` and the bias gradient read as bfloat16.
 
-Every GEMM is :func:`lltm_cupy._cuda.gemm.gemm` (cuBLAS ``gemmEx`` through CuPy's binding, on
-any row-major view, without copies). The torch layer
-launches the kernels here (``launch_concat``, ``launch_forward``, ``launch_backward``) on its
-tensors' pointers, with torch's GEMMs.
+Every GEMM is :func:`lltm_cupy._cuda.gemm.gemm`. The torch layer launches the kernels here
+(``launch_concat``, ``launch_forward``, ``launch_backward``) on its tensors' pointers.
 """
 from __future__ import annotations
 
@@ -129,21 +127,19 @@ def step_backward(cupy, grad_h, grad_cell, gates, new_cell):
     return d_gates, d_old_cell
 
 
-# ------------------------------------------------------------------- on device pointers
+# ---------------- on device pointers (ints) of C-contiguous buffers, batch > 0, the current
+# ---------------- device and CuPy's current stream (the torch layer's launches)
 
 def launch_concat(dtype, batch, features, state, old_h, input, X) -> None:
-    """X = [old_h, input] (batch, state + features) on device pointers (ints) of C-contiguous
-    buffers, on the current device and CuPy's current stream. ``batch`` > 0."""
+    """X = [old_h, input] (batch, state + features)."""
     run = launch(dtype, batch * (state + features), state)
     run.kernels.concat(run.grid, run.block, (old_h, input, X, run.n, run.state,
                                              np.int32(features)))
 
 
 def launch_forward(dtype, batch, state, gates, bias, old_cell, new_h, new_cell) -> None:
-    """The fused forward kernel on device pointers (ints) of C-contiguous buffers, on the
-    current device and CuPy's current stream: new_h and new_cell (batch, state) from the gate
-    pre-activations X @ W.T (batch, 3 * state), the bias (3 * state) and old_cell. ``batch`` >
-    0."""
+    """The fused forward kernel: new_h and new_cell (batch, state) from the gate
+    pre-activations X @ W.T (batch, 3 * state), the bias (3 * state) and old_cell."""
     run = launch(dtype, batch * state, state)
     run.kernels.fwd(run.grid, run.block, (gates, bias, old_cell, new_h, new_cell, run.n,
                                           run.state))
@@ -151,10 +147,8 @@ def launch_forward(dtype, batch, state, gates, bias, old_cell, new_h, new_cell) 
 
 def launch_backward(dtype, batch, state, grad_h, grad_cell, gates, new_cell, d_gates,
                     d_old_cell) -> None:
-    """One step's element-wise backward kernel on device pointers (ints) of C-contiguous
-    buffers, on the current device and CuPy's current stream: d_gates (batch, 3 * state) and
-    d_old_cell (batch, state) from grad_h, grad_cell (None: zero), the forward's gates and
-    new_cell. ``batch`` > 0."""
+    """The element-wise backward kernel: d_gates (batch, 3 * state) and d_old_cell (batch,
+    state) from grad_h, grad_cell (None: zero), the forward's gates and new_cell."""
     run = launch(dtype, batch * state, state)
     run.kernels.bwd(run.grid, run.block, (
         new_cell if grad_h is None else grad_h, new_cell if grad_cell is None else grad_cell,

@@ -34,21 +34,13 @@ def warmup_dtype(spec) -> np.dtype:
 
 
 def warmup(dtypes, device_id=None, fused=False) -> None:
-    """Compile and load, on one device, every kernel that the calls of this backend launch for
-    each dtype: the module of ``cuda_src/lltm.cu`` (both index widths) and CuPy's own kernels
-    (copies, fills, the bias reduction, float16 casts, bfloat16 ones), by running every code path
-    of forward, backward, forward_sequence and backward_sequence once on tiny arrays (batch 1
-    and 2, steps 0, 1 and 2, each gradient given and None, fixed and variable lengths); then
-    synchronises the device. ``fused``: the same calls with ``fused=True`` too (the module of
-    ``cuda_src/lltm_fused.cu``; for float16 and bfloat16 on sm_80 and newer, where the calls run
-    on tensor cores, ``cuda_src/lltm_fused_mma.cu``'s), and on sm_90 and newer the
-    module of the cluster variant
-    (``cuda_src/lltm_fused_cluster.cu``, every cluster size), on sm_80 to sm_89 that of its
-    group variant (the same file's group kernels, every group size), which the calls launch
-    with the same CuPy kernels around it. On sm_90 and newer it also launches, once each way,
-    the cluster sizes past the portable size that the device holds (16 blocks), so that a
-    driver that refuses them does so here, outside any CUDA-graph capture: the size is then
-    recorded as refused and the calls that would use it run on the stepped path.
+    """Compile and load, on one device, every kernel this backend's calls launch for each dtype
+    (ours and CuPy's own: copies, fills, reductions, casts) by running every code path of the
+    four calls once on tiny arrays, then synchronise. ``fused``: the fused calls too, with the
+    tensor-core module (16-bit types, sm_80+), the cluster (sm_90+) or group (sm_80 to sm_89)
+    module of every size; on sm_90+ it also launches each non-portable cluster size the device
+    holds once each way, so that a driver refusal happens here, outside any capture (the size
+    is then recorded as refused and its calls run on the stepped path).
     """
     cupy = cupy_module()
     with cupy.cuda.Device(device_id):
@@ -58,7 +50,7 @@ def warmup(dtypes, device_id=None, fused=False) -> None:
             for batch in (2, 1):
                 _exercise(cupy, dtype, batch, features=3, state=4)
                 if fused:
-                    _exercise_fused(cupy, dtype, batch, features=3, state=4)
+                    _exercise_sequences(cupy, dtype, batch, features=3, state=4, fused=True)
             arch = kernels.compute_capability(cupy.cuda.Device().id)
             if fused and arch >= MIN_ARCH:
                 cluster_kernels.get_kernels(dtype, 1)   # one module holds every cluster size
@@ -84,22 +76,25 @@ def _launch_non_portable(cupy, dtype):
             pass            # kernels.cluster_failures says why; the size is not planned again
 
 
-def _exercise_fused(cupy, dtype, batch, features, state):
-    """The sequence calls of _exercise with fused=True: fixed and variable lengths, packed data,
-    both directions, with and without a backward's saved values, each gradient given and None."""
+def _exercise_sequences(cupy, dtype, batch, features, state, fused):
+    """The sequence calls on variable lengths and packed data, both directions (with ``fused``
+    fixed lengths too), with and without a backward's saved values, each gradient given and
+    None. Plans of their own, cached by none: a cached plan would keep its index arrays, in
+    CuPy's pool, for the calls that meet the same lengths later, the torch layer's among them,
+    whose bytes are torch's."""
     from .. import _packing
 
     weights, bias = cupy.zeros((3 * state, state + features), dtype), cupy.zeros(3 * state, dtype)
     h, c = cupy.zeros((batch, state), dtype), cupy.zeros((batch, state), dtype)
     lengths = np.arange(batch, dtype=np.int64) % 3
-    cases = [(None, (2, batch)), (None, (0, batch))]
+    cases = [(None, (2, batch)), (None, (0, batch))] if fused else []
     for reverse in (False, True):
         cases += [(_packing.plan(lengths, 2, reverse), (2, batch)),
                   (_packing.packed_layout((batch, 1), reverse), (batch + 1,))]
     for plan, lead in cases:
         x = cupy.zeros(lead + (features,), dtype)
-        forward_sequence(x, weights, bias, h, c, plan=plan, keep=False, fused=True)
-        *_, saved = forward_sequence(x, weights, bias, h, c, plan=plan, fused=True)
+        forward_sequence(x, weights, bias, h, c, plan=plan, keep=False, fused=fused)
+        *_, saved = forward_sequence(x, weights, bias, h, c, plan=plan, fused=fused)
         for grads in ((cupy.zeros(lead + (state,), dtype), h, c), (None, None, None)):
             backward_sequence(*grads, saved)
 
@@ -125,21 +120,4 @@ def _exercise(cupy, dtype, batch, features, state):
         for grads in ((zeros(steps, batch, state), h, c), (None, None, None),
                       (None, h, None), (zeros(steps, batch, state), None, c)):
             backward_sequence(*grads, saved)
-    # variable lengths: gathers, scatters, the final-state add (plans of their own, cached by
-    # none: a cached plan would keep its index arrays, in CuPy's pool, for the calls that meet
-    # the same lengths later, the torch layer's among them, whose bytes are torch's)
-    from .. import _packing
-
-    lengths = np.arange(batch, dtype=np.int64) % 3
-    for reverse in (False, True):
-        plan = _packing.plan(lengths, 2, reverse)
-        forward_sequence(zeros(2, batch, features), weights, bias, h, c, plan=plan, keep=False)
-        *_, saved = forward_sequence(zeros(2, batch, features), weights, bias, h, c, plan=plan)
-        for grads in ((zeros(2, batch, state), h, c), (None, None, None)):
-            backward_sequence(*grads, saved)
-        # a PackedSequence's data in and out (the torch layer's packed input)
-        plan = _packing.packed_layout((batch, 1), reverse)
-        forward_sequence(zeros(batch + 1, features), weights, bias, h, c, plan=plan, keep=False)
-        *_, saved = forward_sequence(zeros(batch + 1, features), weights, bias, h, c, plan=plan)
-        for grads in ((zeros(batch + 1, state), h, c), (None, None, None)):
-            backward_sequence(*grads, saved)
+    _exercise_sequences(cupy, dtype, batch, features, state, fused=False)

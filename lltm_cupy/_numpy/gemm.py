@@ -9,8 +9,8 @@ array ``a @ b``), the sequence loops use:
   with unit column stride, such as a column block of the weights' gradient; returned);
 - ``operand(a)``: the array ``a`` as the GEMM calls take it (NumPy: the array itself; torch: a
   tensor over the same memory); ``kept(a)``: the same for an operand a workspace keeps between
-  calls (torch: an ordinary tensor even when made under ``inference_mode``); ``gate_weights(w)``: the (3S, K) weights' gate-major copy
-  (3, K, S) as an operand;
+  calls (torch: an ordinary tensor even under ``inference_mode``); ``gate_weights(w)``: the
+  (3S, K) weights' gate-major copy (3, K, S) as an operand;
 - per-step operands, made in one call before a loop, not one per step: ``steps_of(op,
   sizes)``, consecutive pieces of ``op``'s rows (its second-to-last axis); ``row_blocks(op,
   starts, sizes)``, the rows ``op[s:s + n]``; ``gate_inputs(op, starts, sizes)``, the same as
@@ -46,56 +46,6 @@ def gate_weights(w):
     """(3S, K) weights as (3, K, S): ``[g] = w[g * S: (g + 1) * S].T``, C-contiguous (a copy)."""
     three_s, k = w.shape
     return np.ascontiguousarray(w.reshape(3, three_s // 3, k).transpose(0, 2, 1))
-
-
-class NumpyGemm:
-    """GEMMs by ``numpy.matmul``, and NumPy's own arrays (large ones in memory of earlier
-    calls' that nothing refers to any more: ``memory.recycled``)."""
-
-    @staticmethod
-    def empty(shape, dtype):
-        return recycled(dtype, shape)[0]
-
-    zeros = staticmethod(np.zeros)
-
-    def __call__(self, a, b):
-        return np.matmul(a, b)
-
-    @staticmethod
-    def into(a, b, out):
-        return np.matmul(a, b, out=out)
-
-    @staticmethod
-    def operand(a):
-        return a
-
-    kept = operand
-
-    gate_weights = staticmethod(gate_weights)
-
-    @staticmethod
-    def steps_of(a, sizes):
-        return _pieces(a, sizes)
-
-    @staticmethod
-    def row_blocks(a, starts, sizes):
-        return row_blocks(a, starts, sizes)
-
-    gate_inputs = row_blocks     # (matmul broadcasts (n, S) @ (3, S, S))
-    recurrent = operand
-
-    @staticmethod
-    def project_gates(x, w, bias, out):
-        np.matmul(x, w, out=out)
-        np.add(out, bias.reshape(3, 1, -1), out)
-
-    @staticmethod
-    def bmm(h, w, *, out):
-        np.matmul(h, w, out=out)
-
-    @staticmethod
-    def addmm_(out, a, b):
-        np.add(out, np.matmul(a, b), out)
 
 
 def copy(mm, a):
@@ -137,6 +87,49 @@ def consecutive(starts, sizes) -> bool:
             type(sizes) is not tuple or sizes.count(n) == len(sizes))
     return n > 0 and [*sizes] == [n] * len(sizes) and [*starts] == [
         *range(starts[0], starts[0] + n * len(sizes), n)]
+
+
+class NumpyGemm:
+    """GEMMs by ``numpy.matmul``, and NumPy's own arrays (large ones in memory of earlier
+    calls' that nothing refers to any more: ``memory.recycled``)."""
+
+    @staticmethod
+    def empty(shape, dtype):
+        return recycled(dtype, shape)[0]
+
+    zeros = staticmethod(np.zeros)
+
+    def __call__(self, a, b):
+        return np.matmul(a, b)
+
+    @staticmethod
+    def into(a, b, out):
+        return np.matmul(a, b, out=out)
+
+    @staticmethod
+    def operand(a):
+        return a
+
+    kept = operand
+
+    gate_weights = staticmethod(gate_weights)
+
+    steps_of = staticmethod(_pieces)
+    row_blocks = gate_inputs = staticmethod(row_blocks)    # (matmul broadcasts (n, S) @ (3, S, S))
+    recurrent = operand
+
+    @staticmethod
+    def project_gates(x, w, bias, out):
+        np.matmul(x, w, out=out)
+        np.add(out, bias.reshape(3, 1, -1), out)
+
+    @staticmethod
+    def bmm(h, w, *, out):
+        np.matmul(h, w, out=out)
+
+    @staticmethod
+    def addmm_(out, a, b):
+        np.add(out, np.matmul(a, b), out)
 
 
 NUMPY_GEMM = NumpyGemm()

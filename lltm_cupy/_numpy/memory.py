@@ -23,6 +23,7 @@ own: parent and child never write each other's memory.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import sys
 import threading
@@ -169,8 +170,8 @@ class Workspace:
         return found
 
     def forward(self, i: int, rows: int, derivatives: bool, mm) -> tuple:
-        """Slot ``i``'s forward step on ``rows`` rows, ``(step, z as mm's kept operand, z)`` (kept in
-        :attr:`made` under ``((i, rows), (derivatives, mm))``)."""
+        """Slot ``i``'s forward step on ``rows`` rows, ``(step, z as mm's kept operand, z)``
+        (kept in :attr:`made` under ``((i, rows), (derivatives, mm))``)."""
         key = ((i, rows), (derivatives, mm))
         found = self.made.get(key)
         if found is None:
@@ -244,9 +245,7 @@ def recycled(dtype, *shapes) -> list:
     dtype = np.dtype(dtype)
     out = []
     for shape in shapes:
-        count = 1
-        for n in shape:
-            count *= n
+        count = math.prod(shape)
         if count * dtype.itemsize < RECYCLE_BYTES:
             out.append(np.empty(shape, dtype))
         else:

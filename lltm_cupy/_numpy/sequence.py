@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import _packing
 from .._types import LLTMSequenceGrads, LLTMSequenceSaved
-from .gemm import copy, row_blocks
+from .gemm import copy
 from .elementwise import step_factors
 from .memory import recycled, scratch, workspace
 

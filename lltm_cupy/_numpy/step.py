@@ -128,27 +128,22 @@ def forward(input, weights, bias, old_h, old_cell, new_h, new_cell, factors=None
         loud(token)
 
 
-def backward(grad_h, grad_cell, factors, weights, bias_shape, X=None, old_h=None, input=None,
-             needed=(True,) * 5, mm=NUMPY_GEMM) -> LLTMGrads:
+def backward(grad_h, grad_cell, factors, weights, bias_shape, X, needed=(True,) * 5,
+             mm=NUMPY_GEMM) -> LLTMGrads:
     """The gradients of one step (:class:`LLTMGrads`, None where ``needed`` says so) from the
-    forward's ``factors`` and [old_h, input]: ``X`` as the forward wrote it, or (X None) the
-    two arrays, concatenated here only if the weights' gradient is needed. grad_h / grad_cell
-    (batch, state), either None (zero)."""
+    forward's ``factors`` and ``X`` = [old_h, input]; grad_h / grad_cell (batch, state), either
+    None (zero)."""
     token = quiet()
     try:
         _, batch, state = factors.shape
         n = batch * state
         need_h, need_x, need_w, need_b, need_c = needed
-        width = state + input.shape[1] if need_w and X is None else 0
-        # d_gates gate-major and as the GEMMs' rows, and X where it is concatenated again
-        buffer = scratch(6 * n + batch * width, factors.dtype)
+        # d_gates gate-major and as the GEMMs' rows
+        buffer = scratch(6 * n, factors.dtype)
         d_acts = buffer[:3 * n].reshape(3, batch, state)
         d_new_cell = _d_gates(grad_h, grad_cell, factors, d_acts)
-        d_gates = buffer[3 * n: 6 * n].reshape(batch, 3 * state)
+        d_gates = buffer[3 * n:].reshape(batch, 3 * state)
         _gate_major_to_rows(d_acts, d_gates)
-        if width:
-            X = buffer[6 * n:].reshape(batch, width)
-            np.concatenate((old_h, input), axis=1, out=X)
         return LLTMGrads(
             mm(d_gates, weights[:, :state]) if need_h else None,
             mm(d_gates, weights[:, state:]) if need_x else None,

@@ -13,6 +13,7 @@ address that holds the tensor (its ``tensor``), so the tensor lives as long as t
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 import torch
@@ -26,13 +27,22 @@ __all__ = ["to_array", "view", "to_tensor", "empty", "NUMPY_DTYPE", "TORCH_DTYPE
 NUMPY_DTYPE = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
 TORCH_DTYPE = {v: k for k, v in NUMPY_DTYPE.items()}
 
+
 def _extent(n: int, stride: int) -> int:
     return (n - 1) * stride
 
 
-_buffer_types: dict = {}
-#: ctypes buffer types kept (one per byte size seen); then the table starts again
-_TYPES_KEPT = 512
+class _BufferTypes(dict):
+    """ctypes buffer types by byte size, made on first use; past 512 sizes the table restarts."""
+
+    def __missing__(self, nbytes: int):
+        if len(self) >= 512:
+            self.clear()
+        kind = self[nbytes] = ctypes.c_char * nbytes
+        return kind
+
+
+_buffer_types = _BufferTypes()
 
 
 def to_array(t: Tensor) -> np.ndarray:
@@ -50,16 +60,9 @@ def to_array(t: Tensor) -> np.ndarray:
         nbytes = item + sum(map(_extent, shape, strides))
     if not nbytes:
         return np.empty(shape, dtype)
-    # a ctypes buffer at the tensor's address that keeps it alive and says whether an array
-    # over all of it in C order is the tensor itself (what to_tensor reads)
-    kind = _buffer_types.get(nbytes)
-    if kind is None:
-        if len(_buffer_types) >= _TYPES_KEPT:
-            _buffer_types.clear()
-        kind = _buffer_types[nbytes] = ctypes.c_char * nbytes
-    address = t.data_ptr()
-    buffer = kind.from_address(address)
-    buffer.tensor, buffer.address, buffer.whole = t, address, strides is None
+    # a ctypes buffer at the tensor's address that keeps it alive (what to_tensor reads)
+    buffer = _buffer_types[nbytes].from_address(t.data_ptr())
+    buffer.tensor = t
     return np.ndarray(shape, dtype, buffer, 0, strides)
 
 
@@ -79,24 +82,15 @@ def empty(shape, dtype) -> np.ndarray:
     to any more (``lltm_cupy._numpy.memory.reuse``, the rule and limits of the backend's own
     large arrays)."""
     torch_dtype = TORCH_DTYPE[dtype]
-    count = 1
-    for n in shape:
-        count *= n
+    count = math.prod(shape)
     if count * dtype.itemsize >= _memory.RECYCLE_BYTES and _use_count is not None:
         t = _memory.reuse("torch", count, torch_dtype, _unreferenced, _flat).view(shape)
     else:
         t = torch.empty(shape, dtype=torch_dtype)
-    nbytes = t.nbytes
-    if not nbytes:
+    if not t.nbytes:
         return np.empty(shape, dtype)
-    kind = _buffer_types.get(nbytes)
-    if kind is None:
-        if len(_buffer_types) >= _TYPES_KEPT:
-            _buffer_types.clear()
-        kind = _buffer_types[nbytes] = ctypes.c_char * nbytes
-    address = t.data_ptr()
-    buffer = kind.from_address(address)
-    buffer.tensor, buffer.address, buffer.whole = t, address, True
+    buffer = _buffer_types[t.nbytes].from_address(t.data_ptr())
+    buffer.tensor = t
     return np.ndarray(shape, dtype, buffer)
 
 
@@ -125,8 +119,8 @@ def to_tensor(a: np.ndarray) -> Tensor:
     t = getattr(owner, "tensor", None)
     if t is None or not a.size or min(a.strides, default=0) < 0:
         return torch.from_numpy(a)
-    if a.base is owner and owner.whole and a.shape == t.shape:
+    if a.base is owner and a.shape == t.shape:
         return t                            # (the array of to_array or empty itself)
     item = a.itemsize
-    return t.as_strided(a.shape, [s // item for s in a.strides],
-                        t.storage_offset() + (a.ctypes.data - owner.address) // item)
+    offset = (a.ctypes.data - ctypes.addressof(owner)) // item
+    return t.as_strided(a.shape, [s // item for s in a.strides], t.storage_offset() + offset)

@@ -24,7 +24,7 @@ import torch
 
 from .._cuda import cluster_kernels, fused as _fused, sequence as _sequence
 from .._cuda.elementwise import launch
-from .._cuda.packed import hidden_inputs
+from .._cuda.packed import hidden_inputs, unpermuted
 from .._packing import block_steps, pack_rows, unpack_rows
 from . import _cuda_packed, _interop, _torch_gemm
 from ._interop import rows as _rows
@@ -38,15 +38,6 @@ def _permuted(t, perm):
     if t is None:
         return None
     return t.contiguous() if perm is None else t[perm]
-
-
-def _unpermuted(t, perm):
-    """The inverse of :func:`_permuted` (a new tensor where ``perm`` is not None)."""
-    if perm is None:
-        return t
-    out = torch.empty_like(t)
-    out[perm] = t
-    return out
 
 
 def forward(inputs, weights, bias, h0, c0, plan=None, keep=True, fused=False):
@@ -76,7 +67,7 @@ def forward(inputs, weights, bias, h0, c0, plan=None, keep=True, fused=False):
                      _cuda_packed.forward(x, weights, bias, h0s, c0s, plan, d, xp, keep))
     outputs, hs, gates, cells, h_n, c_n = found
     if plan is not None:
-        h_n, c_n = _unpermuted(h_n, d.perm), _unpermuted(c_n, d.perm)
+        h_n, c_n = unpermuted(torch, h_n, d.perm), unpermuted(torch, c_n, d.perm)
     if not keep:
         return outputs, h_n, c_n
     kept = [] if outputs is hs else [hs]
@@ -246,7 +237,7 @@ def backward(grad_outputs, grad_h_n, grad_c_n, x, hs, gates, cells, weights, bia
         d_inputs = (d_inputs.view(x.shape) if plan is None else
                     unpack_rows(d_inputs, plan, xp, d.t_index, d.b_index, d.data_index))
     if plan is not None:
-        d_h0, d_c0 = _unpermuted(d_h0, d.perm), _unpermuted(d_c0, d.perm)
+        d_h0, d_c0 = unpermuted(torch, d_h0, d.perm), unpermuted(torch, d_c0, d.perm)
     return d_inputs, d_weights, d_bias, d_h0 if need_h0 else None, d_c0 if need_c0 else None
 
 

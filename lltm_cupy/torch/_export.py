@@ -57,7 +57,7 @@ def recording() -> bool:
 
 
 def refusal(what: str) -> RuntimeError:
-    """The error for ``what``, which cannot be recorded by ``torch.export`` / ``torch.jit.trace``."""
+    """The error for ``what``, which ``torch.export`` / ``torch.jit.trace`` cannot record."""
     tool = "torch.jit.trace" if tracing() else "torch.export"
     return RuntimeError(
         f"lltm_cupy.torch: {what} cannot be recorded by {tool} (the work runs in NumPy or CuPy, "

@@ -7,10 +7,10 @@ it, and saves every tensor the backward reads with ``ctx.save_for_backward`` as 
 ``torch.utils.checkpoint``, ``save_on_cpu`` and any saved-tensor hooks see, drop, move or
 compress it; no state is kept on ``ctx`` by other means):
 
-- one step on the CPU: the NumPy backend's step on ``Tensor.numpy()`` views, into NumPy arrays
-  the results are views of (``torch.from_numpy``); the backward's four factors (4, batch,
-  state) are kept, [old_h, input] is not (the backward concatenates it again if the weights
-  need a gradient);
+- one step on the CPU: the NumPy backend's step on arrays over the tensors' memory
+  (``_cpu_arrays.view``), into ``torch.empty_like`` tensors; the backward's four factors (4,
+  batch, state) are kept, [old_h, input] is not (the backward concatenates it again if the
+  weights need a gradient);
 - one step on CUDA: the kernels of ``cuda_src/lltm.cu`` launched on the tensors' device
   pointers, on torch's current stream, into ``torch.empty`` tensors (torch's allocator owns
   every byte), the GEMMs torch's; X = [old_h, input], the gate pre-activations and new_cell
@@ -96,19 +96,8 @@ def batched(*grads) -> bool:
     ``vectorize=True``): a tensor without memory of its own, which the backends cannot read
     and torch's operations take (the backwards then run the formulas as torch operations).
     Asked only after a backend refused the gradients, so it costs a call nothing."""
-    check = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor", None)
-    for g in grads:
-        if g is None:
-            continue
-        if check is not None:
-            if check(g):
-                return True
-        else:                       # (a torch without the check: no storage, no pointer)
-            try:
-                g.data_ptr()
-            except RuntimeError:
-                return True
-    return False
+    check = torch._C._functorch.is_legacy_batchedtensor
+    return any(g is not None and check(g) for g in grads)
 
 
 def _refuse_vmap(info, in_dims, *args):
@@ -213,7 +202,7 @@ def _step_backward(grad_h, grad_cell, saved, needed):
     from ``saved`` = the five arguments and :func:`kept_for_backward`'s. With grad mode off the
     backend's backward; with it on (``create_graph=True``, ``torch.func``), and for a batch of
     gradients (which the backends cannot read), docs/derivation.md's formulas in torch
-    operations, differentiable."""
+    operations, differentiable (backpropagation through time for a sequence)."""
     input, weights, bias, old_h, old_cell = saved[:5]
     if not torch.is_grad_enabled():
         try:
@@ -233,11 +222,9 @@ def _step_backward(grad_h, grad_cell, saved, needed):
 step_backward = without_autocast(_step_backward, "step_backward")
 
 
-def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, old_h=None,
-                      input=None, X=None):
-    """One step's gradients on the CPU, in the forward's argument order (None where
-    ``needed``, in that order, says so): the NumPy backend's element-wise backward, torch's
-    GEMMs; [old_h, input] as ``X`` or concatenated here if the weights need it."""
+def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, old_h, input):
+    """:func:`_step_backward` on the CPU: the NumPy backend's element-wise backward, torch's
+    GEMMs; [old_h, input] concatenated again if the weights need it."""
     need_x, need_w, need_b, need_h, need_c = needed
     # the gradients returned: torch's own tensors, the backend writing into their memory
     d_old_cell = factors.new_empty(factors.shape[1:]) if need_c else None
@@ -261,7 +248,7 @@ def cpu_step_backward(grad_h, grad_cell, factors, weights, bias_shape, needed, o
         d_old_h = mm(rows, weights[:, :state]) if need_h else None
         d_input = mm(rows, weights[:, state:]) if need_x else None
     if need_w:
-        d_weights = mm(rows.t(), _cat((old_h, input), 1) if X is None else X)
+        d_weights = mm(rows.t(), _cat((old_h, input), 1))
     return (d_input, d_weights if need_w else None,
             d_bias.reshape(bias_shape) if need_b else None, d_old_h,
             d_old_cell if need_c else None)
@@ -288,8 +275,7 @@ def cuda_step_forward(input, weights, bias, old_h, old_cell, keep=True):
 
 
 def cuda_step_backward(grad_h, grad_cell, X, gates, new_cell, weights, bias_shape, needed):
-    """One step's gradients on CUDA, in the forward's argument order (None where ``needed``, in
-    that order, says so): the backward kernel on device pointers, torch's GEMMs."""
+    """:func:`_step_backward` on CUDA: the backward kernel on device pointers, torch's GEMMs."""
     need_x, need_w, need_b, need_h, need_c = needed
     batch, state = new_cell.shape
     new = new_cell.new_empty

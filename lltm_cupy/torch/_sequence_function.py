@@ -2,13 +2,9 @@
 (padded, or packed by a plan of variable lengths), and its forward alone.
 
 Its forward runs the backend's sequence loop over the tensors' memory (on the CPU the NumPy
-backend on ``Tensor.numpy()`` views; on CUDA the kernels on the tensors' device pointers with
-torch's buffers, stream and GEMMs: ``_cuda_sequence``), and keeps as tensors what the backward
-reads: the hidden states (the outputs are a view of them), the gate values, on CUDA the cells,
-the inputs (the argument itself where the backend reads it as it is) and, with a plan, the
-sorted initial state; every argument is saved too. Its backward as the step's
-(``_functions``): the backend's with grad mode off, docs/derivation.md's formulas in torch
-operations, step by step backward through time, with grad mode on.
+backend on arrays over them, ``_cpu_arrays``; on CUDA ``_cuda_sequence``'s pointer launches)
+and keeps as tensors what the backward reads (:func:`_sequence`); every argument is saved too.
+Its backward as the step's (``_functions``).
 """
 from __future__ import annotations
 
@@ -38,10 +34,9 @@ def _stand_in(shape, dtype):
 class LLTMSequenceFunction(torch.autograd.Function):
     """A whole sequence with autograd: ``apply(inputs, weights, bias, h0, c0, plan, fused)``
     returns ``(outputs, h_n, c_n)`` followed by whether the fused kernels ran and what the
-    backward keeps. ``plan``: None
-    (every sequence runs all of ``inputs`` (steps, batch, features)) or the packed layout of
-    variable lengths (``lltm_cupy._packing``). The outputs are a view of the hidden states the
-    backward reads: an in-place change of them is refused (clone them first).
+    backward keeps. ``plan``: None (every sequence runs all of ``inputs`` (steps, batch,
+    features)) or the packed layout of variable lengths (``lltm_cupy._packing``). The outputs
+    are a view of the hidden states the backward reads: an in-place change of them is refused.
 
     Prefer :func:`lltm_cupy.torch.lltm_sequence`. ``torch.func`` as for :class:`LLTMFunction`.
     Its bodies (:func:`sequence_forward`, :func:`sequence_backward`) are the custom operators'
@@ -121,10 +116,8 @@ def _cpu_sequence(inputs, weights, bias, h0, c0, plan, keep):
 def _sequence_backward_body(grads, saved, plan, fused, needed):
     """The gradients ``(d_inputs, d_weights, d_bias, d_h0, d_c0)`` (None where ``needed`` says
     so) of ``grads`` = (outputs, h_n, c_n)'s (any None: zero), from ``saved`` = the five
-    arguments and what :func:`sequence_forward` kept; ``fused``: its flag. With grad mode off
-    the backend's backward; with it on (``create_graph=True``, ``torch.func``), and for a batch
-    of gradients (which the backends cannot read), backpropagation through time by the formulas
-    in torch operations, differentiable."""
+    arguments and what :func:`sequence_forward` kept; ``fused``: its flag. Which backward runs:
+    as ``_functions._step_backward``."""
     if not torch.is_grad_enabled():
         try:
             return _backend_backward(grads, saved, plan, fused, needed)
