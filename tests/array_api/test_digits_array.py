@@ -25,6 +25,7 @@ CHANCE = 0.1            # ten classes, stratified split
 def _run(*args, block_torch=False):
     code = f"""
 import sys, runpy
+sys.path.insert(0, {str(SCRIPT.parent)!r})     # as `python scripts/...` puts it (lltm_bench)
 class Block:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] == "torch":

@@ -27,7 +27,7 @@ from lltm_cupy.torch import LLTM, LLTMCell  # noqa: E402
 from helpers.calls import counted  # noqa: E402
 from test_fused_sequence import fused_cupy, fused_lib  # noqa: E402,F401  (fixtures)
 
-CPU_CELL = 30
+CPU_CELL = 29
 #: (57 while the CPU results were ``torch.from_numpy`` tensors, non-resizable; 85 since they are
 #: torch's own: a call of ``lltm_cupy.torch._cpu_arrays`` per tensor crossing each way)
 CPU_LLTM = 88
