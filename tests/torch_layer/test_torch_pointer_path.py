@@ -31,7 +31,7 @@ from test_fused_group import _use as _use_group  # noqa: E402
 from test_fused_group import group_cupy, group_lib, one_block_lib80  # noqa: E402,F401
 from test_fused_sequence import AGREE  # noqa: E402
 from test_array_lengths import OUT, _case, _reference, _run  # noqa: E402
-from test_torch import CUDA_REASON  # noqa: E402
+from helpers.torch_cuda import CUDA_REASON  # noqa: E402
 
 NAMES = ("inputs", "weights", "bias", "h0", "c0")
 GRADS = ("grad_outputs", "grad_h_n", "grad_c_n")
