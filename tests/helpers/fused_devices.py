@@ -31,34 +31,27 @@ from . import host_cluster, host_fused
 from .fused_cases import LIMIT, LIMIT80
 
 
-@pytest.fixture(scope="session")
-def fused_lib(tmp_path_factory):
-    """lltm_fused.cu and lltm_fused_mma.cu built as host C++ (tests/host_shim/harness_fused.cpp)."""
-    return host_fused.build(tmp_path_factory.mktemp("fused_host"))
+def _host_build(name, build, folder, doc):
+    """A session fixture ``name``: ``build`` (host_fused.build or host_cluster.build) loaded from
+    a copy of its own in ``folder`` (the builds are cached: each fixture's state, the threads'
+    schedule, is its own)."""
+    def lib(tmp_path_factory):
+        return build(tmp_path_factory.mktemp(folder))
+
+    lib.__doc__ = doc
+    return pytest.fixture(scope="session", name=name)(lib)
 
 
-@pytest.fixture(scope="session")
-def cluster_lib(tmp_path_factory):
-    """lltm_fused_cluster.cu built as host C++ with cluster semantics."""
-    return host_cluster.build(tmp_path_factory.mktemp("cluster_host"))
-
-
-@pytest.fixture(scope="session")
-def one_block_lib(tmp_path_factory):
-    """The one-block kernels' host build that ``cluster_cupy`` runs (a copy of its own)."""
-    return host_fused.build(tmp_path_factory.mktemp("fused_host_for_clusters"))
-
-
-@pytest.fixture(scope="session")
-def group_lib(tmp_path_factory):
-    """lltm_fused_cluster.cu built as host C++ for ``group_cupy`` (a copy of its own)."""
-    return host_cluster.build(tmp_path_factory.mktemp("group_host"))
-
-
-@pytest.fixture(scope="session")
-def one_block_lib80(tmp_path_factory):
-    """The one-block kernels' host build that ``group_cupy`` runs (a copy of its own)."""
-    return host_fused.build(tmp_path_factory.mktemp("fused_host_for_groups"))
+fused_lib = _host_build("fused_lib", host_fused.build, "fused_host",
+                        "lltm_fused.cu and lltm_fused_mma.cu built as host C++ (harness_fused.cpp)")
+cluster_lib = _host_build("cluster_lib", host_cluster.build, "cluster_host",
+                          "lltm_fused_cluster.cu built as host C++ with cluster semantics")
+one_block_lib = _host_build("one_block_lib", host_fused.build, "fused_host_for_clusters",
+                            "the one-block kernels' host build that ``cluster_cupy`` runs")
+group_lib = _host_build("group_lib", host_cluster.build, "group_host",
+                        "lltm_fused_cluster.cu built as host C++ for ``group_cupy``")
+one_block_lib80 = _host_build("one_block_lib80", host_fused.build, "fused_host_for_groups",
+                              "the one-block kernels' host build that ``group_cupy`` runs")
 
 
 def group_kernels_not_built(dtype, size):

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, fused as _fused
-from lltm_cupy._cuda import fused_cluster as _cluster, fused_kernels as _fused_kernels
+from lltm_cupy._cuda import fused_cluster as _cluster
 from lltm_cupy._cuda import kernels as _kernels
 from conftest import gpu_unavailable_reason
-from helpers.fused_cases import DTYPES, LIMIT, OUT, compare, make, run, run_any as _run_any, want
+from helpers.fused_cases import LIMIT, OUT, compare, make, run, run_any as _run_any, want
 
 
 def _no_16(emu, how):

@@ -1,8 +1,8 @@
 """What only the cluster variant of the fused kernels has (cuda_src/lltm_fused_cluster.cu,
 lltm_cupy/_cuda/fused_cluster.py): the choice of the cluster size (the smallest that holds W_h,
 16 blocks past the portable size, none before sm_90, a forced size that cannot run), the
-forward's bits at every size, the shared-memory layout and the documented table, the module's
-compile; without a GPU (tests/helpers/fused_devices.py's ``cluster_cupy``: an sm_90 device, the
+forward's bits at every size, the shared-memory layout and the documented table, warmup before
+sm_90; without a GPU (tests/helpers/fused_devices.py's ``cluster_cupy``: an sm_90 device, the
 kernels built as host C++ with cluster semantics). The cases every variant shares:
 test_fused_variants.py; the occupancy query and the refusal guard:
 test_fused_cluster_occupancy.py.
@@ -21,7 +21,7 @@ import pytest
 from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, fused as _fused
 from lltm_cupy._cuda import fused_cluster as _cluster, fused_kernels as _fused_kernels
 from lltm_cupy._cuda import kernels as _kernels
-from helpers.fused_cases import DTYPES, LIMIT, OUT, compare, make, run, run_any as _run_any, want
+from helpers.fused_cases import DTYPES, LIMIT, OUT, compare, make, run, want
 
 
 SIZES = _cluster_kernels.SIZES
@@ -182,52 +182,3 @@ def test_warmup_compiles_no_cluster_module_before_sm_90(cluster_cupy, monkeypatc
     lltm_cupy.warmup(["float32"], fused=True)
     assert ("lltm_fused_cluster.cu", "<f4") not in emu.compiles
     assert ("lltm_fused_cluster.cu", "group", "<f4") in emu.compiles
-
-
-def test_cluster_kernels_compile_once_per_dtype_with_the_whole_shared_memory(emulated_cupy,
-                                                                            monkeypatch):
-    """cluster_kernels.get_kernels (and fused_kernels.get_kernels, which loads the same way) on a CuPy
-    whose RawModule records what it is asked: one module per device and dtype holding every
-    cluster size, each function allowed the device's opt-in shared memory less its static, and
-    the 16-block ones (only they) the non-portable cluster size, on their loaded function
-    (``RawKernel.kernel.ptr``, CuPy's ``driver.funcSetAttribute(f, attribute, value)``)."""
-    import types
-
-    modules, attributes = [], []
-
-    class Function:
-        shared_size_bytes = 16
-        max_dynamic_shared_size_bytes = 0
-
-        def __init__(self, name):
-            self.name = name
-            self.kernel = types.SimpleNamespace(ptr=name)
-
-    class RawModule:
-        def __init__(self, code, options, name_expressions):
-            modules.append((code, tuple(name_expressions)))
-
-        def get_function(self, name):
-            return Function(name)
-
-    monkeypatch.setattr(emulated_cupy, "RawModule", RawModule, raising=False)
-    monkeypatch.setattr(emulated_cupy.cuda.driver, "funcSetAttribute",
-                        lambda f, attribute, value: attributes.append((f, attribute, value)))
-    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
-    monkeypatch.setattr(_kernels, "_cache", {})
-    f32 = np.dtype(np.float32)
-    got = {p: _cluster_kernels.get_kernels(f32, p) for p in SIZES}
-    assert len(modules) == 1 and modules[0][0] == _cluster_kernels.source()
-    assert sorted(attributes) == sorted((f"{k}<float, 16>", 14, 1)
-                                        for k in _cluster_kernels.KERNEL_NAMES), attributes
-    for p, fns in got.items():
-        assert fns.fwd.name == f"lltm_seq_fwd_cluster_kernel<float, {p}>"
-        assert fns.bwd.name == f"lltm_seq_bwd_cluster_kernel<float, {p}>"
-        assert fns.fwd.max_dynamic_shared_size_bytes == LIMIT - 16
-    one = _fused_kernels.get_kernels(f32)
-    assert len(modules) == 2 and modules[1][0] == _fused_kernels.source()
-    assert one.fwd.name == "lltm_seq_fwd_kernel<float>" and one.bwd.name.startswith("lltm_seq_bwd")
-    assert one.bwd.max_dynamic_shared_size_bytes == LIMIT - 16
-    _cluster_kernels.get_kernels(f32, 8)
-    _fused_kernels.get_kernels(f32)
-    assert len(modules) == 2

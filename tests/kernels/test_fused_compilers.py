@@ -3,21 +3,27 @@ time: the nvidia-cuda-nvrtc wheel) builds each variant for every architecture it
 dtype, with the variant's instructions in the PTX (header-free inline PTX), no local memory
 (no spill) and registers within the pins below; ptxas -v (nvcc) reports no spill, no static
 shared memory, registers for a block and the figures the cubin reader (tests/helpers/cubin.py)
-reads from the same cubin.
+reads from the same cubin. And how the library makes and loads each variant's module (one per
+device and dtype, every size in it, the cooperative one for the groups, the shared memory and
+cluster-size attributes) on a CuPy that records it.
 
-Runs everywhere (the NVRTC wheel and nvcc, no GPU); slow tests.
+Runs everywhere (the NVRTC wheel and nvcc, no GPU); the compilers' tests are slow tests.
 """
 from __future__ import annotations
 
 import re
 import shutil
+import threading
+import types
 
+import numpy as np
 import pytest
 
 from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, fused_kernels as _fused_kernels
 from lltm_cupy._cuda import fused_mma as _mma, group_kernels as _group_kernels
+from lltm_cupy._cuda import kernels as _kernels
 from helpers import cubin as _cubin
-from helpers.fused_cases import DTYPES, DTYPES16, run_ptxas
+from helpers.fused_cases import DTYPES, DTYPES16, LIMIT, LIMIT80, run_ptxas
 
 SIZES = _cluster_kernels.SIZES
 
@@ -223,3 +229,100 @@ def test_ptxas_reports_no_spill(kind, arch):
                         if symbol.split("_kernelI", 1)[1].startswith(v))
             ceiling = _ceiling(kind, arch, symbol, name, "ptxas")
             assert r["registers"] <= ceiling, f"sm_{arch} {symbol}: {r['registers']} > {ceiling}"
+
+
+# ------------------------------------------------------------ the modules' compile and load
+
+def _recording_cupy(monkeypatch, cupy, static):
+    """``cupy`` (the emulated one) whose RawModule records (code, name expressions, keyword
+    options) of every module made, in the list returned; its functions have ``static`` bytes
+    of static shared memory and their own name as their pointer. No module cached before."""
+    modules = []
+
+    class Function:
+        shared_size_bytes = static
+        max_dynamic_shared_size_bytes = 0
+
+        def __init__(self, name):
+            self.name = name
+            self.kernel = types.SimpleNamespace(ptr=name)
+
+    class RawModule:
+        def __init__(self, code, options, name_expressions, **kwargs):
+            modules.append((code, tuple(name_expressions), kwargs))
+
+        def get_function(self, name):
+            return Function(name)
+
+    monkeypatch.setattr(cupy, "RawModule", RawModule, raising=False)
+    monkeypatch.setattr(_kernels, "_cache", {})
+    return modules
+
+
+def test_cluster_kernels_compile_once_per_dtype_with_the_whole_shared_memory(emulated_cupy,
+                                                                            monkeypatch):
+    """cluster_kernels.get_kernels (and fused_kernels.get_kernels, which loads the same way) on
+    a CuPy whose RawModule records what it is asked: one module per device and dtype holding every
+    cluster size, each function allowed the device's opt-in shared memory less its static, and
+    the 16-block ones (only they) the non-portable cluster size, on their loaded function
+    (``RawKernel.kernel.ptr``, CuPy's ``driver.funcSetAttribute(f, attribute, value)``)."""
+    modules, attributes = _recording_cupy(monkeypatch, emulated_cupy, static=16), []
+    monkeypatch.setattr(emulated_cupy.cuda.driver, "funcSetAttribute",
+                        lambda f, attribute, value: attributes.append((f, attribute, value)))
+    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT)
+    f32 = np.dtype(np.float32)
+    got = {p: _cluster_kernels.get_kernels(f32, p) for p in SIZES}
+    assert len(modules) == 1 and modules[0][0] == _cluster_kernels.source()
+    assert modules[0][2] == {}
+    assert sorted(attributes) == sorted((f"{k}<float, 16>", 14, 1)
+                                        for k in _cluster_kernels.KERNEL_NAMES), attributes
+    for p, fns in got.items():
+        assert fns.fwd.name == f"lltm_seq_fwd_cluster_kernel<float, {p}>"
+        assert fns.bwd.name == f"lltm_seq_bwd_cluster_kernel<float, {p}>"
+        assert fns.fwd.max_dynamic_shared_size_bytes == LIMIT - 16
+    one = _fused_kernels.get_kernels(f32)
+    assert len(modules) == 2 and modules[1][0] == _fused_kernels.source()
+    assert one.fwd.name == "lltm_seq_fwd_kernel<float>" and one.bwd.name.startswith("lltm_seq_bwd")
+    assert one.bwd.max_dynamic_shared_size_bytes == LIMIT - 16
+    _cluster_kernels.get_kernels(f32, 8)
+    _fused_kernels.get_kernels(f32)
+    assert len(modules) == 2
+
+
+def test_group_kernels_compile_once_per_dtype_in_a_cooperative_module(emulated_cupy,
+                                                                      monkeypatch):
+    """group_kernels.get_kernels on a CuPy whose RawModule records what it is asked: one module
+    per device and dtype holding every group size, made with enable_cooperative_groups=True
+    (CuPy then launches each of its kernels with cuLaunchCooperativeKernel), each function
+    allowed the device's opt-in shared memory; the cluster module is not cooperative.
+    resident_blocks asks the driver's occupancy of the kernel's function times the SMs, once per
+    (kernel, threads, shared bytes)."""
+    modules, asked = _recording_cupy(monkeypatch, emulated_cupy, static=0), []
+
+    def occupancy(ptr, threads, shared):     # a driver call: needs the thread's context
+        if threading.get_ident() not in emulated_cupy.emulator.contexts:
+            raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT: invalid device context")
+        asked.append((ptr, threads, shared))
+        return 2
+
+    emulated_cupy.emulator.contexts = set()     # none bound yet (the library binds one first)
+
+    monkeypatch.setattr(emulated_cupy.cuda, "driver",
+                        type("D", (), {"occupancyMaxActiveBlocksPerMultiprocessor":
+                                       staticmethod(occupancy)}), raising=False)
+    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT80)
+    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 108)
+    monkeypatch.setattr(_group_kernels, "_resident", {})
+    f32 = np.dtype(np.float32)
+    got = {p: _group_kernels.get_kernels(f32, p) for p in _group_kernels.SIZES}
+    assert len(modules) == 1 and modules[0][0] == _cluster_kernels.source()
+    assert modules[0][2] == {"enable_cooperative_groups": True}
+    for p, fns in got.items():
+        assert fns.fwd.name == f"lltm_seq_fwd_group_kernel<float, {p}>"
+        assert fns.bwd.name == f"lltm_seq_bwd_group_kernel<float, {p}>"
+        assert fns.bwd.max_dynamic_shared_size_bytes == LIMIT80
+    _cluster_kernels.get_kernels(f32, 2)
+    assert len(modules) == 2 and modules[1][2] == {}
+    assert _group_kernels.resident_blocks(got[4].fwd, 256, 1000) == 216
+    assert _group_kernels.resident_blocks(got[4].fwd, 256, 1000) == 216
+    assert asked == [("lltm_seq_fwd_group_kernel<float, 4>", 256, 1000)]

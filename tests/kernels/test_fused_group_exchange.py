@@ -4,8 +4,9 @@ exchanging each step's h and partial d_h through global memory and meeting at a 
 counter in global memory; a cooperative launch, which the launcher runs on sm_80 to sm_89 past
 one block's bound): bit for bit the cluster variant's results (one kernel source), several
 launches where the tiles do not fit the device at once, the cooperative launch's checks, its
-shared-memory layout, the sm_80 floor, the cooperative module and the documented table; without a
-GPU (tests/helpers/fused_devices.py's ``group_cupy``: an sm_80 device, A100: 163 KiB of shared
+shared-memory layout, the sm_80 floor and the documented table (its cooperative module:
+test_fused_compilers.py); without a GPU
+(tests/helpers/fused_devices.py's ``group_cupy``: an sm_80 device, A100: 163 KiB of shared
 memory per block, the kernels built as host C++ with group semantics: a tile's blocks as
 cooperating contexts, a weak model of global memory, the waiting loop yielding). The cases every
 variant shares: test_fused_variants.py. No GPU has run the group kernels.
@@ -15,12 +16,11 @@ Runs everywhere (g++, no GPU).
 from __future__ import annotations
 
 import re
-import threading
 
 import numpy as np
 import pytest
 
-from lltm_cupy._cuda import cluster_kernels as _cluster_kernels, fused as _fused
+from lltm_cupy._cuda import fused as _fused
 from lltm_cupy._cuda import fused_cluster as _cluster
 from lltm_cupy._cuda import group_kernels as _group_kernels, kernels as _kernels
 from helpers import host_cluster
@@ -157,62 +157,6 @@ def test_the_split_needs_sm_80(group_cupy, monkeypatch):
     monkeypatch.setattr(_cluster, "FORCED_SIZE", 2)
     with pytest.raises(RuntimeError, match=r"only on compute capability 8\.0 and newer"):
         _cluster.chosen_size(state, dtype)
-
-
-def test_group_kernels_compile_once_per_dtype_in_a_cooperative_module(emulated_cupy,
-                                                                      monkeypatch):
-    """group_kernels.get_kernels on a CuPy whose RawModule records what it is asked: one module
-    per device and dtype holding every group size, made with enable_cooperative_groups=True
-    (CuPy then launches each of its kernels with cuLaunchCooperativeKernel), each function
-    allowed the device's opt-in shared memory; the cluster module is not cooperative.
-    resident_blocks asks the driver's occupancy of the kernel's function times the SMs, once per
-    (kernel, threads, shared bytes)."""
-    modules, asked = [], []
-
-    class Function:
-        shared_size_bytes = 0
-        max_dynamic_shared_size_bytes = 0
-
-        def __init__(self, name):
-            self.name = name
-            self.kernel = type("F", (), {"ptr": 1234})()
-
-    class RawModule:
-        def __init__(self, code, options, name_expressions, **kwargs):
-            modules.append((code, tuple(name_expressions), kwargs))
-
-        def get_function(self, name):
-            return Function(name)
-
-    def occupancy(ptr, threads, shared):     # a driver call: needs the thread's context
-        if threading.get_ident() not in emulated_cupy.emulator.contexts:
-            raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT: invalid device context")
-        asked.append((ptr, threads, shared))
-        return 2
-
-    emulated_cupy.emulator.contexts = set()     # none bound yet (the library binds one first)
-
-    monkeypatch.setattr(emulated_cupy, "RawModule", RawModule, raising=False)
-    monkeypatch.setattr(emulated_cupy.cuda, "driver",
-                        type("D", (), {"occupancyMaxActiveBlocksPerMultiprocessor":
-                                       staticmethod(occupancy)}), raising=False)
-    monkeypatch.setattr(_kernels, "shared_memory_limit", lambda device_id: LIMIT80)
-    monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 108)
-    monkeypatch.setattr(_kernels, "_cache", {})
-    monkeypatch.setattr(_group_kernels, "_resident", {})
-    f32 = np.dtype(np.float32)
-    got = {p: _group_kernels.get_kernels(f32, p) for p in SIZES}
-    assert len(modules) == 1 and modules[0][0] == _cluster_kernels.source()
-    assert modules[0][2] == {"enable_cooperative_groups": True}
-    for p, fns in got.items():
-        assert fns.fwd.name == f"lltm_seq_fwd_group_kernel<float, {p}>"
-        assert fns.bwd.name == f"lltm_seq_bwd_group_kernel<float, {p}>"
-        assert fns.bwd.max_dynamic_shared_size_bytes == LIMIT80
-    _cluster_kernels.get_kernels(f32, 2)
-    assert len(modules) == 2 and modules[1][2] == {}
-    assert _group_kernels.resident_blocks(got[4].fwd, 256, 1000) == 216
-    assert _group_kernels.resident_blocks(got[4].fwd, 256, 1000) == 216
-    assert asked == [(1234, 256, 1000)]
 
 
 def test_group_size_table():

@@ -17,8 +17,7 @@ import pytest
 
 from lltm_cupy._cuda import fused as _fused, fused_kernels as _fused_kernels, kernels as _kernels
 from conftest import assert_engines_agree, max_error, to_numpy
-from helpers.fused_cases import (DTYPES, LIMIT, OUT, compare, make, run, torch_case as _torch_case,
-                                 torch_run as _torch_run)
+from helpers.fused_cases import DTYPES, LIMIT, OUT, compare, make, run, torch_case as _torch_case
 from helpers.lengths_reference import _reference
 
 pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed (pip install .[test])")
