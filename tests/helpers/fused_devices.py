@@ -116,40 +116,40 @@ def use_group(monkeypatch, lib, one_block_lib, limit=LIMIT80):
     monkeypatch.setattr(_mma, "usable", lambda state, dtype, backward=False: False)
 
 
+def _ascending(cupy, host, lib):
+    """``cupy``, with ``lib``'s threads run in ascending order (host: host_fused or host_cluster)
+    during the test and after it."""
+    host.set_schedule(lib, "ascending")
+    yield cupy
+    host.set_schedule(lib, "ascending")
+
+
 @pytest.fixture
 def fused_cupy(emulated_cupy, monkeypatch, fused_lib):
     """The emulated CuPy with the one-block kernels' host build (module docstring)."""
     use_single(monkeypatch, fused_lib)
-    host_fused.set_schedule(fused_lib, "ascending")
-    yield emulated_cupy
-    host_fused.set_schedule(fused_lib, "ascending")
+    yield from _ascending(emulated_cupy, host_fused, fused_lib)
 
 
 @pytest.fixture
 def mma_cupy(emulated_cupy, monkeypatch, fused_lib):
     """The emulated CuPy whose 16-bit kernels run on tensor cores (module docstring)."""
     use_mma(monkeypatch, fused_lib)
-    host_fused.set_schedule(fused_lib, "ascending")
-    yield emulated_cupy
-    host_fused.set_schedule(fused_lib, "ascending")
+    yield from _ascending(emulated_cupy, host_fused, fused_lib)
 
 
 @pytest.fixture
 def cluster_cupy(emulated_cupy, monkeypatch, cluster_lib, one_block_lib):
     """The emulated CuPy as an sm_90 device with the cluster kernels (module docstring)."""
     use_cluster(monkeypatch, cluster_lib, one_block_lib)
-    host_cluster.set_schedule(cluster_lib, "ascending")
-    yield emulated_cupy
-    host_cluster.set_schedule(cluster_lib, "ascending")
+    yield from _ascending(emulated_cupy, host_cluster, cluster_lib)
 
 
 @pytest.fixture
 def group_cupy(emulated_cupy, monkeypatch, group_lib, one_block_lib80):
     """The emulated CuPy as an sm_80 device with the group kernels (module docstring)."""
     use_group(monkeypatch, group_lib, one_block_lib80)
-    host_cluster.set_schedule(group_lib, "ascending")
-    yield emulated_cupy
-    host_cluster.set_schedule(group_lib, "ascending")
+    yield from _ascending(emulated_cupy, host_cluster, group_lib)
 
 
 # ------------------------------------------------------------------------------ the variants
