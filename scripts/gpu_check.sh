@@ -201,8 +201,8 @@ torch_tests=(tests/torch_layer/test_torch_pointer_path.py
              tests/torch_layer/test_gpu_variable_length.py tests/torch_layer/test_torch.py
              tests/torch_layer/test_torch_cuda_path.py tests/torch_layer/test_torch_inference.py
              tests/torch_layer/test_torch_sequence.py tests/torch_layer/test_gpu_training.py)
-fused_tests=(tests/kernels/test_fused_cluster.py tests/kernels/test_fused_mma.py
-             tests/kernels/test_fused_sequence.py)
+fused_tests=(tests/kernels/test_fused_variants.py tests/kernels/test_fused_cluster_occupancy.py
+             tests/kernels/test_fused_mma_geometry.py)
 ignored=()
 for f in "${torch_tests[@]}" "${fused_tests[@]}"; do ignored+=(--ignore "$f"); done
 step "tests (torch CUDA path)" 85 "$dir/gpu_tests.txt" python3 -m pytest -q -rs -m gpu \

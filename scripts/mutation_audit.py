@@ -55,15 +55,18 @@ KERNEL_TESTS = ("tests/kernels/test_host_kernels.py", "tests/array_api/test_back
                 "tests/array_api/test_array_sequence.py",
                 "tests/torch_layer/test_torch_cuda_path.py", "tests/budgets/test_launch_budget.py",
                 "tests/array_api/test_accuracy.py")
-FUSED_TESTS = ("tests/kernels/test_fused_sequence.py", "tests/kernels/test_host_kernels.py",
-               "tests/torch_layer/test_torch_layers.py")
+#: the one-block kernels (lltm_fused.cu): the cases every variant shares, the one-block module's
+FUSED_ONE_BLOCK = ("tests/kernels/test_fused_variants.py", "tests/kernels/test_fused_one_block.py")
+FUSED_TESTS = FUSED_ONE_BLOCK + ("tests/kernels/test_host_kernels.py",
+                                 "tests/torch_layer/test_torch_layers.py")
 #: lltm_fused.cu's dot products, which the cluster kernels (lltm_fused_cluster.cu) and their
 #: group variant call too
-FUSED_DOT_TESTS = FUSED_TESTS + ("tests/kernels/test_fused_cluster.py",
-                                 "tests/kernels/test_fused_group.py")
+FUSED_DOT_TESTS = FUSED_TESTS + ("tests/kernels/test_fused_cluster_sizes.py",
+                                 "tests/kernels/test_fused_cluster_occupancy.py",
+                                 "tests/kernels/test_fused_group_exchange.py")
 #: lltm_fused.cu's element steps (the rounding around the recurrent product), which every fused
 #: variant calls, the tensor-core kernels (lltm_fused_mma.cu) included
-FUSED_ALL_TESTS = FUSED_DOT_TESTS + ("tests/kernels/test_fused_mma.py",)
+FUSED_ALL_TESTS = FUSED_DOT_TESTS + ("tests/kernels/test_fused_mma_geometry.py",)
 NUMPY_TESTS = ("tests/array_api/test_backends.py", "tests/array_api/test_array_sequence.py",
                "tests/array_api/test_array_lengths.py",
                "tests/torch_layer/test_torch.py", "tests/torch_layer/test_torch_sequence.py")
@@ -353,7 +356,7 @@ MUTANTS = [
            "at outputs[tau] too"),
     Mutant("fused-forward-only-cell-not-carried", "lltm_cupy/_cuda/fused.py",
            "h_prev, c_prev = h_last, c_last", "h_prev = h_last",
-           ("tests/kernels/test_fused_sequence.py",) + INFERENCE_TESTS,
+           FUSED_ONE_BLOCK + INFERENCE_TESTS,
            "fused forward only: a block of steps starts from c0, not the previous block's "
            "final cell"),
     # ---------------------------------------------------- the CPU sequence loops' GEMMs
@@ -433,7 +436,7 @@ MUTANTS = [
            "never runs)"),
     Mutant("fused-packed-h0-not-sorted", "lltm_cupy/_cuda/fused.py",
            "h_prev, c_prev = h0[perm], c0[perm]", "h_prev, c_prev = h0, c0",
-           ("tests/kernels/test_fused_sequence.py",),
+           FUSED_ONE_BLOCK,
            "fused, variable lengths: h0, c0 read in the caller's order, not the sorted one"),
     # ----------------------------------------------------------------- the torch LLTM
     Mutant("module-packed-h0-unsorted-indices", "lltm_cupy/torch/_lltm_module.py",

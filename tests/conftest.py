@@ -32,6 +32,10 @@ from helpers.skip_gate import (GPU_PHRASE, pytest_collectreport,  # noqa: F401
 
 from lltm_cupy.verify import TOLERANCE, to_numpy, normalised_error as max_error  # noqa: F401 (re-exported)
 
+#: the fused kernels' emulated devices (fused_cupy, cluster_cupy, group_cupy, mma_cupy and their
+#: host builds) for the tests of every folder
+pytest_plugins = ("helpers.fused_devices",)
+
 GRAD_NAMES = ("d_old_h", "d_input", "d_weights", "d_bias", "d_old_cell")
 
 

@@ -7,25 +7,7 @@ import pytest
 import lltm_cupy
 from lltm_cupy import verify
 from conftest import TOLERANCE, dtypes_for, max_error, to_numpy
-
-SEQ_NAMES = ("inputs", "weights", "bias", "h0", "c0")
-
-
-def make_sequence(steps, batch, features, state, dtype, seed=0, bias_2d=False):
-    rng = np.random.default_rng(seed)
-    k = state + features
-    case = dict(
-        inputs=rng.standard_normal((steps, batch, features)),
-        weights=rng.uniform(-1, 1, (3 * state, k)) / np.sqrt(k),
-        bias=rng.uniform(-1, 1, (1, 3 * state) if bias_2d else 3 * state),
-        h0=rng.uniform(-1, 1, (batch, state)),
-        c0=rng.standard_normal((batch, state)),
-        grad_outputs=rng.standard_normal((steps, batch, state)),
-        grad_h_n=rng.standard_normal((batch, state)),
-        grad_c_n=rng.standard_normal((batch, state)),
-    )
-    return {k: v.astype(dtype) for k, v in case.items()}
-
+from helpers.lengths_reference import NAMES as SEQ_NAMES, _case as make_sequence
 
 def stepped(xp, case, grad_outputs, grad_h_n, grad_c_n):
     """The sequence by stepping lltm_cupy.forward / backward from Python, in the same dtype."""

@@ -14,7 +14,7 @@ import pytest
 import lltm_cupy
 from lltm_cupy._numpy import memory
 
-from test_array_sequence import SEQ_NAMES, make_sequence
+from helpers.lengths_reference import NAMES as SEQ_NAMES, _case as make_sequence
 
 B, F, S = 16, 8, 64
 

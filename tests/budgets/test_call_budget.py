@@ -25,7 +25,6 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from lltm_cupy.torch import LLTM, LLTMCell  # noqa: E402
 from helpers.calls import counted  # noqa: E402
-from test_fused_sequence import fused_cupy, fused_lib  # noqa: E402,F401  (fixtures)
 
 CPU_CELL = 29
 #: (57 while the CPU results were ``torch.from_numpy`` tensors, non-resizable; 85 since they are
@@ -90,7 +89,7 @@ def test_emulated_cuda_lltm_calls(emulated_cuda_torch, layers):
 
 
 
-def test_emulated_cuda_fused_lltm_calls(fused_cupy, emulated_cuda_torch):  # noqa: F811
+def test_emulated_cuda_fused_lltm_calls(fused_cupy, emulated_cuda_torch):
     """``fused=True`` (the fused sequence kernels, one launch each way): a call, whatever its
     steps."""
     emulator = fused_cupy.emulator

@@ -2,8 +2,8 @@
 without a GPU, a driver or the CUDA toolkit: the registers per thread and the local-memory stack
 frame (where spilled registers and local arrays live) that ptxas -v prints, from the global
 ``.nv.info`` section's attributes (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE, EIATTR_MIN_STACK_SIZE),
-keyed by the kernel's symbol. tests/kernels/test_fused_sequence.py checks these against ptxas -v on
-the same cubin where nvcc is installed."""
+keyed by the kernel's symbol. tests/kernels/test_fused_compilers.py checks these against
+ptxas -v on the same cubin where nvcc is installed."""
 from __future__ import annotations
 
 import struct

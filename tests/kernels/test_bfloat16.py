@@ -279,7 +279,7 @@ def test_cpu_autocast_bfloat16_runs_the_cell_in_float32():
 
 # ------------------------------------------------------------------------------ GPU tests
 
-from test_torch import needs_cuda  # noqa: E402
+from helpers.torch_cuda import needs_cuda  # noqa: E402
 
 
 @needs_cuda

@@ -25,7 +25,8 @@ import pytest
 
 from lltm_cupy import reference
 from lltm_cupy._cuda import kernels as _kernels
-from test_fused_sequence import OUT, _reference, fused_cupy, fused_lib, make, run, values  # noqa: F401
+from helpers.fused_cases import OUT, make, run, values
+from helpers.lengths_reference import _reference
 
 T, B, F, S = 512, 16, 32, 128
 SEEDS = range(6)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from helpers import gpu_scripts
-from test_fused_sequence import fused_cupy, fused_lib  # noqa: F401 -- the fixtures
 
 
 @pytest.fixture

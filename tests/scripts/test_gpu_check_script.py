@@ -181,3 +181,15 @@ def test_every_test_step_has_a_margin_over_its_expected_time():
     for name, _ in _test_steps():
         cap, expected = rows[name]
         assert 3 * cap >= 4 * expected, (name, cap, expected)
+
+
+def test_the_fused_step_runs_every_fused_module_with_gpu_tests():
+    """The fused kernels' step names the modules of tests/kernels/test_fused_*.py that hold GPU
+    tests, each of them and no other (a module renamed or split would otherwise show only on a
+    GPU machine, as a path pytest does not find, or as GPU tests no step runs)."""
+    fused = re.search(r"^fused_tests=\(([^)]*)\)$", TEXT, re.M).group(1).split()
+    with_gpu = sorted(p.relative_to(ROOT).as_posix()
+                      for p in (ROOT / "tests" / "kernels").glob("test_fused_*.py")
+                      if "@pytest.mark.gpu" in p.read_text())
+    assert sorted(fused) == with_gpu, (fused, with_gpu)
+    assert '"${fused_tests[@]}"' in dict(_test_steps())["tests (fused kernels)"]

@@ -6,15 +6,13 @@ Gradients reach float32 parameters in float32. The CUDA cases are GPU tests.
 """
 from __future__ import annotations
 
-import contextlib
-import importlib
-
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
 
 import lltm_cupy.torch as lt  # noqa: E402
-from test_torch import needs_cuda  # noqa: E402
+from helpers.torch_cuda import needs_cuda  # noqa: E402
+from helpers.torch_models import _fresh_compile  # noqa: E402
 
 
 class Model(torch.nn.Module):
@@ -49,27 +47,6 @@ def _step(model, run, xs, target, autocast, device):
     loss = torch.nn.functional.mse_loss(out.float(), target)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-@contextlib.contextmanager
-def _fresh_compile():
-    """torch.compile with nothing reused from an earlier test: Dynamo reset, and torch's
-    compile caches kept out. On torch < 2.13 the AOTAutograd cache (on by default, on disk)
-    keys on whether autocast is on but not on its dtype, so a graph compiled under bfloat16
-    autocast is silently reused under float16 autocast (and Dynamo 2.5 does not recompile when
-    only the autocast dtype changes)."""
-    import torch._dynamo
-
-    patches = contextlib.ExitStack()
-    for module, name in (("torch._functorch.config", "enable_autograd_cache"),
-                         ("torch._inductor.config", "fx_graph_cache")):
-        config = importlib.import_module(module)
-        if hasattr(config, name):
-            patches.enter_context(config.patch(**{name: False}))
-    torch._dynamo.reset()
-    with patches:
-        yield
-    torch._dynamo.reset()
 
 
 def _compare(device, sequence, compiled, autocast, expect_cell_dtype, rtol):

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 import lltm_cupy  # noqa: E402
 import lltm_cupy.torch as lt  # noqa: E402
-from test_torch import needs_cuda  # noqa: E402
+from helpers.torch_cuda import needs_cuda  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 B, F, S, T = 16, 32, 128, 5

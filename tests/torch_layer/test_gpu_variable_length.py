@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 import lltm_cupy  # noqa: E402
 import lltm_cupy.torch as lt  # noqa: E402
 from lltm_cupy import _packing  # noqa: E402
-from test_torch import CUDA_REASON  # noqa: E402
+from helpers.torch_cuda import CUDA_REASON  # noqa: E402
 from torch.nn.utils.rnn import pack_padded_sequence  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(CUDA_REASON is not None,

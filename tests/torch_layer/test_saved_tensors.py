@@ -26,7 +26,7 @@ from torch.nn.utils.rnn import pack_padded_sequence  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 from conftest import max_error  # noqa: E402
 from helpers.memory import held_bytes  # noqa: E402
-from test_torch_layers import PATHS, _path  # noqa: E402
+from helpers.torch_models import PATHS, _path  # noqa: E402
 
 T, B, F, H = 6, 3, 4, 5
 

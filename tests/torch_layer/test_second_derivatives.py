@@ -16,7 +16,7 @@ import lltm_cupy.torch as lt  # noqa: E402
 from lltm_cupy.torch import reference  # noqa: E402
 from torch.nn.utils.rnn import pack_padded_sequence  # noqa: E402
 from conftest import max_error  # noqa: E402
-from test_torch_layers import PATHS, _path, reference_lltm  # noqa: E402
+from helpers.torch_models import PATHS, _path, reference_lltm  # noqa: E402
 
 B, F, S, T = 3, 4, 5, 6
 f64 = torch.float64

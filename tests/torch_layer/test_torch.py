@@ -10,26 +10,10 @@ import lltm_cupy  # noqa: E402
 import lltm_cupy._numpy  # noqa: E402
 import lltm_cupy.torch as lt  # noqa: E402
 from conftest import TOLERANCE, make_case, max_error  # noqa: E402
+from helpers.torch_cuda import CUDA_REASON, DEVICES, needs_cuda  # noqa: E402,F401
 
 NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 TORCH_TO_NP = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
-
-
-def _cuda_reason():
-    if not torch.cuda.is_available():
-        return "torch finds no CUDA device (CPU build or no GPU)"
-    from conftest import gpu_unavailable_reason
-    return gpu_unavailable_reason()
-
-
-CUDA_REASON = _cuda_reason()
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu] + (
-    [pytest.mark.skip(reason=f"GPU test: {CUDA_REASON}")] if CUDA_REASON else []))]
-
-
-def needs_cuda(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(CUDA_REASON is not None,
-                                              reason=f"GPU test: {CUDA_REASON}")(fn))
 
 
 def tensors(case, device, requires_grad=True):

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 import lltm_cupy  # noqa: E402
 import lltm_cupy.torch as lt  # noqa: E402
 from conftest import make_case  # noqa: E402
-from test_launch_budget import BACKWARD, FORWARD  # noqa: E402
+from helpers.launch_counts import BACKWARD, FORWARD  # noqa: E402
 
 NAMES = ("input", "weights", "bias", "old_h", "old_cell")
 

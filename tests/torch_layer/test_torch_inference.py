@@ -20,7 +20,7 @@ from lltm_cupy import _cuda, _numpy  # noqa: E402
 from lltm_cupy._cuda import sequence as _sequence
 from lltm_cupy.torch import LLTM, LLTMCell, lltm_sequence  # noqa: E402
 from helpers.memory import peak_traced_bytes  # noqa: E402
-from test_torch import CUDA_REASON, needs_cuda  # noqa: E402
+from helpers.torch_cuda import CUDA_REASON, needs_cuda  # noqa: E402
 
 
 @pytest.fixture

@@ -14,39 +14,9 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence  # noqa: E402
 
 import lltm_cupy.torch as lt  # noqa: E402
+from helpers.torch_models import PATHS, _path, reference_lltm  # noqa: E402
 
-PATHS = ["cpu", "cuda-emulated"]
 T, B, F, S = 5, 4, 3, 4
-
-
-def _path(request, path):
-    if path == "cuda-emulated":
-        request.getfixturevalue("emulated_cuda_torch")
-
-
-def reference_lltm(model, x, lengths, h0, c0):
-    """Each sequence alone at its own length, layer by layer, both directions (pure torch)."""
-    D, L = model.num_directions, model.num_layers
-    outputs = x.new_zeros(x.shape[0], x.shape[1], D * model.hidden_size)
-    h_n, c_n = [[None] * x.shape[1] for _ in range(L * D)], [[None] * x.shape[1] for _ in range(L * D)]
-    for b, n in enumerate(lengths):
-        layer_in = x[:n, b]
-        for k in range(L):
-            outs = []
-            for d in range(D):
-                w, bias = model._layer_parameters(k, d)
-                h, c = h0[k * D + d, b:b + 1], c0[k * D + d, b:b + 1]
-                out = [None] * n
-                for t in (range(n) if d == 0 else reversed(range(n))):
-                    h, c = lt.lltm_reference(layer_in[t:t + 1], w, bias, h, c)
-                    out[t] = h[0]
-                outs.append(torch.stack(out) if n else layer_in.new_zeros(0, model.hidden_size))
-                h_n[k * D + d][b], c_n[k * D + d][b] = h[0], c[0]
-            layer_in = torch.cat(outs, dim=1)
-        if n:
-            outputs[:n, b] = layer_in
-    stack = lambda rows: torch.stack([torch.stack(r) for r in rows])  # noqa: E731
-    return outputs, stack(h_n), stack(c_n)
 
 
 def _grads(loss, tensors):
@@ -251,7 +221,7 @@ def test_compiled_dropout_draws_inductors_masks_unless_fallback_random():
     its dropout masks are not the eager run's; inductor's fallback_random=True draws the eager
     masks."""
     import torch._inductor.config as inductor
-    from test_autocast import _fresh_compile
+    from helpers.torch_models import _fresh_compile
 
     torch.manual_seed(0)
     model = lt.LLTM(F, S, num_layers=2, dropout=0.5)
@@ -398,7 +368,7 @@ def test_packed_input_under_compile_runs_eagerly():
 
 # ----------------------------------------------------------------------------------- GPU
 
-from test_torch import needs_cuda  # noqa: E402
+from helpers.torch_cuda import needs_cuda  # noqa: E402
 
 
 @needs_cuda

@@ -26,12 +26,10 @@ from lltm_cupy import _packing  # noqa: E402
 from lltm_cupy._cuda import fused as _fused, fused_cluster as _cluster  # noqa: E402
 from lltm_cupy._cuda import group_kernels as _group_kernels, kernels as _kernels  # noqa: E402
 from conftest import TOLERANCE, assert_engines_agree, max_error  # noqa: E402
-from test_fused_cluster import _use as _use_cluster  # noqa: E402
-from test_fused_group import _use as _use_group  # noqa: E402
-from test_fused_group import group_cupy, group_lib, one_block_lib80  # noqa: E402,F401
-from test_fused_sequence import AGREE  # noqa: E402
-from test_array_lengths import OUT, _case, _reference, _run  # noqa: E402
-from test_torch import CUDA_REASON  # noqa: E402
+from helpers.fused_cases import AGREE, make  # noqa: E402
+from helpers.fused_devices import use_cluster as _use_cluster, use_group as _use_group  # noqa: E402
+from helpers.lengths_reference import OUT, _case, _reference, _run  # noqa: E402
+from helpers.torch_cuda import CUDA_REASON  # noqa: E402
 
 NAMES = ("inputs", "weights", "bias", "h0", "c0")
 GRADS = ("grad_outputs", "grad_h_n", "grad_c_n")
@@ -129,8 +127,9 @@ def test_packed_sequence_data_agree_with_the_array_api(emulated_cuda_torch, reve
 
 
 def _group_device(monkeypatch, size=2, resident=None):
-    """The emulated sm_80 device of test_fused_group (``group_cupy``) running ``size`` blocks per
-    tile on 4 SMs; ``resident``: the blocks it holds at once (fewer: launches in waves)."""
+    """The emulated sm_80 device ``group_cupy`` (tests/helpers/fused_devices.py) running ``size``
+    blocks per tile on 4 SMs; ``resident``: the blocks it holds at once (fewer: launches in
+    waves)."""
     monkeypatch.setattr(_cluster, "FORCED_SIZE", size)
     monkeypatch.setattr(_kernels, "_sm_count", lambda device_id: 4)
     if resident is not None:
@@ -151,8 +150,6 @@ def test_group_variant_on_torch_buffers(group_cupy, emulated_cuda_torch, monkeyp
     tile at a time (7 rows in 2 tiles: two launches each way): nothing allocated through CuPy,
     no CuPy array or DLPack crossing; within the fused tolerance of the stepped path, as close
     to the float64 reference, and bit for bit the cluster variant's (one kernel source)."""
-    from test_fused_sequence import make
-
     _group_device(monkeypatch, resident=2)
     emu = group_cupy.emulator
     stored, case = make(5, 7, 3, 13, dtype, seed=7 + reverse)

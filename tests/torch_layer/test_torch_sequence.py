@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
 
 import lltm_cupy.torch as lt  # noqa: E402
-from test_torch import DEVICES, needs_cuda  # noqa: E402
+from helpers.torch_cuda import DEVICES, needs_cuda  # noqa: E402
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-10, atol=1e-12)}
 
