@@ -8,17 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# The test modules live in folders by what they test (tests/array_api, tests/torch_layer, ...),
-# and some import another's fixtures or constants by module name (``from test_torch import
-# needs_cuda``). pytest's default import mode puts only the importing module's own folder on
-# sys.path (and tests/, this file's, for ``helpers``), so such an import across folders would
-# work or fail by collection order: every folder of test modules goes on sys.path here, before
-# any test module is imported. (Module names must stay unique across the folders.)
+# The test modules live in folders by what they test (tests/array_api, tests/torch_layer, ...)
+# and import shared code from tests/helpers only (tests/, this file's folder, is on sys.path);
+# the benchmark harness beside the scripts (scripts/lltm_bench) is imported from scripts/.
 _TESTS = Path(__file__).resolve().parent
-for _folder in sorted({p.parent for p in _TESTS.glob("*/test_*.py")}, reverse=True):
-    if str(_folder) not in sys.path:
-        sys.path.insert(1, str(_folder))
-# and scripts/, for the benchmark harness beside the scripts (scripts/lltm_bench)
 if str(_TESTS.parent / "scripts") not in sys.path:
     sys.path.append(str(_TESTS.parent / "scripts"))
 

@@ -32,8 +32,8 @@ compile_offline = FAMILY.compile_offline
 # ------------------------------------------------------ clusters the device holds at once (query)
 
 class CUlaunchConfig(ctypes.Structure):
-    """cuda.h's CUlaunchConfig (CUDA 12 and 13; tests/kernels/test_fused_cluster.py holds the layout
-    against the header's, compiled)."""
+    """cuda.h's CUlaunchConfig (CUDA 12 and 13; tests/kernels/test_fused_cluster_occupancy.py
+    holds the layout against the header's, compiled)."""
 
     _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
                 ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
