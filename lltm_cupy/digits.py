@@ -37,7 +37,7 @@ MODELS = ("LLTM (ours)", "LLTM (tutorial, stepped)", "nn.LSTM")
 LOSS_GAP_TOLERANCE = {"float32": 1e-4, "float64": 1e-12}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class RunConfig:
     """The settings both demos share (:class:`Config` and ``digits_array.ArrayConfig`` add
     their own)."""
@@ -57,7 +57,7 @@ class RunConfig:
                    **own)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Config(RunConfig):
     device: str = "cpu"
     compile: bool = False

@@ -41,7 +41,7 @@ ARRAY_MODEL, TORCH_MODEL = "LLTM (array API)", "LLTM (torch)"
 SAME_PARAMETERS_TOLERANCE = {"float32": 1e-4, "float64": 1e-12}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class ArrayConfig(RunConfig):
     num_layers: int = 1
     bidirectional: bool = False

@@ -25,8 +25,8 @@ from ._functions import step_backward, step_forward, step_inference
 from ._interop import cuda_backend
 from ._sequence_function import sequence_backward, sequence_forward, sequence_inference
 
-__all__ = ["compiled_step", "compiled_sequence", "lltm_forward_op", "lltm_inference_op", "sequence_forward_op",
-           "sequence_inference_op"]
+__all__ = ["compiled_step", "compiled_sequence", "lltm_forward_op", "lltm_inference_op",
+           "sequence_forward_op", "sequence_inference_op"]
 
 
 def compiled_step(tensors, backward: bool):

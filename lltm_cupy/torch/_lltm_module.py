@@ -195,19 +195,14 @@ class LLTM(nn.Module):
     def _forward_packed(self, input, hx):
         """PackedSequence input runs eagerly (a graph break under torch.compile): its layout
         depends on the lengths' values."""
-        data = input.data
-        if isinstance(data, Tensor) and data.is_meta and input.sorted_indices is not None:
-            # shape inference: the sequences' order (values a meta tensor lacks) changes no shape
-            from torch.nn.utils.rnn import PackedSequence
-
-            out, state = self._forward(PackedSequence(data, input.batch_sizes), hx, True)
-            return PackedSequence(out.data, out.batch_sizes, input.sorted_indices,
-                                  input.unsorted_indices), state
         return self._forward(input, hx, True)
 
     def _forward(self, input, hx, packed: bool):
         x, batch, unbatched = _layer_input(input, packed, self.input_size, self.batch_first)
         (h0, c0), flat = self._hx(hx, batch, x, unbatched)
+        # the sequences' order of a PackedSequence (meta data: shape inference, where the order
+        # changes no shape and the states cannot be permuted by it)
+        permuted = packed and not x.is_meta
         if packed:
             # PackedSequence: every layer runs on the packed rows themselves (its data, (N, F)),
             # no padded tensor in or out; the output keeps the input's layout. One packing plan
@@ -218,7 +213,7 @@ class LLTM(nn.Module):
             from .._packing import packed_plan
             from ._interop import use_plans
 
-            if input.sorted_indices is not None and hx is not None:
+            if permuted and input.sorted_indices is not None and hx is not None:
                 order = input.sorted_indices
                 h0, c0 = h0.index_select(1, order), c0.index_select(1, order)
             plans = [packed_plan(input.batch_sizes, d == 1, "torch")
@@ -246,7 +241,7 @@ class LLTM(nn.Module):
             if self.dropout and self.training and k < self.num_layers - 1:
                 x = nn.functional.dropout(x, self.dropout, training=True)
         h_n, c_n = torch.stack(h_n), torch.stack(c_n)
-        if packed and input.unsorted_indices is not None:
+        if permuted and input.unsorted_indices is not None:
             h_n = h_n.index_select(1, input.unsorted_indices)
             c_n = c_n.index_select(1, input.unsorted_indices)
         if packed:

@@ -258,10 +258,11 @@ def _sequence(tensors, lengths, plan, reverse, fused):
     if fixed and reverse:
         x = x.flip(0)
     meta = x.device.type == "meta"
-    if _export.recording() and not meta:                            # route 3
-        if not fixed:
-            raise _export.refusal("packed variable-length input" if packed
-                                  else "lltm_sequence with lengths=")
+    recording = _export.recording()
+    if recording and not fixed:     # (meta too: a recording would keep route 2's stand-in)
+        raise _export.refusal("packed variable-length input" if packed
+                              else "lltm_sequence with lengths=")
+    if recording and not meta:                                      # route 3
         out = _export.sequence(x, weights, bias, h0, c0)
     elif meta or (fixed and _compiling()):                          # route 2
         backward = _needs_backward(*tensors)

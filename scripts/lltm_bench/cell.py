@@ -284,6 +284,8 @@ def _make_runners(cfg: Config, impls, quiet, strict=False):
             _not_run(name, exc, skipped, strict, quiet)
     _check_cells(runners, ref, (x, h, c), cfg, skipped, strict, quiet)
     return runners, skipped
+
+
 #: one-step runners whose outputs are not the LLTM cell's: the measurement floors, and
 #: nn.LSTMCell (another cell, with its own parameters)
 _UNCHECKED = ("cell-floor", "function-floor", "lstm")

@@ -144,3 +144,14 @@ def test_nudge_moves_every_initial_parameter_one_ulp():
         for k, v in plain.items():
             assert nudged[k].dtype == v.dtype == np.dtype(dtype), k
             assert np.array_equal(nudged[k], np.nextafter(v, np.inf)) and (nudged[k] > v).all()
+
+
+def test_configs_take_keywords_only():
+    """Both demos' configs share their first fields (``digits.RunConfig``), so a positional
+    call could land a value in another field than it once did: keywords only."""
+    from lltm_cupy import digits, digits_array
+
+    for config in (digits.Config, digits_array.ArrayConfig):
+        with pytest.raises(TypeError):
+            config(10, 32)
+        assert config(epochs=3).epochs == 3

@@ -532,3 +532,32 @@ def test_nn_lstm_beside_it(onnxruntime, tmp_path):
     with pytest.raises(Exception, match="(?i)constraint"):
         torch.export.export(lstm, (example,), dynamic_shapes=({0: torch.export.Dim("steps")},))
     torch.export.export(lstm, (example,))
+
+
+def test_variable_lengths_on_meta_tensors_are_refused_by_a_recording():
+    """Meta example inputs run the shape stand-in (route 2): a recording of it would give a
+    program that runs but computes other values, so variable lengths are refused first."""
+    from lltm_cupy._packing import packed_plan
+    from lltm_cupy.torch._ops import lltm_packed
+
+    F, S = 4, 5
+
+    def meta(*shape):
+        return torch.empty(*shape, device="meta")
+
+    plan = packed_plan(torch.tensor([3, 2, 2, 1]), False, "torch")
+
+    class Packed(torch.nn.Module):
+        def forward(self, d, w, b, h, c):
+            return lltm_packed(d, w, b, h, c, plan)
+
+    class Lengths(torch.nn.Module):
+        def forward(self, x, w, b, h, c):
+            return lt.lltm_sequence(x, w, b, h, c, lengths=[4, 2, 1])
+
+    weights = (meta(3 * S, S + F), meta(3 * S), meta(3, S), meta(3, S))
+    for module, x in ((Packed(), meta(8, F)), (Lengths(), meta(4, 3, F))):
+        with pytest.raises(RuntimeError, match="cannot be recorded"):
+            torch.export.export(module, (x, *weights))
+        with pytest.raises(RuntimeError, match="cannot be recorded"):
+            torch.jit.trace(module, (x, *weights))

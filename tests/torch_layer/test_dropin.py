@@ -543,6 +543,18 @@ def test_meta_device_forward_infers_shapes_as_nn_lstm(kwargs):
     assert ours(torch.randn(T, B, F))[0].isfinite().all()
 
 
+def test_meta_packed_sequence_is_checked_as_on_the_cpu():
+    """Shape inference checks a PackedSequence as a real call does: indices of the wrong
+    length raise the same ValueError on meta as on the CPU."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    for device in ("cpu", "meta"):
+        bad = PackedSequence(torch.zeros(8, F, device=device), torch.tensor([3, 2, 2, 1]),
+                             torch.tensor([0, 1]), torch.tensor([0, 1]))
+        with pytest.raises(ValueError, match="sorted_indices must have shape \\(3,\\)"):
+            LLTM(F, H, device=device)(bad)
+
+
 def test_meta_device_cell():
     cell = LLTMCell(F, H, device="meta", dtype=torch.float64)
     h, c = cell(torch.empty(B, F, device="meta", dtype=torch.float64))

@@ -172,6 +172,9 @@ def test_in_place_change_of_the_weights_is_detected():
     (dict(old_cell=lambda t: t[:, :3]), ValueError, r"old_cell must have shape \(3, 5\)"),
     (dict(bias=lambda t: t[:7]), ValueError, r"bias must have shape"),
     (dict(input=lambda t: t.tolist()), TypeError, "input must be a torch.Tensor"),
+    # (a NumPy array has a .device too, a string: not mistaken for a tensor's)
+    (dict(old_h=lambda t: t.numpy()), TypeError, "old_h must be a torch.Tensor, got ndarray"),
+    (dict(input=lambda t: t.numpy()), TypeError, "input must be a torch.Tensor, got ndarray"),
 ])
 def test_bad_input(bad, error, pattern, monkeypatch):
     monkeypatch.setattr(lltm_cupy._numpy, "forward", lambda *a, **k: pytest.fail("backend reached"))
