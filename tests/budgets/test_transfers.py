@@ -160,9 +160,8 @@ def test_packed_input_under_capture_replays_the_eager_call(emulated_cuda_torch):
     lengths = torch.tensor([3, 5, 1, 2])
     eager = _packed_step(model, x, lengths, hx)
     emu.reset()
-    emu.capturing = True
-    captured = _packed_step(model, x, lengths, hx)
-    emu.capturing = False
+    with emu.capture():
+        captured = _packed_step(model, x, lengths, hx)
     assert emu.transfers == [] and emu.syncs == 0
     assert "cublas" not in emu.gemm_engines, "cuBLAS through CuPy under capture"
     for a, b in zip(eager, captured):
@@ -225,8 +224,7 @@ def test_a_bare_module_captures_after_its_eager_warm_up(emulated_cuda_torch, mod
         return [h.detach(), c.detach(), *(p.grad.clone() for p in model.parameters())]
 
     eager = [step() for _ in range(3)][-1]      # the warm-up iterations, as torch asks for
-    emu.capturing = True
-    captured = step()
-    emu.capturing = False
+    with emu.capture():
+        captured = step()
     for a, b in zip(eager, captured):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)

@@ -166,6 +166,16 @@ class _State:
                     launches=sum(e.startswith("kernel:") for e in self.log),
                     gemms=self.log.count("gemm"))
 
+    @contextlib.contextmanager
+    def capture(self):
+        """The current stream reported as capturing inside the block (as inside
+        ``torch.cuda.graph``), and no longer after it, however the block ends."""
+        self.capturing = True
+        try:
+            yield
+        finally:
+            self.capturing = False
+
     def reset(self):
         self.counts = dict.fromkeys(COUNTED, 0)
         self.log.clear()

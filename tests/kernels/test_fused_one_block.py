@@ -348,11 +348,8 @@ def test_torch_lltm_fused_under_capture_copies_nothing(fused_cupy, emulated_cuda
     emu = fused_cupy.emulator
     eager = step()
     emu.reset()
-    emu.capturing = True
-    try:
+    with emu.capture():
         captured = step()
-    finally:
-        emu.capturing = False
     assert emu.transfers == [] and emu.syncs == 0
     assert emu.log.count("kernel:seq_fwd") == 8 and emu.log.count("kernel:seq_bwd") == 4
     for i, (a, b) in enumerate(zip(eager, captured)):

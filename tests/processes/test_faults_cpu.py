@@ -11,57 +11,18 @@ The count of points of every scenario is printed (``pytest -s``).
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from helpers.fault_benches import Cpu, build_numpy_faults
+from helpers.fault_cases import arrays, cell_module_op, cell_op, check, sequence_op
 from helpers.faults import explore
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
-
-import lltm_cupy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def numpy_faults(tmp_path_factory):
     return build_numpy_faults(tmp_path_factory.mktemp("numpy_faults"))
-
-
-def _check(report):
-    print(report.line())
-    assert report.injected, report.line()
-    assert not report.problems, "\n".join(report.problems[:40]) + (
-        f"\n... {len(report.problems)} problems" if len(report.problems) > 40 else "")
-
-
-def _arrays(T, B, F, S, dtype=np.float32, seed=0):
-    rng = np.random.default_rng(seed)
-    k = S + F
-    shapes = {"x": (T, B, F), "w": (3 * S, k), "b": (3 * S,), "h0": (B, S), "c0": (B, S),
-              "go": (T, B, S), "gh": (B, S), "gc": (B, S)}
-    return {n: (rng.uniform(-1, 1, s) / (np.sqrt(k) if n == "w" else 1)).astype(dtype)
-            for n, s in shapes.items()}
-
-
-def _sequence_op(a, lengths=None):
-    def op():
-        out, h_n, c_n, _ = lltm_cupy.forward_sequence(a["x"], a["w"], a["b"], a["h0"], a["c0"],
-                                                      lengths=lengths, return_saved=False)
-        found = dict(fo_out=out, fo_h=h_n, fo_c=c_n)
-        out, h_n, c_n, saved = lltm_cupy.forward_sequence(a["x"], a["w"], a["b"], a["h0"],
-                                                          a["c0"], lengths=lengths)
-        grads = lltm_cupy.backward_sequence(a["go"], a["gh"], a["gc"], saved)
-        found.update(out=out, h_n=h_n, c_n=c_n, **grads._asdict())
-        return found
-    return op
-
-
-def _cell_op(a):
-    def op():
-        h, c, saved = lltm_cupy.forward(a["x"][0], a["w"], a["b"], a["h0"], a["c0"])
-        grads = lltm_cupy.backward(a["gh"], a["gc"], saved)
-        return dict(h=h, c=c, **grads._asdict())
-    return op
 
 
 ARRAY = {
@@ -75,9 +36,9 @@ ARRAY = {
 def test_array_api_survives_every_fault(monkeypatch, numpy_faults, name):
     (T, B, F, S), lengths = ARRAY[name]
     bench = Cpu(monkeypatch, numpy_faults)
-    a = _arrays(T, B, F, S)
-    op = _cell_op(a) if name == "cell" else _sequence_op(a, lengths)
-    _check(explore(bench, name, op))
+    a = arrays(T, B, F, S)
+    op = cell_op(a) if name == "cell" else sequence_op(a, lengths)
+    check(explore(bench, name, op))
 
 
 def _torch_scenario(what, T, B, F, S, packed=None, lengths=None):
@@ -90,17 +51,7 @@ def _torch_scenario(what, T, B, F, S, packed=None, lengths=None):
     grad = torch.rand(T, B, S, generator=g) * 2 - 1
     torch.manual_seed(0)
     if what == "cell":
-        cell = LLTMCell(F, S)
-
-        def op():
-            with torch.no_grad():
-                h0, c0 = cell(x[0])
-            h, c = cell(x[0])
-            h, c = cell(x[1], (h, c))
-            torch.autograd.backward((h, c), (grad[0], grad[1]))
-            return dict(fo_h=h0, fo_c=c0, h=h, c=c, dx=x.grad,
-                        **{f"d{i}": p.grad for i, p in enumerate(cell.parameters())})
-        return op, [x, *cell.parameters()]
+        return cell_module_op(LLTMCell(F, S), x, grad)
     model = LLTM(F, S)
     params = list(model.parameters())
     if what == "lengths":
@@ -155,4 +106,4 @@ def test_torch_layer_survives_every_fault(monkeypatch, numpy_faults, name):
     bench = Cpu(monkeypatch, numpy_faults)
     op, grads = _torch_scenario(what, T, B, F, S, **kw)
     bench.dropping = grads
-    _check(explore(bench, name, op))
+    check(explore(bench, name, op))

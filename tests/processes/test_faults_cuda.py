@@ -16,6 +16,7 @@ import pytest
 
 from conftest import max_error
 from helpers.fault_benches import bench  # noqa: F401 (a fixture)
+from helpers.fault_cases import arrays, cell_module_op, cell_op, check, sequence_op
 from helpers.faults import explore
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install .[torch])")
@@ -33,47 +34,6 @@ AGREE = 1e-5
 def _close(got, want):
     err = max_error(got, want)
     return None if err <= AGREE else f"max normalised error {err:.2e} > {AGREE:.0e}"
-
-
-def _check(report):
-    print(report.line())
-    assert report.injected, report.line()
-    assert not report.problems, "\n".join(report.problems[:40]) + (
-        f"\n... {len(report.problems)} problems" if len(report.problems) > 40 else "")
-
-
-def _arrays(cupy, T, B, F, S, dtype=np.float32, seed=0):
-    rng = np.random.default_rng(seed)
-    k = S + F
-    shapes = {"x": (T, B, F), "w": (3 * S, k), "b": (3 * S,), "h0": (B, S), "c0": (B, S),
-              "go": (T, B, S), "gh": (B, S), "gc": (B, S)}
-    out = {n: cupy.asarray((rng.uniform(-1, 1, s) / (np.sqrt(k) if n == "w" else 1))
-                           .astype(dtype)) for n, s in shapes.items()}
-    return out
-
-
-def _sequence_op(a, lengths=None, fused=False, forward_only=True):
-    def op():
-        found = {}
-        if forward_only:
-            out, h_n, c_n, _ = lltm_cupy.forward_sequence(
-                a["x"], a["w"], a["b"], a["h0"], a["c0"], lengths=lengths, fused=fused,
-                return_saved=False)
-            found.update(fo_out=out, fo_h=h_n, fo_c=c_n)
-        out, h_n, c_n, saved = lltm_cupy.forward_sequence(
-            a["x"], a["w"], a["b"], a["h0"], a["c0"], lengths=lengths, fused=fused)
-        grads = lltm_cupy.backward_sequence(a["go"], a["gh"], a["gc"], saved)
-        found.update(out=out, h_n=h_n, c_n=c_n, **grads._asdict())
-        return found
-    return op
-
-
-def _cell_op(a):
-    def op():
-        h, c, saved = lltm_cupy.forward(a["x"][0], a["w"], a["b"], a["h0"], a["c0"])
-        grads = lltm_cupy.backward(a["gh"], a["gc"], saved)
-        return dict(h=h, c=c, **grads._asdict())
-    return op
 
 
 # ------------------------------------------------------------------------------- the array API
@@ -99,13 +59,13 @@ ARRAY = {
 def test_array_api_survives_every_fault(emulated_cupy, bench, name):
     bench_kw, (T, B, F, S), dtype, how = ARRAY[name]
     bench = bench(emulated_cupy, **bench_kw)
-    a = _arrays(emulated_cupy, T, B, F, S, dtype)
+    a = arrays(T, B, F, S, dtype, xp=emulated_cupy)
     if how == "cell":
-        op, also = _cell_op(a), ()
+        op, also = cell_op(a), ()
     else:
-        op = _sequence_op(a, **how)
-        also = [_sequence_op(a, **{**how, "fused": False})] if how.get("fused") else ()
-    _check(explore(bench, name, op, close=_close, also=also))
+        op = sequence_op(a, **how)
+        also = [sequence_op(a, **{**how, "fused": False})] if how.get("fused") else ()
+    check(explore(bench, name, op, close=_close, also=also))
 
 
 # ------------------------------------------------------------------------------- the torch layer
@@ -143,18 +103,6 @@ def _module_op(model, x, grad, packed_lengths=None, forward_only=True):
                      **{f"d{i}": p.grad for i, p in enumerate(params)})
         return found
     return op, [x, *params]
-
-
-def _cell_module_op(cell, x, grad):
-    def op():
-        with torch.no_grad():
-            h0, c0 = cell(x[0])
-        h, c = cell(x[0])
-        h, c = cell(x[1], (h, c))
-        torch.autograd.backward((h, c), (grad[0], grad[1]))
-        return dict(fo_h=h0, fo_c=c0, h=h, c=c, dx=x.grad,
-                    **{f"d{i}": p.grad for i, p in enumerate(cell.parameters())})
-    return op, [x, *cell.parameters()]
 
 
 def _lengths_op(model, x, grad, lengths):
@@ -197,7 +145,7 @@ def _torch_scenario(what, T, B, F, S, kw):
     if what == "cell":
         from lltm_cupy.torch import LLTMCell
 
-        return _cell_module_op(LLTMCell(F, S), x, grad)
+        return cell_module_op(LLTMCell(F, S), x, grad)
     from lltm_cupy.torch import LLTM
 
     kw = dict(kw)
@@ -223,7 +171,7 @@ def test_torch_layer_survives_every_fault(emulated_cuda_torch, bench, name):
         also = [_torch_scenario(what, T, B, F, S, {**kw, "fused": False})[0]]
     bench.dropping = grads
     dedupe = kw.get("dedupe", False)
-    _check(explore(bench, name, op, close=_close, also=also, dedupe=dedupe))
+    check(explore(bench, name, op, close=_close, also=also, dedupe=dedupe))
 
 
 # ------------------------------------------------------------------------------------- warmup
@@ -251,4 +199,4 @@ def test_warmup_survives_every_fault(emulated_cupy, bench, name):
         lltm_cupy.warmup(["float32"], fused=True)
         return {}
 
-    _check(explore(bench, name, op, **how))
+    check(explore(bench, name, op, **how))

@@ -229,11 +229,8 @@ def test_a_captured_step_replays_the_eager_bits(group_cupy, emulated_cuda_torch,
     step = _scenario(form, monkeypatch)
     eager = step()
     emu.reset()
-    emu.capturing = True
-    try:
+    with emu.capture():
         captured = step()
-    finally:
-        emu.capturing = False
     assert emu.transfers == [] and emu.syncs == 0, emu.transfers
     assert emu.capture_queries == [], emu.capture_queries
     assert set(emu.gemm_engines) == {"torch"}, set(emu.gemm_engines)
