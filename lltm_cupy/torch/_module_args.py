@@ -72,9 +72,10 @@ def _check_input(name, input, dims, features) -> None:
                         f"for nn.LSTM, convert it: input.float(), or embed integer tokens first)")
 
 
-def _check_packed(input, features: int) -> None:
+def _check_packed(input, features: int) -> int:
     """A PackedSequence's parts agree: data (N, features) with N the sum of batch_sizes, a 1-D
-    non-increasing batch_sizes of positive integers, indices of batch_sizes[0] entries."""
+    non-increasing batch_sizes of positive integers, indices of batch_sizes[0] entries. Returns
+    the batch (batch_sizes[0])."""
     _check_input("LLTM", input.data, "(rows, input_size)", features)
     sizes = input.batch_sizes
     if (not isinstance(sizes, Tensor) or sizes.dim() != 1 or sizes.is_floating_point()
@@ -95,6 +96,7 @@ def _check_packed(input, features: int) -> None:
         if index is not None and tuple(index.shape) != (batch,):
             raise ValueError(f"LLTM: the PackedSequence's {name} must have shape ({batch},) "
                              f"(batch_sizes[0] sequences), got {tuple(index.shape)}")
+    return batch
 
 
 def _layer_input(input, packed: bool, features: int, batch_first: bool):
@@ -102,9 +104,7 @@ def _layer_input(input, packed: bool, features: int, batch_first: bool):
     (``packed``) or the input as (steps, batch, features) (a 2-D ``unbatched`` input as one
     sequence, ``batch_first`` input transposed)."""
     if packed:
-        _check_packed(input, features)
-        sizes = input.batch_sizes
-        return input.data, (int(sizes[0]) if len(sizes) else 0), False
+        return input.data, _check_packed(input, features), False
     unbatched = isinstance(input, Tensor) and input.dim() == 2
     dims = ("(steps, input_size)" if unbatched else "(batch, steps, input_size)"
             if batch_first else "(steps, batch, input_size)")
